@@ -1,0 +1,26 @@
+"""compiled_psg: per-sample gradients, and statistics of them, at the cost of one training step.
+
+Trace the batched loss and its gradients as one joint ATen graph, rewrite every contraction over the batch into
+its per-sample form with rules keyed by ATen op, fuse the requested reduction, compile with Inductor.
+"""
+
+from ._api import PerSampleFunction as PerSampleFunction
+from ._api import per_sample as per_sample
+from ._api import per_sample_grad as per_sample_grad
+from ._errors import BatchInputError as BatchInputError
+from ._errors import CaptureError as CaptureError
+from ._errors import PerSampleError as PerSampleError
+from ._errors import SampleMixingError as SampleMixingError
+from ._errors import UnsupportedError as UnsupportedError
+from ._inspect.report import Report as Report
+from ._inspect.report import explain as explain
+from ._reduce.reductions import Reduction as Reduction
+from ._reduce.reductions import clip_sum as clip_sum
+from ._reduce.reductions import custom as custom
+from ._reduce.reductions import gram as gram
+from ._reduce.reductions import norms as norms
+from ._reduce.reductions import sum_squares as sum_squares
+from ._reduce.reductions import variance as variance
+from ._rewrite.table import supported_ops as supported_ops
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""analyze stage of compiled_psg (private)."""

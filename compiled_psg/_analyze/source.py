@@ -1,0 +1,22 @@
+"""The user's source line behind a graph node, from the stack trace Dynamo records."""
+
+from __future__ import annotations
+
+import re
+
+import torch.fx as fx
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
+_LIBRARY_PARTS = ("/torch/", "/compiled_psg/_")
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line in func: code`` of the innermost frame outside torch and compiled_psg, or ``"unknown"``."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = list(_FRAME.finditer(trace))
+    user = [f for f in frames if not any(part in f["file"] for part in _LIBRARY_PARTS)]
+    chosen = (user or frames)[-1:] if frames else []
+    if not chosen:
+        return "unknown source line"
+    f = chosen[0]
+    return f'{f["file"]}:{f["line"]} in {f["func"]}: {f["code"].strip()}'

@@ -1,0 +1,238 @@
+"""``per_sample`` and ``per_sample_grad``: validate the call, find or build the rewritten graph, run it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._compile.build import Rewritten, build
+from ._compile.run import BACKENDS, CompiledPerSample
+from ._errors import BatchInputError
+from ._reduce.reductions import PerSampleGrads, Reduction
+
+InDims = int | None | tuple[int | None, ...]
+
+
+def _named_params(params: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(params, nn.Module):
+        named = {n: p for n, p in params.named_parameters() if p.requires_grad}
+    elif isinstance(params, Mapping):
+        named = dict(params)
+    else:
+        raise BatchInputError(f"params must be an nn.Module or a dict of tensors, got {type(params).__name__}")
+    for name, p in named.items():
+        if not isinstance(p, torch.Tensor):
+            raise BatchInputError(f"parameter {name!r} is a {type(p).__name__}, not a tensor")
+        if not p.is_floating_point():
+            raise BatchInputError(f"parameter {name!r} has dtype {p.dtype}; gradients need a floating dtype. "
+                                  "Fix: leave it out of params, or convert it with .float()")
+    if not named:
+        raise BatchInputError("no parameters to differentiate: every parameter is frozen or the dict is empty")
+    return named
+
+
+def batch_dims_of(args: tuple, in_dims: InDims) -> tuple[dict[int, int], int]:
+    """Map each batched argument position to its batch dimension; return it with the batch size."""
+    if isinstance(in_dims, tuple):
+        if len(in_dims) != len(args):
+            raise BatchInputError(f"in_dims has {len(in_dims)} entries but the function got {len(args)} "
+                                  "positional arguments; give one entry per argument (None for unbatched)")
+        dims = in_dims
+    elif in_dims is None or isinstance(in_dims, int):
+        dims = (in_dims,) * len(args)
+    else:
+        raise BatchInputError(f"in_dims must be an int, None or a tuple, got {type(in_dims).__name__}")
+    batch_dims, sizes = {}, {}
+    for pos, (arg, d) in enumerate(zip(args, dims, strict=True)):
+        if d is None:
+            continue
+        if not isinstance(d, int):
+            raise BatchInputError(f"in_dims[{pos}] must be an int or None, got {d!r}")
+        if not isinstance(arg, torch.Tensor):
+            raise BatchInputError(f"argument {pos} is a {type(arg).__name__}, but in_dims marks it as batched; "
+                                  "batched arguments must be tensors. Fix: set its in_dims entry to None")
+        if arg.dim() == 0 or not -arg.dim() <= d < arg.dim():
+            raise BatchInputError(f"in_dims[{pos}]={d} is out of range for argument {pos} of shape "
+                                  f"{tuple(arg.shape)}")
+        batch_dims[pos] = d % arg.dim()
+        sizes[pos] = arg.shape[d]
+    if not batch_dims:
+        raise BatchInputError("no argument is batched: in_dims marks every argument None")
+    if len(set(sizes.values())) != 1:
+        listing = ", ".join(f"argument {p}: {s}" for p, s in sizes.items())
+        raise BatchInputError(f"batched arguments disagree on the batch size ({listing}). Fix: pass arguments "
+                              "with the same batch size, or mark unbatched ones None in in_dims")
+    return batch_dims, next(iter(sizes.values()))
+
+
+def _arg_signature(args: tuple, batch_dims: dict[int, int]):
+    sig = []
+    for pos, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            shape = list(a.shape)
+            if pos in batch_dims:
+                shape[batch_dims[pos]] = -1
+            sig.append(("tensor", tuple(shape), a.dtype, a.device, a.requires_grad))
+        else:
+            try:
+                hash(a)
+                sig.append(("value", a))
+            except TypeError:
+                sig.append(("object", id(a)))
+    return tuple(sig)
+
+
+def _params_signature(params: dict[str, torch.Tensor]):
+    return tuple((n, tuple(p.shape), p.dtype, p.device) for n, p in params.items())
+
+
+def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tuple:
+    """Arguments to trace with: fresh tensor objects (so marking them dynamic leaves the user's alone), with
+    at least two samples (a batch of one is specialized by the shape environment)."""
+    out = []
+    for pos, a in enumerate(args):
+        if pos in batch_dims:
+            if batch_size < 2:
+                index = torch.zeros(2, dtype=torch.long, device=a.device)
+                a = a.index_select(batch_dims[pos], index)
+            else:
+                a = a.detach().view_as(a)
+        out.append(a)
+    return tuple(out)
+
+
+class PerSampleFunction:
+    """A loss function whose call returns per-sample gradients (or a reduction of them)."""
+
+    def __init__(self, fn: Callable, params_source, in_dims: InDims, reduce: Reduction | None, backend: str):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if reduce is not None and not isinstance(reduce, Reduction):
+            raise TypeError(f"reduce must be a compiled_psg reduction (psg.norms(), psg.clip_sum(...), ...), "
+                            f"got {type(reduce).__name__}")
+        self.fn = fn
+        self.params_source = params_source
+        self.in_dims = in_dims
+        self.reduce = reduce if reduce is not None else PerSampleGrads()
+        self.backend = backend
+        self._cache: dict[Any, CompiledPerSample] = {}
+        functools.update_wrapper(self, fn)
+
+    @property
+    def captures(self) -> int:
+        """How many times the loss was captured and rewritten (one per new signature)."""
+        return len(self._cache)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(c.compile_seconds for c in self._cache.values())
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return _named_params(self.params_source)
+
+    def _key(self, params, args, batch_dims):
+        modes = ()
+        if isinstance(self.params_source, nn.Module):
+            modes = tuple(m.training for m in self.params_source.modules())
+        return (_params_signature(params), _arg_signature(args, batch_dims), tuple(sorted(batch_dims.items())),
+                modes, self.reduce, self.backend)
+
+    def compiled_for(self, *args) -> tuple[CompiledPerSample, dict, tuple, int]:
+        params = self._params()
+        batch_dims, batch_size = batch_dims_of(args, self.in_dims)
+        key = self._key(params, args, batch_dims)
+        entry = self._cache.get(key)
+        if entry is None:
+            rewritten = self._build(params, args, batch_dims, batch_size)
+            entry = self._cache[key] = CompiledPerSample(rewritten, self.backend)
+        return entry, params, args, batch_size
+
+    def _build(self, params, args, batch_dims, batch_size) -> Rewritten:
+        capture_args = _capture_args(args, batch_dims, batch_size)
+        return build(self.fn, params, capture_args, batch_dims, self.reduce)
+
+    def with_losses(self, *args):
+        """``(loss, per_sample_losses [B], result)``: the loss as the function computes it, and each sample's
+        batch-of-one loss."""
+        params = self._params()
+        batch_dims, batch_size = batch_dims_of(args, self.in_dims)
+        if batch_size == 0:
+            shapes = {n: (p.shape, p.dtype, p.device) for n, p in params.items()}
+            ref = params[next(iter(params))]
+            empty = torch.zeros(0, dtype=ref.dtype, device=ref.device)
+            return torch.zeros((), dtype=ref.dtype, device=ref.device), empty, self.reduce.empty(shapes)
+        entry, params, args, batch_size = self.compiled_for(*args)
+        return entry(params, args, batch_size)
+
+    def __call__(self, *args):
+        return self.with_losses(*args)[2]
+
+
+def per_sample(params: nn.Module | Mapping[str, torch.Tensor], *, in_dims: InDims = 0,
+               reduce: Reduction | None = None, backend: str = "inductor") -> Callable[[Callable], PerSampleFunction]:
+    """Decorate a batched loss function so that calling it returns per-sample gradients.
+
+    ``params``: an ``nn.Module`` (its parameters that require grad, named as in ``named_parameters()``) or a
+    dict from name to tensor. ``in_dims``: as in ``torch.func.vmap`` (an int, or one entry per positional
+    argument, None for unbatched). ``reduce``: a reduction (``psg.norms()``, ``psg.clip_sum(1.0)``, ...), or
+    None for ``{name: Tensor[B, *param.shape]}``. ``backend``: ``"inductor"`` or ``"eager"`` (the rewritten graph
+    without a compiler). Entry ``i`` of the result is autograd's gradient of the same function called on the
+    batch made of sample ``i`` alone.
+    """
+
+    def decorate(fn: Callable) -> PerSampleFunction:
+        return PerSampleFunction(fn, params, in_dims, reduce, backend)
+
+    return decorate
+
+
+def per_sample_grad(fn: Callable, argnums: int = 0, *, in_dims: InDims = 0, reduce: Reduction | None = None,
+                    backend: str = "inductor") -> Callable:
+    """The functional form, like ``torch.func.grad``: ``fn(params_dict, *batch)`` -> per-sample gradients.
+
+    ``in_dims`` refers to the batch arguments (every positional argument but ``argnums``); a tuple with one
+    entry per positional argument of ``fn`` (``None`` at ``argnums``) is accepted too.
+    """
+    if argnums != 0:
+        def reordered(params, *batch):
+            full = list(batch)
+            full.insert(argnums, params)
+            return fn(*full)
+        inner = reordered
+    else:
+        inner = fn
+    cache: dict[int, PerSampleFunction] = {}
+
+    def wrapped(*all_args):
+        if len(all_args) <= argnums:
+            raise BatchInputError(f"expected the parameter dict at position {argnums}, got {len(all_args)} arguments")
+        params = all_args[argnums]
+        if not isinstance(params, Mapping):
+            raise BatchInputError(f"argument {argnums} must be a dict of parameters, got {type(params).__name__}")
+        batch = all_args[:argnums] + all_args[argnums + 1:]
+        dims = in_dims
+        if isinstance(dims, tuple) and len(dims) == len(all_args):
+            dims = dims[:argnums] + dims[argnums + 1:]
+        leaves = {k: v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                  for k, v in params.items()}
+        holder = _FunctionalParams(leaves)
+        key = id(fn)
+        psf = cache.get(key)
+        if psf is None:
+            psf = cache[key] = PerSampleFunction(lambda *b: inner(holder.current, *b), holder, dims, reduce, backend)
+        holder.current = leaves
+        psf.params_source = leaves
+        psf.in_dims = dims
+        return psf(*batch)
+
+    return wrapped
+
+
+class _FunctionalParams(dict):
+    def __init__(self, current):
+        super().__init__(current)
+        self.current = current

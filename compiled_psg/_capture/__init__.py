@@ -1,0 +1,1 @@
+"""capture stage of compiled_psg (private)."""

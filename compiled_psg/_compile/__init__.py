@@ -1,0 +1,1 @@
+"""compile stage of compiled_psg (private)."""

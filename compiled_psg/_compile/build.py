@@ -1,0 +1,117 @@
+"""The pipeline, one stage per module: capture -> analyze -> rewrite -> reduce. Compilation is in ``run.py``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch._guards import detect_fake_mode
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
+from .._analyze.mixing import MixingSite, find_mixing
+from .._capture.dynamo import Captured, Role, capture_joint
+from .._capture.retrace import forward_slice, retrace_joint
+from .._errors import SampleMixingError
+from .._reduce.context import ReduceContext, collect_param_grads
+from .._reduce.reductions import Reduction
+from .._rewrite.loss_head import per_sample_loss_head
+from .._rewrite.per_sample_pass import LiftResult, lift_to_per_sample
+
+log = logging.getLogger("compiled_psg")
+
+
+@dataclass
+class Rewritten:
+    """Everything one capture and rewrite produced; ``explain`` reads it."""
+
+    captured: Captured
+    forward: fx.GraphModule  # forward with the per-sample loss head
+    joint: fx.GraphModule  # joint graph of the per-sample losses, before the per-sample pass
+    rewritten: fx.GraphModule  # after the per-sample pass and the reduction
+    roles: list[Role]
+    batch: BatchDims
+    param_names: list[str]
+    head: LiftResult
+    backward: LiftResult
+    choices: dict = field(default_factory=dict)
+    out_spec: object = None
+    mixing: list[MixingSite] = field(default_factory=list)
+
+
+def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int],
+          reduction: Reduction) -> Rewritten:
+    captured = capture_joint(loss_fn, params, args, batch_dims)
+    roles = captured.roles
+    batched_fakes = [f for f, r in zip(captured.fake_inputs, roles, strict=True) if r.batched]
+    symbol = find_batch_symbol(batched_fakes)
+    if symbol is None:
+        raise AssertionError("internal: no symbolic batch dimension in the captured graph")
+    batch = BatchDims(symbol)
+
+    forward, loss = forward_slice(captured.joint, captured.loss_output)
+    mixing = find_mixing(forward.graph, batch)
+    if mixing:
+        error = SampleMixingError(
+            "per-sample gradients are undefined for this loss: samples are mixed.\n"
+            + "\n".join(f"  - {site}" for site in mixing))
+        error.report = _partial_report(captured, forward, mixing)
+        raise error
+    head = per_sample_loss_head(forward, loss, batch)
+    _check_still_symbolic(captured, batch, "the loss-head pass")
+
+    param_positions = [i for i, r in enumerate(roles) if r.kind == "param"]
+    names = [roles[i].key for i in param_positions]
+    joint = retrace_joint(forward, captured.fake_inputs, param_positions)
+    rewritten = copy.deepcopy(joint)
+    graph = rewritten.graph
+    loss_node, per_sample_loss, *grads = graph.output_node().args[0]
+    present = [g for g in grads if g is not None]
+    backward = lift_to_per_sample(graph, present, batch)
+    _check_still_symbolic(captured, batch, "the per-sample pass")
+
+    shapes = [tuple(value_of(p).shape) for p in (captured.fake_inputs[i] for i in param_positions)]
+    param_grads = collect_param_grads(names, grads, shapes, backward)
+    ctx = ReduceContext(graph, batch, backward, param_grads)
+    ctx.set_batch_ref(per_sample_loss)
+    result = reduction.emit(ctx)
+    flat, spec = pytree.tree_flatten(result)
+    graph.output_node().args = ((loss_node, per_sample_loss, *flat),)
+    graph.eliminate_dead_code()
+    graph.lint()
+    rewritten.recompile()
+    out = Rewritten(captured, forward, joint, rewritten, roles, batch, names, head, backward,
+                    choices=ctx.choices, out_spec=spec)
+    _dump_if_asked(out)
+    n_fallback = len(head.fallbacks) + len(backward.fallbacks)
+    log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters",
+             len(backward.contractions) + len(head.contractions), n_fallback, len(names))
+    return out
+
+
+def _check_still_symbolic(captured: Captured, batch: BatchDims, stage: str) -> None:
+    """Post-condition of every pass: nothing pinned the batch size (vmap's batching rules can)."""
+    mode = detect_fake_mode(captured.fake_inputs)
+    env = getattr(mode, "shape_env", None)
+    if env is not None and batch.symbol in env.replacements:
+        raise AssertionError(f"internal: {stage} fixed the batch size to {env.replacements[batch.symbol]}; "
+                             "the compiled graph would not serve other batch sizes")
+
+
+def _partial_report(captured, forward, mixing):
+    from .._inspect.report import Report
+
+    return Report.for_refusal(captured, forward, mixing)
+
+
+def _dump_if_asked(rewritten: Rewritten) -> None:
+    folder = os.environ.get("COMPILED_PSG_DUMP")
+    if not folder:
+        return
+    from .._inspect.report import Report
+
+    Report.from_rewritten(rewritten).save(folder, drawings=False)

@@ -1,0 +1,28 @@
+"""Errors raised by compiled_psg. Each names the culprit and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PerSampleError(Exception):
+    """Base class of every error compiled_psg raises on purpose."""
+
+    #: The inspection report of the refused graph (see ``compiled_psg.explain``), when one exists.
+    report: Any = None
+
+
+class SampleMixingError(PerSampleError):
+    """The loss lets one sample's output depend on another sample: per-sample gradients are undefined."""
+
+
+class BatchInputError(PerSampleError, ValueError):
+    """The arguments, ``in_dims`` or the loss do not fit the per-sample contract."""
+
+
+class CaptureError(PerSampleError):
+    """The loss function could not be captured as one graph (a graph break, or a fixed batch size)."""
+
+
+class UnsupportedError(PerSampleError):
+    """A graph node has no rule and the generic fallback cannot handle it either."""

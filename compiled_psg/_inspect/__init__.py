@@ -1,0 +1,1 @@
+"""inspect stage of compiled_psg (private)."""

@@ -1,0 +1,1 @@
+"""reduce stage of compiled_psg (private)."""

@@ -1,0 +1,188 @@
+"""Reductions are small values: pass one as ``reduce=`` and it is emitted into the rewritten graph.
+
+Each is a frozen dataclass with ``emit(ctx)``, which builds graph nodes through a ``ReduceContext`` and returns
+a pytree of nodes (the result the user gets), and ``empty(shapes)``, the result for a batch of zero samples.
+The math lives in ``ReduceContext``; a reduction only says which quantities to combine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .context import ReduceContext
+
+Shapes = Mapping[str, tuple[torch.Size, torch.dtype, torch.device]]
+
+
+class Reduction:
+    """Base class. Subclass it (a dataclass with ``emit`` and ``empty``) to add a reduction."""
+
+    def emit(self, ctx: ReduceContext):
+        raise NotImplementedError
+
+    def empty(self, shapes: Shapes):
+        raise NotImplementedError
+
+
+def _sqrt_of_sum(ctx: ReduceContext, parts):
+    return ctx.emit(lambda *sq: torch.stack(list(sq)).sum(0).sqrt(), parts, "norm")
+
+
+@dataclass(frozen=True)
+class PerSampleGrads(Reduction):
+    """No reduction: ``{name: Tensor[B, *param.shape]}``."""
+
+    def emit(self, ctx):
+        return {p.name: ctx.per_sample(p) for p in ctx.params}
+
+    def empty(self, shapes):
+        return {n: torch.zeros((0, *s), dtype=d, device=dev) for n, (s, d, dev) in shapes.items()}
+
+
+@dataclass(frozen=True)
+class Norms(Reduction):
+    """``Tensor[B]`` of per-sample L2 norms over all parameters; ``per_parameter=True``: ``{name: Tensor[B]}``."""
+
+    per_parameter: bool = False
+
+    def emit(self, ctx):
+        squares = {p.name: ctx.sq_norms(p) for p in ctx.params}
+        if self.per_parameter:
+            return {n: ctx.emit(lambda s: s.sqrt(), [sq], "norm") for n, sq in squares.items()}
+        return _sqrt_of_sum(ctx, list(squares.values()))
+
+    def empty(self, shapes):
+        dtype, device = next(iter(shapes.values()))[1:]
+        if self.per_parameter:
+            return {n: torch.zeros(0, dtype=d, device=dev) for n, (_, d, dev) in shapes.items()}
+        return torch.zeros(0, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class ClipSum(Reduction):
+    """``{name: sum_i min(1, max_norm / ||g_i||) g_i}``, the DP-SGD aggregate, in one backward pass.
+
+    With ``return_norms=True`` the result is ``(sums, norms)`` with the unclipped per-sample norms ``[B]``.
+    A sample with zero gradient has factor 1 (no division by zero).
+    """
+
+    max_norm: float
+    return_norms: bool = False
+
+    def emit(self, ctx):
+        norms = _sqrt_of_sum(ctx, [ctx.sq_norms(p) for p in ctx.params])
+        max_norm = float(self.max_norm)
+        factors = ctx.emit(lambda n: torch.where(n > max_norm, max_norm / n, torch.ones_like(n)), [norms],
+                           "clip_factors")
+        sums = {p.name: ctx.weighted_sum(p, factors) for p in ctx.params}
+        return (sums, norms) if self.return_norms else sums
+
+    def empty(self, shapes):
+        sums = {n: torch.zeros(s, dtype=d, device=dev) for n, (s, d, dev) in shapes.items()}
+        if not self.return_norms:
+            return sums
+        dtype, device = next(iter(shapes.values()))[1:]
+        return sums, torch.zeros(0, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class SumSquares(Reduction):
+    """``{name: sum_i g_i ** 2}``: BackPACK's SumGradSquared, the empirical Fisher diagonal."""
+
+    def emit(self, ctx):
+        return {p.name: ctx.sum_squares(p) for p in ctx.params}
+
+    def empty(self, shapes):
+        return {n: torch.zeros(s, dtype=d, device=dev) for n, (s, d, dev) in shapes.items()}
+
+
+@dataclass(frozen=True)
+class Variance(Reduction):
+    """``{name: mean_i (g_i - mean_j g_j) ** 2}``, the per-coordinate population variance (BackPACK's Variance)."""
+
+    def emit(self, ctx):
+        ref = ctx.lifted_batch_ref()
+        out = {}
+        for p in ctx.params:
+            total, squares = ctx.total(p), ctx.sum_squares(p)
+            out[p.name] = ctx.emit(lambda s, q, r: (q / r.shape[0] - (s / r.shape[0]).pow(2)).clamp_min(0),
+                                   [total, squares, ref], "variance")
+        return out
+
+    def empty(self, shapes):
+        return {n: torch.zeros(s, dtype=d, device=dev) for n, (s, d, dev) in shapes.items()}
+
+
+@dataclass(frozen=True)
+class Gram(Reduction):
+    """``Tensor[B, B]`` with entries ``<g_i, g_j>`` over all parameters (torchjd's Gramian)."""
+
+    def emit(self, ctx):
+        parts = [ctx.gram(p) for p in ctx.params]
+        return ctx.emit(lambda *g: torch.stack(list(g)).sum(0), parts, "gram")
+
+    def empty(self, shapes):
+        dtype, device = next(iter(shapes.values()))[1:]
+        return torch.zeros(0, 0, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class Custom(Reduction):
+    """A user reduction fused into the graph: ``combine({name: per_param(name, g[B, *shape])})``.
+
+    ``per_param`` and ``combine`` are plain tensor functions; both are traced, so no Python side effects.
+    """
+
+    per_param: Callable[[str, torch.Tensor], object]
+    combine: Callable[[dict], object] = lambda d: d
+    empty_result: Callable[[Shapes], object] | None = None
+
+    def emit(self, ctx):
+        names = [p.name for p in ctx.params]
+        nodes = [ctx.per_sample(p) for p in ctx.params]
+
+        def run(*grads):
+            return self.combine({n: self.per_param(n, g) for n, g in zip(names, grads, strict=True)})
+
+        return ctx.emit(run, nodes, "custom")
+
+    def empty(self, shapes):
+        if self.empty_result is None:
+            raise ValueError("this custom reduction has no result for an empty batch; pass empty_result=")
+        return self.empty_result(shapes)
+
+
+def norms(per_parameter: bool = False) -> Norms:
+    """Per-sample gradient L2 norms (``Tensor[B]``, or ``{name: Tensor[B]}`` with ``per_parameter``)."""
+    return Norms(per_parameter)
+
+
+def clip_sum(max_norm: float, *, return_norms: bool = False) -> ClipSum:
+    """The sum of per-sample gradients each clipped to ``max_norm`` (optionally with the norms)."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    return ClipSum(float(max_norm), return_norms)
+
+
+def sum_squares() -> SumSquares:
+    """The sum over samples of squared per-sample gradients."""
+    return SumSquares()
+
+
+def variance() -> Variance:
+    """The population variance over samples of each gradient coordinate."""
+    return Variance()
+
+
+def gram() -> Gram:
+    """The ``[B, B]`` Gram matrix of per-sample gradients."""
+    return Gram()
+
+
+def custom(per_param: Callable[[str, torch.Tensor], object], combine: Callable[[dict], object] = lambda d: d,
+           *, empty_result: Callable[[Shapes], object] | None = None) -> Custom:
+    """A custom reduction: ``per_param(name, per_sample_grad)`` per parameter, then ``combine(dict)``."""
+    return Custom(per_param, combine, empty_result)

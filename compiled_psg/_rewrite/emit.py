@@ -1,0 +1,57 @@
+"""Emit plain PyTorch code into an FX graph as ATen nodes.
+
+Rules are written as ordinary tensor functions. ``emit`` traces such a function with ``make_fx`` on the fake
+values of its input nodes (so the batch size stays symbolic) and splices the resulting ATen nodes into the
+graph. The new nodes carry ``meta["val"]`` like every captured node, and ``meta["psg"]`` naming who made them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .._analyze.batch_dims import value_of
+
+
+def emit(
+    graph: fx.Graph,
+    fn: Callable[..., object],
+    inputs: Sequence[fx.Node],
+    *,
+    tag: str,
+    before: fx.Node | None = None,
+):
+    """Trace ``fn(*fake values of inputs)`` and insert its nodes into ``graph``; return the output node(s).
+
+    ``inputs`` must be tensor-valued nodes; constants belong in ``fn``'s closure.
+    """
+    fakes = [value_of(n) for n in inputs]
+    with torch.no_grad(), detect_fake_mode(fakes):
+        sub = make_fx(fn)(*[f.detach() if isinstance(f, torch.Tensor) else f for f in fakes])
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    env.update(zip(placeholders, inputs, strict=True))
+    anchor = before if before is not None else graph.output_node()
+    result = None
+    with graph.inserting_before(anchor):
+        for node in sub.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                result = fx.map_arg(node.args[0], lambda n: env[n])
+                break
+            if node.op == "get_attr":
+                raise RuntimeError(f"rule {tag} created a tensor constant; build it from an input instead")
+            new = graph.node_copy(node, lambda n: env[n])
+            new.meta["psg"] = tag
+            env[node] = new
+    return result
+
+
+def symbolic_batch_size(t: torch.Tensor, dim: int = 0) -> int:
+    """``t.shape[dim]``; exists so rule code reads as what it means."""
+    return t.shape[dim]

@@ -1,0 +1,215 @@
+"""The per-sample pass: give every shared value that depends on the batch a per-sample twin ``[n, *shape]``.
+
+Pre-condition (checked): the graph has no sample mixing (``find_mixing`` is empty) and ``targets`` carry no
+batch dimension. Post-condition (checked): every target has a per-sample node whose value is
+``[n, *target.shape]``; the graph lints; nothing of the original graph is removed (dead nodes go at DCE).
+
+The *region* is the set of nodes between the batch and the targets that carry no batch dimension: the
+contractions (batched inputs, shared output) and what follows them. In a backward graph the targets are the
+parameter gradients; in a forward graph the target is the loss, and the region is the loss head.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from .._analyze.batch_dims import BatchDims, value_of
+from .._errors import UnsupportedError
+from .._analyze.source import source_line
+from .contraction import Contraction
+from .emit import emit
+from .fallback import fallback_contraction, fallback_lift
+from .rules.lift import flat_nodes, is_linear_lift, lift_rule_for
+from .table import CONTRACTION_RULES
+
+log = logging.getLogger("compiled_psg")
+
+
+@dataclass
+class RewriteRecord:
+    """One node of the region and what became of it."""
+
+    node: str
+    op: str
+    rule: str  # the rule's name, or "fallback:vmap"
+    kind: str  # "contraction" or "lift"
+    shape: tuple
+    source: str
+    linear: bool = True  # for lifts: linear in their per-sample inputs
+
+
+@dataclass
+class LiftResult:
+    per_sample: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    contractions: dict[fx.Node, Contraction] = field(default_factory=dict)
+    records: list[RewriteRecord] = field(default_factory=list)
+    region: list[fx.Node] = field(default_factory=list)
+
+    @property
+    def fallbacks(self) -> list[RewriteRecord]:
+        return [r for r in self.records if r.rule.startswith("fallback")]
+
+
+# Ops whose values do not depend on their tensor inputs' values, only on their shapes.
+_SHAPE_ONLY = {torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default, torch.ops.aten.empty_like.default,
+               torch.ops.aten.full_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default,
+               torch.ops.aten.new_empty.default, torch.ops.aten.new_full.default}
+
+
+def _depends_on_batch(graph: fx.Graph, batch: BatchDims) -> dict[fx.Node, bool]:
+    depends: dict[fx.Node, bool] = {}
+    for node in graph.nodes:
+        if node.target in _SHAPE_ONLY and not batch.is_batched(node):
+            depends[node] = False
+            continue
+        value = value_of(node)
+        here = batch.is_batched(node)
+        if isinstance(value, (torch.SymInt, torch.SymFloat)):
+            here = batch.symbol in value.node.expr.free_symbols
+        depends[node] = here or any(depends[a] for a in node.all_input_nodes)
+    return depends
+
+
+def find_region(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims) -> list[fx.Node]:
+    """Shared-valued nodes that reach a target through shared-valued nodes only, and depend on the batch.
+
+    Shared side inputs of batched ops (``total_weight`` of a loss, a parameter's transpose) are not in it: their
+    per-sample value is never needed.
+    """
+    depends = _depends_on_batch(graph, batch)
+    wanted: set[fx.Node] = set()
+    stack = list(targets)
+    while stack:
+        n = stack.pop()
+        if n in wanted or n.op != "call_function" or batch.is_batched(n) or not depends[n]:
+            continue
+        wanted.add(n)
+        if n.target is operator.getitem and not batch.is_batched(n.args[0]):
+            stack.extend(n.args[0].all_input_nodes)  # a wholly shared multi-output op: look through it
+        elif n.target is not operator.getitem:
+            stack.extend(n.all_input_nodes)
+    return [n for n in graph.nodes if n in wanted and isinstance(value_of(n), torch.Tensor)]
+
+
+def _effective_op(node: fx.Node) -> fx.Node:
+    return node.args[0] if node.target is operator.getitem else node
+
+
+def _batch_value(value, batch: BatchDims):
+    """A SymInt/SymFloat that depends on the batch size, evaluated for a batch of one (per-sample semantics)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat)) and batch.symbol in value.node.expr.free_symbols:
+        result = value.node.expr.subs(batch.symbol, 1)
+        return int(result) if isinstance(value, torch.SymInt) else float(sympy.N(result))
+    return None
+
+
+def substitute_batch_values(graph: fx.Graph, node: fx.Node, batch: BatchDims) -> fx.Node:
+    """A copy of ``node`` whose batch-size-valued scalar arguments (``loss / x.shape[0]``) read 1 instead of n."""
+    changed = False
+
+    def replace(arg):
+        nonlocal changed
+        if isinstance(arg, fx.Node):
+            concrete = _batch_value(value_of(arg), batch)
+            if concrete is not None:
+                changed = True
+                return concrete
+        return arg
+
+    args = fx.map_arg(node.args, replace)
+    kwargs = fx.map_arg(node.kwargs, replace)
+    if not changed:
+        return node
+    with graph.inserting_before(node):
+        twin = graph.call_function(node.target, args, kwargs)
+    twin.meta = dict(node.meta)
+    return twin
+
+
+def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims) -> LiftResult:
+    for t in targets:
+        if batch.is_batched(t):
+            raise AssertionError(f"pre-condition: target {t.name} must not carry the batch")
+    result = LiftResult(region=find_region(graph, targets, batch))
+    ps = result.per_sample
+    for node in result.region:
+        op_node = _effective_op(node)
+        args = flat_nodes(op_node)
+        batched_args = [a for a in args if batch.is_batched(a)]
+        after = node.next
+        if batched_args:
+            if any(a in ps for a in args):
+                raise UnsupportedError(
+                    f"{op_node.target} at {source_line(node)} combines per-sample values of the loss head with "
+                    "batched values; return per-sample losses of shape [B] from the loss function instead")
+            rule = CONTRACTION_RULES.get(op_node.target)
+            contraction = rule(node, batch) if rule is not None else None
+            if contraction is None:
+                contraction = fallback_contraction(node, batch)
+                if contraction is None:
+                    raise UnsupportedError(
+                        f"no rule for {op_node.target} at {source_line(node)}, and the vmap fallback cannot find "
+                        "the batch dimension of its inputs. Add a rule in compiled_psg/_rewrite/rules "
+                        "(docs/contributing.md) or open an issue with this message")
+                log.warning("compiled_psg: no rule for %s (%s); using the vmap fallback for this op",
+                            op_node.target, source_line(node))
+            ps[node] = emit(graph, contraction.per_sample, contraction.inputs, tag=contraction.rule, before=after)
+            result.contractions[node] = contraction
+            result.records.append(RewriteRecord(node.name, str(op_node.target), contraction.rule, "contraction",
+                                                tuple(value_of(ps[node]).shape), source_line(node)))
+            continue
+        if not any(a in ps for a in args):
+            # depends on the batch only through its size (``torch.full([], n)``): evaluate for a batch of one
+            twin = substitute_batch_values(graph, node, batch)
+            source = batch_size_source(graph, batch)
+            ps[node] = emit(graph, lambda ref, v: v.unsqueeze(0).expand([ref.shape[source[1]]] + list(v.shape)),
+                            [source[0], twin], tag="constant_per_sample", before=after)
+            result.records.append(RewriteRecord(node.name, str(op_node.target), "constant_per_sample", "lift",
+                                                tuple(value_of(ps[node]).shape), source_line(node)))
+            continue
+        twin = substitute_batch_values(graph, op_node, batch) if op_node is node else node
+        lift_args = flat_nodes(_effective_op(twin))
+        lifted = [a in ps for a in lift_args]
+        rule = lift_rule_for(twin)
+        fn = rule(twin, lifted) if rule is not None else None
+        name = getattr(rule, "__name__", "?")
+        if fn is None:
+            fn = fallback_lift(twin, lifted)
+            name = "fallback:vmap"
+            log.warning("compiled_psg: no lift rule for %s (%s); using the vmap fallback for this op",
+                        op_node.target, source_line(node))
+        ps[node] = emit(graph, fn, [ps.get(a, a) for a in lift_args], tag=name, before=after)
+        result.records.append(RewriteRecord(node.name, str(op_node.target), name, "lift",
+                                            tuple(value_of(ps[node]).shape), source_line(node),
+                                            linear=is_linear_lift(twin, lifted)))
+    for t in targets:
+        if t in ps:
+            expected = tuple(value_of(t).shape)
+            got = tuple(value_of(ps[t]).shape)[1:]
+            if got != expected:
+                raise AssertionError(f"post-condition: per-sample {t.name} has shape {got}, expected {expected}")
+    graph.lint()
+    return result
+
+
+def batch_size_source(graph: fx.Graph, batch: BatchDims) -> tuple[fx.Node, int]:
+    """A tensor node and dimension whose size is exactly the batch size."""
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(value_of(node), torch.Tensor):
+            for d in batch.dims(node):
+                if batch.is_whole(value_of(node), d):
+                    return node, d
+    raise AssertionError("no input has the batch as a whole dimension")
+
+
+def broadcast_per_sample(graph: fx.Graph, shared: fx.Node, batch: BatchDims) -> fx.Node:
+    """A shared value every sample receives whole (a regularizer's gradient): ``[n, *shape]``."""
+    source, dim = batch_size_source(graph, batch)
+    return emit(graph, lambda ref, v: v.unsqueeze(0).expand([ref.shape[dim]] + list(v.shape)),
+                [source, shared], tag="shared_per_sample")

@@ -1,0 +1,1 @@
+"""rules stage of compiled_psg (private)."""

@@ -1,0 +1,88 @@
+"""``convolution_backward``: per-sample weight and bias gradients of Conv1d/2d/3d and ConvTranspose."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..._analyze.batch_dims import BatchDims, value_of
+from ..._analyze.layout import batch_layout, split_batch
+from ..contraction import Contraction, factored_sq_norms
+
+ATEN = torch.ops.aten
+
+
+def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """Output 1 (weight) or 2 (bias) of ``convolution_backward(g, x, w, ...)``; n batch, o out, c in.
+
+    Before::
+
+        cb = aten.convolution_backward(g [n, o, *s'], x [n, c, *s], w, ..., groups=G, mask=[_, True, True])
+        gw = cb[1]                                       # [o, c/G, *k]
+        gb = cb[2]                                       # [o]
+
+    After (weight): the samples become groups of one convolution, so no per-sample loop and no unfold::
+
+        cbn = aten.convolution_backward(g.view(1, n*o, *s'), x.view(1, n*c, *s), empty([n*o, c/G, *k]),
+                                        ..., groups=n*G, mask=[False, True, False])
+        ps = cbn[1].view(n, o, c/G, *k)                  # [n, o, c/G, *k]
+
+    After (bias)::  ps = g.sum(spatial dims)             # [n, o]
+    """
+    if node.target is not operator.getitem or node.args[1] not in (1, 2):
+        return None
+    conv = node.args[0]
+    g, x, w, _bias_sizes, stride, padding, dilation, transposed, output_padding, groups, _mask = conv.args
+    layout = batch_layout(g, 0, batch)
+    if batch.dims(g) != (0,) or batch.dims(x) != (0,) or layout is None or layout != batch_layout(x, 0, batch):
+        return None
+    index = node.args[1]
+    w_shape = list(value_of(w).shape)
+
+    def rebuild(g, x, w):
+        mask = [False, index == 1, index == 2]
+        return ATEN.convolution_backward(g, x, w, _bias_sizes, stride, padding, dilation, transposed,
+                                         output_padding, groups, mask)[index]
+
+    if index == 2:
+        def per_sample_bias(g, x, w):
+            s = split_batch(g, 0, layout)  # [n, r, o, *s']
+            return s.sum([1] + list(range(3, s.dim())))
+
+        return Contraction(rule="convolution_backward[bias]", node=node, inputs=[g, x, w],
+                           per_sample=per_sample_bias, linear_arg=0, linear_layout=(0, layout), rebuild=rebuild)
+
+    def per_sample_weight(g, x, w):
+        gs, xs = split_batch(g, 0, layout), split_batch(x, 0, layout)  # [n, r, o, *s'], [n, r, c, *s]
+        n, r = gs.shape[0], gs.shape[1]
+        g1 = gs.reshape(1, n * r * gs.shape[2], *gs.shape[3:])
+        x1 = xs.reshape(1, n * r * xs.shape[2], *xs.shape[3:])
+        w1 = w.new_empty([n * r * w_shape[0]] + w_shape[1:])
+        gw = ATEN.convolution_backward(g1, x1, w1, None, stride, padding, dilation, transposed,
+                                       output_padding, n * r * groups, [False, True, False])[1]
+        gw = gw.view([n, r] + w_shape)
+        return gw.sum(1) if r != 1 else gw.squeeze(1)
+
+    factors = None
+    factor_shape = None
+    g_val = value_of(g)
+    if not transposed and groups == 1 and len(w_shape) == 4 and not any(output_padding):
+        positions = int(g_val.shape[2] * g_val.shape[3]) * layout[0] * layout[1]
+        fan_in = w_shape[1] * w_shape[2] * w_shape[3]
+
+        def factors(g, x, w):  # a [n, t, o] (t = output positions), x [n, t, c*kh*kw]
+            cols = F.unfold(x, w_shape[2:], dilation=dilation, padding=padding, stride=stride)
+            a = split_batch(g.flatten(2).transpose(1, 2), 0, layout).flatten(1, 2)
+            xcol = split_batch(cols.transpose(1, 2), 0, layout).flatten(1, 2)
+            return a, xcol
+
+        factor_shape = (positions, w_shape[0], fan_in)
+
+    return Contraction(
+        rule="convolution_backward[weight]", node=node, inputs=[g, x, w], per_sample=per_sample_weight,
+        linear_arg=0, linear_layout=(0, layout), rebuild=rebuild, factors=factors, factor_shape=factor_shape,
+        sq_norms=(lambda g, x, w: factored_sq_norms(*factors(g, x, w))) if factors else None,
+    )

@@ -1,0 +1,72 @@
+"""``embedding_dense_backward``: per-sample embedding gradients, padding_idx and scale_grad_by_freq included."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..._analyze.batch_dims import BatchDims, value_of
+from ..._analyze.layout import batch_layout, split_batch
+from ..contraction import Contraction
+
+ATEN = torch.ops.aten
+
+
+def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """``embedding_dense_backward(g [*idx, d], idx, v, padding_idx, scale)``; n batch, t tokens, v vocab.
+
+    Before::  emb_bw = aten.embedding_dense_backward(g [n, t, d], idx [n, t], v, pad, False)   # [v, d]
+
+    After: a scatter-add into one ``[n*v, d]`` table, sample ``n`` owning rows ``n*v .. n*v+v-1``::
+
+        rows = idx' + arange(n)[:, None] * v                    # [n, t]
+        ps = zeros(n*v, d).index_add(0, rows, g' * (idx' != pad)).view(n, v, d)
+
+    Squared norms need no table: ``||G_n||^2 = sum_ts [idx_nt == idx_ns] <g_nt, g_ns>`` (the ghost norm).
+    """
+    g, idx, num_weights, padding_idx, scale_by_freq = node.args
+    dims = batch.dims(idx)
+    if len(dims) != 1:
+        return None
+    bdim = dims[0]
+    layout = batch_layout(idx, bdim, batch)
+    if layout is None:
+        return None
+    dim_d = value_of(g).shape[-1]
+
+    def tokens(g, idx):  # [n, t, d], [n, t]
+        ids = split_batch(idx, bdim, layout)
+        grads = split_batch(g, bdim, layout)
+        n = ids.shape[0]
+        return grads.reshape(n, -1, dim_d), ids.reshape(n, -1)
+
+    def per_sample(g, idx):
+        grads, ids = tokens(g, idx)
+        n = ids.shape[0]
+        rows = ids + torch.arange(n, device=ids.device).unsqueeze(1) * num_weights
+        if padding_idx is not None and padding_idx >= 0:
+            grads = grads * (ids != padding_idx).unsqueeze(-1).to(grads.dtype)
+        if scale_by_freq:
+            counts = grads.new_zeros(n * num_weights).index_add(0, rows.flatten(),
+                                                                grads.new_ones(rows.numel()))
+            grads = grads / counts[rows].unsqueeze(-1)
+        table = grads.new_zeros(n * num_weights, dim_d).index_add(0, rows.flatten(), grads.reshape(-1, dim_d))
+        return table.view(n, num_weights, dim_d)
+
+    def sq_norms(g, idx):
+        grads, ids = tokens(g, idx)
+        same = ids.unsqueeze(2) == ids.unsqueeze(1)
+        if padding_idx is not None and padding_idx >= 0:
+            same = same & (ids != padding_idx).unsqueeze(2)
+        gg = torch.bmm(grads, grads.transpose(1, 2))
+        if scale_by_freq:
+            counts = same.sum(2).to(grads.dtype)
+            gg = gg / (counts.unsqueeze(2) * counts.unsqueeze(1))
+        return (gg * same.to(gg.dtype)).sum((1, 2))
+
+    def rebuild(g, idx):
+        return ATEN.embedding_dense_backward(g, idx, num_weights, padding_idx, scale_by_freq)
+
+    linear = None if scale_by_freq else 0  # the frequency scale is per sample, not per batch
+    return Contraction(rule="embedding_dense_backward", node=node, inputs=[g, idx], per_sample=per_sample,
+                       linear_arg=linear, linear_layout=(bdim, layout), rebuild=rebuild, sq_norms=sq_norms)

@@ -1,0 +1,201 @@
+"""Batching rules for the ops *after* a contraction: the per-sample value gains a leading batch dimension.
+
+A parameter gradient rarely ends at its contraction: ``t`` and ``view`` shape it, ``add`` sums the uses of a
+tied weight, ``_weight_norm_interface_backward`` maps it back to a parametrization's leaves; in a loss head,
+``div`` and ``mul`` follow the batch sum. A lift rule receives the node and which of its graph arguments are
+per-sample (``[n, *shape]``) rather than shared, and returns tensor code computing the per-sample output, or
+None to decline. ``LINEAR_LIFTS`` lists the ops that are linear in their per-sample arguments: through them, a
+weighted sum over samples can be taken before the op (the book-keeping form of ``clip_sum``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from ..._analyze.batch_dims import value_of
+
+ATEN = torch.ops.aten
+LiftFn = Callable[..., torch.Tensor]
+
+
+def _logical_rank(node: fx.Node) -> int:
+    return value_of(node).dim()
+
+
+def _call(node: fx.Node, values, transform_args=None):
+    """Call ``node.target`` with its graph arguments replaced by ``values`` (in order)."""
+    it = iter(values)
+    args = fx.map_arg(node.args, lambda _: next(it))
+    kwargs = fx.map_arg(node.kwargs, lambda _: next(it))
+    if transform_args is not None:
+        args = transform_args(args)
+    return node.target(*args, **kwargs)
+
+
+def pointwise(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
+    """Any op tagged pointwise: align per-sample arguments as ``[n, 1, ..., *shape]`` and broadcast.
+
+    Before::  add_3 = aten.add(mm_1, mm_2)           # [o, i] + [o, i]
+    After::   ps = aten.add(ps_1, ps_2)              # [n, o, i]
+    """
+    rank = _logical_rank(node)
+    ranks = [value_of(a).dim() if isinstance(value_of(a), torch.Tensor) else 0 for a in flat_nodes(node)]
+
+    def run(*values):
+        aligned = []
+        for v, is_ps, r in zip(values, lifted, ranks, strict=True):
+            if is_ps:
+                v = v.reshape([v.shape[0]] + [1] * (rank - r) + list(v.shape[1:]))
+            aligned.append(v)
+        return _call(node, aligned)
+
+    return run
+
+
+def flat_nodes(node: fx.Node) -> list[fx.Node]:
+    """The graph arguments of ``node`` in the order lift functions receive them."""
+    found: list[fx.Node] = []
+    fx.map_arg((node.args, node.kwargs), lambda n: found.append(n))
+    return found
+
+
+def _only_first_lifted(lifted: list[bool]) -> bool:
+    return lifted[0] and not any(lifted[1:])
+
+
+def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
+    """Views, transposes and reductions of one per-sample tensor: shift every dimension argument by one.
+
+    Before::  t_3 = aten.t(mm_1)                      # [i, o]
+    After::   ps = aten.transpose(ps_mm_1, 1, 2)      # [n, i, o]
+    """
+    if not _only_first_lifted(lifted):
+        return None
+    target = node.target
+    rank = _logical_rank(node.args[0])
+    args = node.args
+
+    def shift(d):
+        return d % max(rank, 1) + 1
+
+    def run(x, *rest):
+        if target is ATEN.t.default:
+            return x.transpose(1, 2) if rank == 2 else x
+        if target is ATEN.transpose.int:
+            return x.transpose(shift(args[1]), shift(args[2]))
+        if target is ATEN.permute.default:
+            return x.permute([0] + [shift(d) for d in args[1]])
+        if target in (ATEN.view.default, ATEN._unsafe_view.default, ATEN.reshape.default):
+            return x.reshape([x.shape[0]] + list(args[1]))
+        if target is ATEN.expand.default:
+            return x.expand([x.shape[0]] + list(args[1]))
+        if target is ATEN.unsqueeze.default:
+            return x.unsqueeze(args[1] % (rank + 1) + 1)
+        if target is ATEN.squeeze.dim:
+            return x.squeeze(shift(args[1]))
+        if target is ATEN.squeeze.dims:
+            return x.squeeze([shift(d) for d in args[1]])
+        if target in (ATEN.sum.dim_IntList, ATEN.mean.dim):
+            dims = args[1] if args[1] else list(range(rank))
+            keep = bool(args[2]) if len(args) > 2 else False
+            op = torch.sum if target is ATEN.sum.dim_IntList else torch.mean
+            return op(x, [shift(d) for d in dims], keepdim=keep)
+        if target in (ATEN.sum.default, ATEN.mean.default):
+            op = torch.sum if target is ATEN.sum.default else torch.mean
+            return op(x, list(range(1, x.dim()))) if x.dim() > 1 else x
+        if target in (ATEN.clone.default, ATEN.alias.default, ATEN.detach.default, ATEN.contiguous.default):
+            return x
+        if target is ATEN._to_copy.default:
+            return x.to(node.kwargs.get("dtype") or x.dtype)
+        raise AssertionError(target)
+
+    return run
+
+
+def weight_norm_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
+    """``_weight_norm_interface_backward(grad_w, v, g, norms, dim)`` with a per-sample ``grad_w``.
+
+    w = g * v / ||v|| (norm over all dims but ``dim``), so per sample::
+
+        grad_g = sum(grad_w * v) / ||v||
+        grad_v = g / ||v|| * (grad_w - v * grad_g / ||v||)
+    """
+    if node.target is not operator.getitem or not lifted[0] or any(lifted[1:]):
+        return None
+    op = node.args[0]
+    index = node.args[1]
+    dim = op.args[4]
+    rank = value_of(op.args[1]).dim()
+    reduce_dims = [d for d in range(rank) if d != dim % rank]
+
+    def run(grad_w, v, g, norms):
+        norms = norms.unsqueeze(0)
+        grad_g = (grad_w * v.unsqueeze(0)).sum([d + 1 for d in reduce_dims], keepdim=True) / norms
+        if index == 1:
+            return grad_g
+        return g.unsqueeze(0) / norms * (grad_w - v.unsqueeze(0) * grad_g / norms)
+
+    return run
+
+
+def cat(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
+    """``cat`` of per-sample and shared tensors: expand the shared ones, concatenate at ``dim + 1``."""
+    dim = node.args[1] if len(node.args) > 1 else 0
+    rank = _logical_rank(node)
+
+    def run(*values):
+        n = next(v.shape[0] for v, is_ps in zip(values, lifted, strict=True) if is_ps)
+        parts = [v if is_ps else v.unsqueeze(0).expand([n] + list(v.shape))
+                 for v, is_ps in zip(values, lifted, strict=True)]
+        return torch.cat(parts, dim % rank + 1)
+
+    return run
+
+
+_SHAPE_OPS = [
+    ATEN.t.default, ATEN.transpose.int, ATEN.permute.default, ATEN.view.default, ATEN._unsafe_view.default,
+    ATEN.reshape.default, ATEN.expand.default, ATEN.unsqueeze.default, ATEN.squeeze.dim, ATEN.squeeze.dims,
+    ATEN.sum.dim_IntList, ATEN.mean.dim, ATEN.sum.default, ATEN.mean.default, ATEN.clone.default,
+    ATEN.alias.default, ATEN.detach.default, ATEN.contiguous.default, ATEN._to_copy.default,
+]
+
+LIFT_RULES: dict[object, Callable[[fx.Node, list[bool]], LiftFn | None]] = {op: shape_op for op in _SHAPE_OPS}
+LIFT_RULES[ATEN._weight_norm_interface_backward.default] = weight_norm_backward
+LIFT_RULES[ATEN.cat.default] = cat
+
+# Linear in their per-sample arguments (when all tensor arguments of add/sub are per-sample, or only one
+# argument of mul/div is): a weighted sum over samples commutes with them.
+LINEAR_LIFTS = set(_SHAPE_OPS) - {ATEN.mean.dim, ATEN.mean.default} | {
+    ATEN._weight_norm_interface_backward.default, ATEN.cat.default, ATEN.add.Tensor, ATEN.sub.Tensor,
+    ATEN.mul.Tensor, ATEN.div.Tensor, ATEN.neg.default, ATEN.mul.Scalar, ATEN.div.Scalar,
+}
+
+
+def is_linear_lift(node: fx.Node, lifted: list[bool]) -> bool:
+    """True when ``node`` is linear in its per-sample arguments, so weighted sums commute with it."""
+    target = node.target
+    if target is operator.getitem:
+        target = node.args[0].target
+    if target not in LINEAR_LIFTS:
+        return False
+    if target in (ATEN.add.Tensor, ATEN.sub.Tensor, ATEN.cat.default):
+        tensors = [isinstance(value_of(n), torch.Tensor) for n in flat_nodes(node)]
+        return all(is_ps for is_ps, is_t in zip(lifted, tensors, strict=True) if is_t)
+    if target in (ATEN.mul.Tensor, ATEN.div.Tensor):
+        return sum(lifted) == 1 and (target is ATEN.mul.Tensor or lifted[0])
+    return True
+
+
+def lift_rule_for(node: fx.Node):
+    target = node.target
+    if target is operator.getitem and isinstance(node.args[0], fx.Node):
+        target = node.args[0].target
+    if target in LIFT_RULES:
+        return LIFT_RULES[target]
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return pointwise
+    return None

@@ -1,0 +1,130 @@
+"""Reductions over the batch: biases, elementwise parameters (scales, shifts, temperatures), and loss heads."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..._analyze.batch_dims import BatchDims, value_of
+from ..._analyze.layout import batch_layout, split_batch
+from ..contraction import Contraction
+
+ATEN = torch.ops.aten
+
+
+def _single_batched_dim(node: fx.Node, batch: BatchDims):
+    dims = batch.dims(node)
+    if len(dims) != 1:
+        return None
+    layout = batch_layout(node, dims[0], batch)
+    return None if layout is None else (dims[0], layout)
+
+
+def _dims_arg(node: fx.Node, rank: int) -> list[int]:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return [d % rank for d in dims]
+
+
+def sum_or_mean(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """``sum``/``mean`` over dimensions that include the batch: the same reduction on each sample's slice.
+
+    Before::  sum_2 = aten.sum.dim_IntList(grad_out, [0], True)           # [1, o]
+    After::   ps = aten.sum.dim_IntList(split_batch(grad_out), [1], True)  # [n, 1, o]
+
+    For ``mean`` the slice is the batch of one, so a mean loss gives each sample its own mean.
+    """
+    x = node.args[0]
+    found = _single_batched_dim(x, batch)
+    if found is None:
+        return None
+    bdim, layout = found
+    rank = value_of(x).dim()
+    dims = _dims_arg(node, rank)
+    if bdim not in dims:
+        return None
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    is_mean = node.target in (ATEN.mean.dim, ATEN.mean.default)
+    dtype = node.kwargs.get("dtype")
+
+    def per_sample(x):
+        s = split_batch(x, bdim, layout)
+        shifted = [d + 1 for d in dims]
+        out = s.mean(shifted, keepdim=keepdim) if is_mean else s.sum(shifted, keepdim=keepdim)
+        return out if dtype is None else out.to(dtype)
+
+    def rebuild(x):
+        out = x.mean(dims, keepdim=keepdim) if is_mean else x.sum(dims, keepdim=keepdim)
+        return out if dtype is None else out.to(dtype)
+
+    return Contraction(rule=str(node.target.overloadpacket.__name__), node=node, inputs=[x],
+                       per_sample=per_sample, linear_arg=None if is_mean else 0,
+                       linear_layout=(bdim, layout), rebuild=rebuild)
+
+
+def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """``nll_loss_forward``/``nll_loss2d_forward`` over a batch: each sample's own (weighted) mean or sum.
+
+    Before::  nll = aten.nll_loss_forward(logp [n*t, c], target [n*t], w, reduction=mean, ignore)[0]   # []
+    After::   l = nll_loss(logp, target, reduction=none).view(n, t)
+              ps = l.sum(1) / (w[target] * (target != ignore)).sum(1)                                  # [n]
+
+    A sample whose targets are all ignored gets loss 0 (and so gradient 0), as the batch-of-one gradient is 0.
+    """
+    inp, target, weight, reduction, ignore_index = node.args[0].args[:5]
+    if node.args[1] != 0:
+        return None  # total_weight: only used by the backward
+    found = _single_batched_dim(inp, batch)
+    tfound = _single_batched_dim(target, batch)
+    if found is None or tfound is None or found[0] != 0 or tfound[0] != 0 or found[1] != tfound[1]:
+        return None
+    layout = found[1]
+    two_d = node.args[0].target is ATEN.nll_loss2d_forward.default
+    inputs = [inp, target] + ([weight] if isinstance(weight, fx.Node) else [])
+
+    def per_sample(logp, tgt, *w):
+        wt = w[0] if w else None
+        if two_d:  # [n, c, h, w] with targets [n, h, w]
+            losses = F.nll_loss(logp, tgt, wt, reduction="none", ignore_index=ignore_index)
+        else:
+            losses = F.nll_loss(logp.reshape(-1, logp.shape[-1]) if logp.dim() > 1 else logp, tgt.reshape(-1),
+                                wt, reduction="none", ignore_index=ignore_index)
+        losses = split_batch(losses.reshape(tgt.shape), 0, layout).flatten(1)
+        if reduction == 2:  # sum
+            return losses.sum(1)
+        if reduction == 0:
+            raise AssertionError("unreduced nll_loss cannot contract the batch")
+        valid = (tgt != ignore_index).to(logp.dtype)
+        weights = valid if wt is None else wt[tgt.clamp(min=0)] * valid
+        weights = split_batch(weights.reshape(tgt.shape), 0, layout).flatten(1).sum(1)
+        safe = torch.where(weights > 0, weights, torch.ones_like(weights))
+        return torch.where(weights > 0, losses.sum(1) / safe, torch.zeros_like(safe))
+
+    return Contraction(rule="nll_loss_forward", node=node, inputs=inputs, per_sample=per_sample)
+
+
+def mse_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """``mse_loss`` with ``reduction`` mean or sum: each sample's own mean (or sum) of squared errors.
+
+    Before::  mse = aten.mse_loss(y [n, o], target [n, o], reduction=mean)          # []
+    After::   ps = (split_batch(y) - split_batch(target)).pow(2).mean((1, 2))      # [n]
+    """
+    inp, target = node.args[:2]
+    reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
+    if reduction == 0 or value_of(inp).shape != value_of(target).shape:
+        return None
+    found = _single_batched_dim(inp, batch)
+    if found is None or (batch.dims(target) and _single_batched_dim(target, batch) != found):
+        return None
+    bdim, layout = found
+
+    def per_sample(y, t):
+        sq = split_batch((y - t).pow(2), bdim, layout)
+        dims = list(range(1, sq.dim()))
+        return sq.mean(dims) if reduction == 1 else sq.sum(dims)
+
+    return Contraction(rule="mse_loss", node=node, inputs=[inp, target], per_sample=per_sample)

@@ -1,0 +1,1 @@
+"""train stage of compiled_psg (private)."""
