@@ -32,33 +32,6 @@ def _concrete(size, symbol) -> int:
     return int(size)
 
 
-def view_groups(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:
-    """Group the dimensions of a view: each source group has the same element count as its target group."""
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(src) and j < len(dst):
-        gi, gj, ps, pd = [i], [j], src[i], dst[j]
-        i, j = i + 1, j + 1
-        while ps != pd:
-            if ps < pd:
-                if i >= len(src):
-                    return []
-                gi.append(i)
-                ps *= src[i]
-                i += 1
-            else:
-                if j >= len(dst):
-                    return []
-                gj.append(j)
-                pd *= dst[j]
-                j += 1
-        groups.append((gi, gj))
-    if groups:  # trailing size-1 dimensions join the last group
-        groups[-1][0].extend(range(i, len(src)))
-        groups[-1][1].extend(range(j, len(dst)))
-    return groups
-
-
 def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> Layout | None:
     """The ``(outer, inner)`` layout of the batch inside dimension ``dim`` of ``node``, or None if unknown."""
     value = value_of(node)
@@ -72,27 +45,12 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
     target = node.target
     args = node.args
     if target in _VIEWS:
-        src = value_of(args[0])
-        src_sizes = [_concrete(s, batch.symbol) for s in src.shape]
-        dst_sizes = [_concrete(s, batch.symbol) for s in value.shape]
-        for gi, gj in view_groups(src_sizes, dst_sizes):
-            if dim not in gj:
-                continue
-            if len([d for d in gj if dst_sizes[d] != 1]) > 1:
-                return None  # the merged dimension was split again: no single layout
-            batched = [d for d in gi if d in batch.dims(src)]
-            if len(batched) != 1:
-                return None
-            e = batched[0]
-            below = batch_layout(args[0], e, batch, depth + 1)
-            if below is None:
-                return None
-            before = [src_sizes[d] for d in gi if d < e]
-            after = [src_sizes[d] for d in gi if d > e]
-            outer = int(sympy.prod(before)) * below[0]
-            inner = below[1] * int(sympy.prod(after))
-            return (outer, inner)
-        return None
+        return _through_view(args[0], value, dim, batch, depth)
+    if target in (ATEN.unsqueeze.default, ATEN.squeeze.dim, ATEN.select.int):
+        k = args[1] % (value.dim() if target is ATEN.unsqueeze.default else value_of(args[0]).dim())
+        if target is ATEN.unsqueeze.default:
+            return None if dim == k else batch_layout(args[0], dim if dim < k else dim - 1, batch, depth + 1)
+        return batch_layout(args[0], dim if dim < k else dim + 1, batch, depth + 1)
     if target is ATEN.t.default:
         return batch_layout(args[0], 1 - dim if value.dim() == 2 else dim, batch, depth + 1)
     if target is ATEN.transpose.int:
@@ -111,6 +69,48 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
         return batch_layout(a, 1, batch, depth + 1) if dim == 1 else batch_layout(b, 2, batch, depth + 1)
     if target is operator.getitem or target in _SAME_SHAPE or _is_pointwise(target) or target in _ELEMENTWISE:
         return _through_elementwise(node, value, dim, batch, depth)
+    return None
+
+
+def _through_view(src_node, value, dim, batch, depth):
+    """Follow a view: list the source's atomic factors (the batch dim as ``outer, B, inner``), regroup them into
+    the target's dimensions (splitting a non-batch factor where a boundary falls inside it), and read the
+    layout of the target dimension from its factors."""
+    src = value_of(src_node)
+    factors: list[tuple[int, bool]] = []
+    for e, size in enumerate(src.shape):
+        if e in batch.dims(src):
+            below = batch_layout(src_node, e, batch, depth + 1)
+            if below is None:
+                return None
+            factors += [(below[0], False), (_PROBE, True), (below[1], False)]
+        else:
+            factors.append((_concrete(size, batch.symbol), False))
+    factors = [f for f in factors if f[0] != 1]
+    dst = [_concrete(s, batch.symbol) for s in value.shape]
+    pos = 0
+    for j, need in enumerate(dst):
+        taken: list[tuple[int, bool]] = []
+        while need > 1:
+            if pos >= len(factors):
+                return None
+            size, is_batch = factors[pos]
+            if size <= need and need % size == 0:
+                taken.append((size, is_batch))
+                need //= size
+                pos += 1
+            elif not is_batch and size % need == 0:  # split a plain factor across two target dims
+                taken.append((need, False))
+                factors[pos] = (size // need, False)
+                need = 1
+            else:
+                return None
+        if j == dim:
+            flags = [b for _, b in taken]
+            if flags.count(True) != 1:
+                return None
+            k = flags.index(True)
+            return (int(sympy.prod([f for f, _ in taken[:k]])), int(sympy.prod([f for f, _ in taken[k + 1:]])))
     return None
 
 

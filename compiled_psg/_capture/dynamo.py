@@ -76,7 +76,12 @@ def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_d
         state["real"] = list(example_inputs)
         return inner(gm, example_inputs)
 
+    batched = sorted(batch_dims.items())
+
     def joint(*call_args):
+        first_pos, first_dim = batched[0]
+        for pos, dim in batched[1:]:  # one batch symbol for every batched argument
+            torch._check(call_args[pos].shape[dim] == call_args[first_pos].shape[first_dim])
         loss = loss_fn(*call_args)
         if not isinstance(loss, torch.Tensor):
             return (loss,)
@@ -109,8 +114,7 @@ def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_d
         raise BatchInputError(f"the loss function must return a tensor, got {type(out[0]).__name__}")
     if "gm" not in state:
         raise CaptureError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
-    batched = set(batch_dims)
-    roles, constants = _label(state["real"], params, args, batched)
+    roles, constants = _label(state["real"], params, args, set(batch_dims))
     if len(roles) != len(state["fake"]):
         raise CaptureError(f"internal: {len(roles)} Dynamo inputs but {len(state['fake'])} AOT inputs")
     return Captured(joint=state["gm"], roles=roles, constants=constants, fake_inputs=state["fake"],

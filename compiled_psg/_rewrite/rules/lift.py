@@ -77,12 +77,14 @@ def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
         return None
     target = node.target
     rank = _logical_rank(node.args[0])
-    args = node.args
 
     def shift(d):
         return d % max(rank, 1) + 1
 
-    def run(x, *rest):
+    def run(*values):
+        it = iter(values)
+        args = fx.map_arg(node.args, lambda _: next(it))  # sizes may be SymInt nodes: use their values
+        x = args[0]
         if target is ATEN.t.default:
             return x.transpose(1, 2) if rank == 2 else x
         if target is ATEN.transpose.int:
@@ -91,8 +93,10 @@ def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
             return x.permute([0] + [shift(d) for d in args[1]])
         if target in (ATEN.view.default, ATEN._unsafe_view.default, ATEN.reshape.default):
             return x.reshape([x.shape[0]] + list(args[1]))
-        if target is ATEN.expand.default:
-            return x.expand([x.shape[0]] + list(args[1]))
+        if target is ATEN.expand.default:  # expand may add leading dimensions: align ranks first
+            size = list(args[1])
+            x = x.reshape([x.shape[0]] + [1] * (len(size) - rank) + list(x.shape[1:]))
+            return x.expand([x.shape[0]] + size)
         if target is ATEN.unsqueeze.default:
             return x.unsqueeze(args[1] % (rank + 1) + 1)
         if target is ATEN.squeeze.dim:
