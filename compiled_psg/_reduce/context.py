@@ -149,6 +149,22 @@ class ReduceContext:
         self._note(p, "sum_squares", "materialize")
         return self.emit(lambda g: g.pow(2).sum(0), [self.per_sample(p)], "sum_squares")
 
+    def variance(self, p: ParamGrad) -> fx.Node:
+        """Population variance over samples, per coordinate.
+
+        Two passes over the materialized value (no cancellation) unless a factored sum of squares avoids
+        materializing; then ``E[g^2] - E[g]^2``, which loses digits when the samples' gradients nearly agree.
+        """
+        ref = self._batch_ref
+        c = self._single_isometric(p)
+        if c is not None and c.factors is not None and (c.factor_shape or (0,))[0] == 1:
+            total, squares = self.total(p), self.sum_squares(p)
+            self._note(p, "variance", "factored")
+            return self.emit(lambda s, q, r: (q / r.shape[0] - (s / r.shape[0]).pow(2)).clamp_min(0),
+                             [total, squares, ref], "variance")
+        self._note(p, "variance", "materialize")
+        return self.emit(lambda g: g.var(0, unbiased=False), [self.per_sample(p)], "variance")
+
     def gram(self, p: ParamGrad) -> fx.Node:
         """``[n, n]`` inner products of the per-sample gradients of ``p``."""
         c = self._single_isometric(p)

@@ -104,13 +104,7 @@ class Variance(Reduction):
     """``{name: mean_i (g_i - mean_j g_j) ** 2}``, the per-coordinate population variance (BackPACK's Variance)."""
 
     def emit(self, ctx):
-        ref = ctx.lifted_batch_ref()
-        out = {}
-        for p in ctx.params:
-            total, squares = ctx.total(p), ctx.sum_squares(p)
-            out[p.name] = ctx.emit(lambda s, q, r: (q / r.shape[0] - (s / r.shape[0]).pow(2)).clamp_min(0),
-                                   [total, squares, ref], "variance")
-        return out
+        return {p.name: ctx.variance(p) for p in ctx.params}
 
     def empty(self, shapes):
         return {n: torch.zeros(s, dtype=d, device=dev) for n, (s, d, dev) in shapes.items()}

@@ -48,7 +48,9 @@ class Contraction:
 # ----- the math of low-rank (factored) per-sample gradients: g[n] = A[n]^T X[n] -----
 
 def factored_per_sample(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """[n, t, o], [n, t, i] -> [n, o, i]."""
+    """[n, t, o], [n, t, i] -> [n, o, i]; for t = 1 an outer product (one fused write, no GEMM)."""
+    if a.shape[1] == 1:
+        return a.transpose(1, 2) * x
     return torch.bmm(a.transpose(1, 2), x)
 
 

@@ -1,0 +1,128 @@
+"""Privacy accounting, delegated to existing libraries: nothing here computes a privacy bound itself.
+
+``"rdp"`` (default) and ``"pld"`` use Google's dp-accounting (``RdpAccountant``, ``PLDAccountant``); ``"prv"`` and
+``"opacus-rdp"`` use ``opacus.accountants`` (installed with the ``peers`` extra). A DP-SGD step is the
+Poisson-subsampled Gaussian mechanism with sampling rate ``q`` and noise multiplier ``sigma``, under the
+add-or-remove-one neighbouring relation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+MECHANISMS = ("rdp", "pld", "prv", "opacus-rdp")
+_OPACUS = {"prv": "prv", "opacus-rdp": "rdp"}
+
+
+def _check(mechanism: str) -> None:
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"accountant must be one of {MECHANISMS}, got {mechanism!r}")
+
+
+def dp_event(history: list[tuple[float, float, int]]):
+    """The dp-accounting event of a history of ``(noise_multiplier, sample_rate, steps)`` entries."""
+    import dp_accounting
+
+    events = [dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        for sigma, q, steps in history]
+    return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """dp-accounting's RDP logs (through absl) every fractional order it drops; the bound is still valid."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _dp_accounting_accountant(mechanism: str):
+    from dp_accounting import pld, rdp
+
+    return rdp.RdpAccountant() if mechanism == "rdp" else pld.PLDAccountant()
+
+
+def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism: str = "rdp") -> float:
+    """Epsilon at ``delta`` after the steps in ``history`` (``(noise_multiplier, sample_rate, steps)``)."""
+    _check(mechanism)
+    history = [(float(s), float(q), int(n)) for s, q, n in history if n > 0 and q > 0]
+    if not history:
+        return 0.0
+    if any(s == 0 for s, _, _ in history):
+        return math.inf
+    if mechanism in _OPACUS:
+        from opacus.accountants import create_accountant
+
+        accountant = create_accountant(mechanism=_OPACUS[mechanism])
+        accountant.history = list(history)
+        return float(accountant.get_epsilon(delta=delta))
+    accountant = _dp_accounting_accountant(mechanism)
+    with _quiet_absl():
+        accountant.compose(dp_event(history))
+        return float(accountant.get_epsilon(delta))
+
+
+def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, mechanism: str = "rdp") -> float:
+    """Epsilon at ``delta`` of ``steps`` DP-SGD steps with the given noise multiplier and sampling rate."""
+    return epsilon_of([(noise_multiplier, sample_rate, steps)], delta, mechanism)
+
+
+def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
+                    mechanism: str = "rdp", epsilon_tolerance: float = 0.01) -> float:
+    """The smallest noise multiplier whose ``steps`` steps at ``sample_rate`` stay within ``target_epsilon``.
+
+    dp-accounting's ``calibrate_dp_mechanism`` for ``"rdp"``/``"pld"``; opacus's ``get_noise_multiplier`` for the
+    opacus accountants.
+    """
+    _check(mechanism)
+    if not target_epsilon > 0:
+        raise ValueError(f"target_epsilon must be positive, got {target_epsilon}")
+    if mechanism in _OPACUS:
+        from opacus.accountants.utils import get_noise_multiplier
+
+        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                          sample_rate=sample_rate, steps=steps, accountant=_OPACUS[mechanism],
+                                          epsilon_tolerance=epsilon_tolerance))
+    import dp_accounting
+
+    def calibrate(kind, bracket, tol):
+        with _quiet_absl():
+            return float(dp_accounting.calibrate_dp_mechanism(
+                lambda: _dp_accounting_accountant(kind), lambda sigma: dp_event([(sigma, sample_rate, steps)]),
+                target_epsilon, target_delta, bracket_interval=bracket, tol=tol))
+
+    sigma_rdp = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), 1e-4)
+    if mechanism == "rdp":
+        return sigma_rdp
+    # PLD is tighter than RDP: the RDP answer bounds it from above (and PLD is slow at small sigma)
+    return calibrate("pld", dp_accounting.ExplicitBracketInterval(0.25 * sigma_rdp, sigma_rdp), 1e-3)
+
+
+class Accountant:
+    """Records the steps taken (``step``) and reports ``epsilon(delta)`` through the chosen library."""
+
+    def __init__(self, mechanism: str = "rdp"):
+        _check(mechanism)
+        self.mechanism = mechanism
+        self.history: list[tuple[float, float, int]] = []
+
+    def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+        if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
+            sigma, q, n = self.history[-1]
+            self.history[-1] = (sigma, q, n + steps)
+        else:
+            self.history.append((noise_multiplier, sample_rate, steps))
+
+    @property
+    def steps(self) -> int:
+        return sum(n for _, _, n in self.history)
+
+    def epsilon(self, delta: float) -> float:
+        return epsilon_of(self.history, delta, self.mechanism)
