@@ -38,6 +38,7 @@ class Rewritten:
     param_names: list[str]
     head: LiftResult
     backward: LiftResult
+    param_grads: list = field(default_factory=list)
     choices: dict = field(default_factory=dict)
     out_spec: object = None
     mixing: list[MixingSite] = field(default_factory=list)
@@ -85,7 +86,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     graph.lint()
     rewritten.recompile()
     out = Rewritten(captured, forward, joint, rewritten, roles, batch, names, head, backward,
-                    choices=ctx.choices, out_spec=spec)
+                    param_grads=param_grads, choices=ctx.choices, out_spec=spec)
     _dump_if_asked(out)
     n_fallback = len(head.fallbacks) + len(backward.fallbacks)
     log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters",
@@ -114,4 +115,13 @@ def _dump_if_asked(rewritten: Rewritten) -> None:
         return
     from .._inspect.report import Report
 
-    Report.from_rewritten(rewritten).save(folder, drawings=False)
+    Report.from_rewritten(rewritten).save(_next_dump_folder(folder), drawings=False)
+
+
+_dumps = 0
+
+
+def _next_dump_folder(folder: str) -> str:
+    global _dumps
+    _dumps += 1
+    return os.path.join(folder, f"{os.getpid()}-{_dumps:03d}")

@@ -105,12 +105,11 @@ class ReduceContext:
         c = self._single_isometric(p)
         if c is not None and c.sq_norms is not None:
             t, o, i = c.factor_shape or (1, 1, 1)
-            ghost = c.factor_shape is None or ghost_is_cheaper(t, o, i)
-            if ghost:
-                self._note(p, "sq_norm", "ghost", t=t, ghost_flops=2 * t * t * (o + i), materialize_flops=t * o * i)
+            cost = {"t": t, "ghost_flops": 2 * t * t * (o + i) if t > 1 else o + i, "materialize_flops": t * o * i}
+            if c.factor_shape is None or ghost_is_cheaper(t, o, i):
+                self._note(p, "sq_norm", "ghost", **(cost if c.factor_shape else {}))
                 return self.emit(c.sq_norms, c.inputs, f"ghost_norm[{c.rule}]")
-            self._note(p, "sq_norm", "materialize", t=t, ghost_flops=2 * t * t * (o + i),
-                       materialize_flops=t * o * i)
+            self._note(p, "sq_norm", "materialize", **cost)
         else:
             self._note(p, "sq_norm", "materialize")
         ps = self.per_sample(p)

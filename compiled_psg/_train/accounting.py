@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 
 MECHANISMS = ("rdp", "pld", "prv", "opacus-rdp")
 _OPACUS = {"prv": "prv", "opacus-rdp": "rdp"}
@@ -62,7 +63,9 @@ def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism:
 
         accountant = create_accountant(mechanism=_OPACUS[mechanism])
         accountant.history = list(history)
-        return float(accountant.get_epsilon(delta=delta))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+            return float(accountant.get_epsilon(delta=delta))
     accountant = _dp_accounting_accountant(mechanism)
     with _quiet_absl():
         accountant.compose(dp_event(history))
@@ -87,9 +90,11 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
     if mechanism in _OPACUS:
         from opacus.accountants.utils import get_noise_multiplier
 
-        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
-                                          sample_rate=sample_rate, steps=steps, accountant=_OPACUS[mechanism],
-                                          epsilon_tolerance=epsilon_tolerance))
+        with warnings.catch_warnings():  # PRV's search probes RDP bounds at extreme sigmas
+            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+            return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
+                                              sample_rate=sample_rate, steps=steps,
+                                              accountant=_OPACUS[mechanism], epsilon_tolerance=epsilon_tolerance))
     import dp_accounting
 
     def calibrate(kind, bracket, tol):

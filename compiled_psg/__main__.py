@@ -1,0 +1,27 @@
+"""``python -m compiled_psg`` / ``compiled-psg``: subcommands ``train`` and ``explain``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="compiled-psg", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,explain}")
+    commands.add_parser("train", add_help=False, help="train a small CNN on digits with DP-SGD")
+    commands.add_parser("explain", add_help=False, help="explain how a loss is rewritten")
+    known = parser.parse_args(argv[:1])
+    rest = argv[1:]
+    if known.command == "train":
+        from ._train.cli_train import main as train_main
+
+        return train_main(rest)
+    from ._inspect.cli import main as explain_main
+
+    return explain_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""``python -m compiled_psg train``: a small CNN on scikit-learn's digits with DP-SGD (or ``--no-dp``).
+
+Prints a progress bar and, per epoch, test accuracy, epsilon, samples/second and compile time; writes
+``metrics.json`` and ``accuracy.png`` (accuracy against epsilon and against wall time) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DEFAULTS = dict(epochs=30, epsilon=8.0, delta=1e-5, batch_size=256, lr=2.0, momentum=0.9, max_grad_norm=1.0,
+                optimizer="sgd")
+
+
+def small_cnn() -> nn.Module:
+    """Two 3x3 convolutions with tanh (bounded activations suit clipped training), max-pooling, a linear head."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 2 * 2, 10))
+
+
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="compiled-psg train", add_help=add_help,
+                                description="Train a small CNN on scikit-learn's digits with DP-SGD.")
+    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
+    p.add_argument("--epsilon", type=float, default=DEFAULTS["epsilon"],
+                   help="target epsilon: the noise multiplier is calibrated to reach it after --epochs")
+    p.add_argument("--sigma", type=float, default=None, help="noise multiplier (overrides --epsilon)")
+    p.add_argument("--delta", type=float, default=DEFAULTS["delta"])
+    p.add_argument("--no-dp", action="store_true", help="non-private baseline: no clipping, no noise")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
+                   help="expected batch size; the Poisson sampling rate is batch-size / training-set size")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
+    p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=DEFAULTS["optimizer"])
+    p.add_argument("--max-grad-norm", type=float, default=DEFAULTS["max_grad_norm"])
+    p.add_argument("--accountant", choices=("rdp", "pld", "prv", "opacus-rdp"), default="rdp")
+    p.add_argument("--secure-rng", action="store_true", help="noise and sampling from os.urandom")
+    p.add_argument("--backend", choices=("inductor", "eager"), default="eager",
+                   help="backend of the per-sample graph (the optimizer update is compiled with Inductor)")
+    p.add_argument("--update-backend", default="inductor", help="torch.compile backend of the update")
+    p.add_argument("--train-subset", type=int, default=None, help="use only this many training examples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: these tensors are too small to gain from more, and extra threads "
+                        "stall badly on a shared machine)")
+    p.add_argument("--out", type=Path, default=Path("runs/digits"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _optimizer(args, params):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
+    cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.AdamW
+    return cls(params, lr=args.lr)
+
+
+def _accuracy(model: nn.Module, dataset) -> float:
+    x, y = dataset.tensors
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        correct = (model(x).argmax(1) == y).sum().item()
+    model.train(was_training)
+    return correct / len(y)
+
+
+def _trainer(args, model, train):
+    """``(step, loader, epsilon_fn, info)`` for a private or a non-private run."""
+    from torch.utils.data import DataLoader
+
+    from .private import make_private
+    from .step import compile_step
+
+    loss_fn = lambda x, y: F.cross_entropy(model(x), y)
+    generator = torch.Generator().manual_seed(args.seed)
+    optimizer = _optimizer(args, model.parameters())
+    batch = min(args.batch_size, len(train))
+    if args.no_dp:
+        step = compile_step(loss_fn, model, optimizer, backend=args.backend, update_backend=args.update_backend)
+        loader = DataLoader(train, batch_size=batch, shuffle=True, generator=generator)
+        return step, loader, lambda: math.inf, dict(noise_multiplier=0.0, sample_rate=None), step
+    q = batch / len(train)
+    private = make_private(model, optimizer, DataLoader(train, batch_size=batch), loss_fn,
+                           noise_multiplier=args.sigma, target_epsilon=None if args.sigma is not None else args.epsilon,
+                           target_delta=args.delta, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
+                           accountant=args.accountant, secure_rng=args.secure_rng, backend=args.backend,
+                           update_backend=args.update_backend, generator=generator, sample_rate=q)
+    info = dict(noise_multiplier=private.noise_multiplier, sample_rate=q,
+                expected_batch_size=private.expected_batch_size)
+    return private.step, private.data_loader, private.epsilon, info, private.dp_step
+
+
+def train(args) -> dict:
+    from tqdm import tqdm
+
+    from .data import load_digits
+
+    start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    train_set, test_set = load_digits(seed=args.seed, train_subset=args.train_subset)
+    model = small_cnn()
+    step, loader, epsilon_fn, info, dp_step = _trainer(args, model, train_set)
+    mode = "non-private" if args.no_dp else f"DP-SGD sigma={info['noise_multiplier']:.3f} q={info['sample_rate']:.4f}"
+    print(f"digits: {len(train_set)} train / {len(test_set)} test, {mode}, backend={args.backend}", flush=True)
+    history = []
+    samples_total, train_seconds = 0, 0.0
+    bar = tqdm(total=args.epochs * len(loader), disable=args.no_progress, unit="step", dynamic_ncols=True)
+    for epoch in range(1, args.epochs + 1):
+        epoch_start, samples, losses = time.perf_counter(), 0, []
+        for x, y in loader:
+            losses.append(float(step(x, y)))
+            samples += len(y)
+            bar.update(1)
+        epoch_seconds = time.perf_counter() - epoch_start
+        samples_total, train_seconds = samples_total + samples, train_seconds + epoch_seconds
+        accuracy, eps = _accuracy(model, test_set), epsilon_fn()
+        row = dict(epoch=epoch, test_accuracy=accuracy, epsilon=None if math.isinf(eps) else eps,
+                   train_loss=sum(losses) / max(len(losses), 1), samples=samples,
+                   samples_per_second=samples / epoch_seconds, compile_seconds=dp_step.compile_seconds,
+                   elapsed_seconds=time.perf_counter() - start)
+        history.append(row)
+        bar.set_postfix(acc=f"{accuracy:.3f}", eps=f"{eps:.2f}")
+        bar.write(f"epoch {epoch:3d}  test acc {accuracy:.4f}  epsilon {eps:.3f}  "
+                  f"{row['samples_per_second']:.0f} samples/s  compile {dp_step.compile_seconds:.1f}s")
+    bar.close()
+    wall = time.perf_counter() - start
+    final = history[-1] if history else {}
+    metrics = dict(
+        config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        dataset=dict(train=len(train_set), test=len(test_set)),
+        mechanism=dict(info, max_grad_norm=None if args.no_dp else args.max_grad_norm, delta=args.delta,
+                       accountant=None if args.no_dp else args.accountant),
+        epochs=history,
+        final=dict(test_accuracy=final.get("test_accuracy"), epsilon=final.get("epsilon"), delta=args.delta,
+                   wall_seconds=wall, compile_seconds=dp_step.compile_seconds,
+                   samples_per_second=samples_total / train_seconds if train_seconds else None,
+                   captures=dp_step.per_sample.captures, update_compiles=dp_step.update_compiles))
+    write_outputs(metrics, args.out)
+    eps_text = "inf (non-private)" if final.get("epsilon") is None else f"{final['epsilon']:.3f}"
+    print(f"final: test accuracy {final.get('test_accuracy', float('nan')):.4f}, epsilon {eps_text} at "
+          f"delta={args.delta:g}, wall {wall:.1f}s (compile {dp_step.compile_seconds:.1f}s); "
+          f"wrote {args.out / 'metrics.json'} and {args.out / 'accuracy.png'}", flush=True)
+    return metrics
+
+
+def write_outputs(metrics: dict, out: Path) -> None:
+    """``metrics.json`` and ``accuracy.png`` (test accuracy against epsilon, and against wall time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    rows = metrics["epochs"]
+    accuracy = [r["test_accuracy"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    if rows and rows[0]["epsilon"] is not None:
+        left.plot([r["epsilon"] for r in rows], accuracy, marker="o")
+        left.set_xlabel(f"epsilon (delta={metrics['mechanism']['delta']:g})")
+    else:
+        left.plot([r["epoch"] for r in rows], accuracy, marker="o")
+        left.set_xlabel("epoch (non-private: epsilon is infinite)")
+    left.set_ylabel("test accuracy")
+    left.set_title("accuracy against privacy spent")
+    right.plot([r["elapsed_seconds"] for r in rows], accuracy, marker="o")
+    right.set_xlabel("wall time (s, compilation included)")
+    right.set_ylabel("test accuracy")
+    right.set_title("accuracy against time")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.savefig(out / "accuracy.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    train(args)
+    return 0
