@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .batch_dims import BatchDims, value_of
-from .source import source_line
+from .source import where
 
 ATEN = torch.ops.aten
 
@@ -82,7 +82,7 @@ def find_mixing(graph: fx.Graph, batch: BatchDims) -> list[MixingSite]:
             training = node.args[idx] if len(node.args) > idx else True
             x_dims = batch.dims(node.args[0])
             if training and any(d != 1 for d in x_dims):
-                sites.append(MixingSite(op, node.name, source_line(node),
+                sites.append(MixingSite(op, node.name, where(node),
                                         "BatchNorm in training mode normalizes each sample with statistics of the "
                                         "whole batch",
                                         "call model.eval() so BatchNorm uses its running statistics, or replace "
@@ -94,7 +94,7 @@ def find_mixing(graph: fx.Graph, batch: BatchDims) -> list[MixingSite]:
             dims = node.args[idx] if len(node.args) > idx else 0
             rank = value_of(x).dim()
             if set(_dims_hit(dims, rank)) & set(batch.dims(x)):
-                sites.append(MixingSite(op, node.name, source_line(node),
+                sites.append(MixingSite(op, node.name, where(node),
                                         "it works along the batch dimension, so each sample's output depends on "
                                         "the others",
                                         "apply it along a non-batch dimension, or pass in_dims so the batch "
@@ -105,7 +105,7 @@ def find_mixing(graph: fx.Graph, batch: BatchDims) -> list[MixingSite]:
             in_counts = [len(batch.dims(a)) for a in batched_inputs]
             if not in_counts or max(in_counts) < max(len(batch.dims(v)) for v in outputs
                                                       if isinstance(v, torch.Tensor)):
-                sites.append(MixingSite(op, node.name, source_line(node),
+                sites.append(MixingSite(op, node.name, where(node),
                                         "its result pairs every sample with every other sample",
                                         "compute per-sample quantities only; losses over pairs of samples "
                                         "(contrastive losses) have no per-sample gradient"))
@@ -114,9 +114,10 @@ def find_mixing(graph: fx.Graph, batch: BatchDims) -> list[MixingSite]:
         if batch.is_batched(node):
             if tainted:
                 origin = tainted[0]
-                sites.append(MixingSite(f"{op} after {origin.target}", origin.name, source_line(origin),
-                                        f"a reduction over the batch ({origin.target} at {source_line(origin)}) "
-                                        f"flows back into per-sample values at {source_line(node)}",
+                sites.append(MixingSite(f"aten.{getattr(origin.target, '__name__', origin.target)}", origin.name,
+                                        where(origin),
+                                        f"it reduces over the batch, and its result flows back into per-sample "
+                                        f"values ({op} at {where(node)})",
                                         "reduce over non-batch dimensions only (e.g. x.mean(1) instead of "
                                         "x.mean(0)), or move batch statistics out of the loss function"))
             continue

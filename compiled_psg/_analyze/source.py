@@ -20,3 +20,21 @@ def source_line(node: fx.Node) -> str:
         return "unknown source line"
     f = chosen[0]
     return f'{f["file"]}:{f["line"]} in {f["func"]}: {f["code"].strip()}'
+
+
+def module_path(node: fx.Node) -> str | None:
+    """``name (Type)`` of the innermost nn.Module the node ran in, from Dynamo's ``nn_module_stack``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, kind = list(stack.values())[-1]
+    name = re.sub(r"^[GL]\['[^\]]*'\]\.?", "", path)  # drop Dynamo's source prefix (a global or local)
+    name = re.sub(r"_modules\['([^']+)'\]", r"\1", name) or path
+    type_name = getattr(kind, "__name__", str(kind).split(".")[-1].strip("'>"))
+    return f"{name} ({type_name})"
+
+
+def where(node: fx.Node) -> str:
+    """The source line, and the module when the op ran inside one."""
+    module = module_path(node)
+    return source_line(node) + (f" [module {module}]" if module else "")
