@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DEFAULTS = dict(epochs=30, epsilon=8.0, delta=1e-5, batch_size=256, lr=2.0, momentum=0.9, max_grad_norm=1.0,
+DEFAULTS = dict(epochs=30, epsilon=8.0, delta=1e-5, batch_size=256, lr=0.25, momentum=0.9, max_grad_norm=1.0,
                 optimizer="sgd")
 
 

@@ -186,7 +186,9 @@ def is_linear_lift(node: fx.Node, lifted: list[bool]) -> bool:
         target = node.args[0].target
     if target not in LINEAR_LIFTS:
         return False
-    if target in (ATEN.add.Tensor, ATEN.sub.Tensor, ATEN.cat.default):
+    if target in (ATEN.add.Tensor, ATEN.sub.Tensor):  # affine unless both operands are per-sample
+        return len(node.args) >= 2 and all(isinstance(a, fx.Node) for a in node.args[:2]) and all(lifted)
+    if target is ATEN.cat.default:
         tensors = [isinstance(value_of(n), torch.Tensor) for n in flat_nodes(node)]
         return all(is_ps for is_ps, is_t in zip(lifted, tensors, strict=True) if is_t)
     if target in (ATEN.mul.Tensor, ATEN.div.Tensor):
