@@ -4,6 +4,8 @@ Trace the batched loss and its gradients as one joint ATen graph, rewrite every 
 its per-sample form with rules keyed by ATen op, fuse the requested reduction, compile with Inductor.
 """
 
+import logging
+
 from ._api import PerSampleFunction as PerSampleFunction
 from ._api import per_sample as per_sample
 from ._api import per_sample_grad as per_sample_grad
@@ -22,5 +24,13 @@ from ._reduce.reductions import norms as norms
 from ._reduce.reductions import sum_squares as sum_squares
 from ._reduce.reductions import variance as variance
 from ._rewrite.table import supported_ops as supported_ops
+from ._train.accounting import Accountant as Accountant
+from ._train.accounting import calibrate_noise as calibrate_noise
+from ._train.private import PrivateTraining as PrivateTraining
+from ._train.private import make_private as make_private
+from ._train.sampling import poisson_loader as poisson_loader
+from ._train.step import compile_step as compile_step
 
 __version__ = "0.1.0"
+
+logging.getLogger("compiled_psg").addHandler(logging.NullHandler())

@@ -1,4 +1,4 @@
-"""``python -m compiled_psg`` / ``compiled-psg``: subcommands ``train`` and ``explain``."""
+"""``python -m compiled_psg`` / ``compiled-psg``: subcommands ``train``, ``explain`` and ``graphs``."""
 
 from __future__ import annotations
 
@@ -9,15 +9,20 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="compiled-psg", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,explain}")
-    commands.add_parser("train", add_help=False, help="train a small CNN on digits with DP-SGD")
-    commands.add_parser("explain", add_help=False, help="explain how a loss is rewritten")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,explain,graphs}")
+    commands.add_parser("train", add_help=False, help="train a small CNN on digits with DP-SGD (the main job)")
+    commands.add_parser("explain", add_help=False, help="explain how a bundled example model is rewritten")
+    commands.add_parser("graphs", add_help=False, help="regenerate the reference dumps in graphs/")
     known = parser.parse_args(argv[:1])
     rest = argv[1:]
     if known.command == "train":
         from ._train.cli_train import main as train_main
 
         return train_main(rest)
+    if known.command == "graphs":
+        from ._inspect.cli import graphs_main
+
+        return graphs_main(rest)
     from ._inspect.cli import main as explain_main
 
     return explain_main(rest)

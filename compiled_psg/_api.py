@@ -100,7 +100,8 @@ def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> t
                 index = torch.zeros(2, dtype=torch.long, device=a.device)
                 a = a.index_select(batch_dims[pos], index)
             else:
-                a = a.detach().view_as(a)
+                a = a.detach().contiguous()
+                a = a.view_as(a)  # a fresh tensor object even when already contiguous
         out.append(a)
     return tuple(out)
 

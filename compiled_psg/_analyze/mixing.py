@@ -127,16 +127,3 @@ def find_mixing(graph: fx.Graph, batch: BatchDims) -> list[MixingSite]:
             reduced_from[node] = node
     return sites
 
-
-def batch_reductions(graph: fx.Graph, batch: BatchDims) -> list[fx.Node]:
-    """Nodes that reduce over the batch (the loss head starts at them)."""
-    found = []
-    for node in graph.nodes:
-        if node.op != "call_function" or batch.is_batched(node):
-            continue
-        if not isinstance(value_of(node), torch.Tensor):
-            continue
-        src = node.args[0] if node.target is operator.getitem else node
-        if any(batch.is_batched(a) for a in src.all_input_nodes):
-            found.append(node)
-    return sites

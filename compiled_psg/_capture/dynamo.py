@@ -11,6 +11,7 @@ to be a named parameter, a batched argument, another argument, a buffer or const
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,17 @@ def _label(real_inputs, params: dict[str, torch.Tensor], args: tuple, batched: s
     return roles, constants
 
 
+@contextlib.contextmanager
+def _mkldnn_disabled():
+    """Only the ``enabled`` flag: ``torch.backends.mkldnn.flags`` also sets a deprecated TF32 flag (a warning)."""
+    before = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(before)
+
+
 def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int]) -> Captured:
     """Trace ``loss_fn(*args)`` and its gradients w.r.t. ``params``; ``batch_dims``: arg position -> batch dim."""
     names = list(params)
@@ -93,14 +105,27 @@ def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_d
         torch._dynamo.mark_dynamic(args[pos], dim)
     compiled = torch.compile(joint, backend=backend, fullgraph=True, dynamic=False)
     try:
-        with torch._dynamo.config.patch(trace_autograd_ops=True, allow_rnn=True):
+        # mkldnn off: float32 RNNs would become fused mkldnn_rnn_layer ops whose backward does not trace;
+        # opt_einsum off: it plans contractions from concrete sizes, which fixes the batch size.
+        with torch._dynamo.config.patch(trace_autograd_ops=True, allow_rnn=True), \
+                _mkldnn_disabled(), torch.backends.opt_einsum.flags(enabled=False):
             out = compiled(*args)
     except torch._dynamo.exc.Unsupported as e:
         raise CaptureError(
             "compiled_psg needs the loss function as one graph, and Dynamo could not capture it (a graph break):\n"
             f"{e}\nFix: remove the Python construct named above (data-dependent control flow, .item(), "
             "printing tensors, unsupported libraries) from the loss function.") from None
-    except Exception as e:  # ConstraintViolationError, UserError: the batch size got fixed
+    except torch._dynamo.exc.UserError as e:
+        text = str(e)
+        if "ConstraintViolation" not in text and "marked dynamic" not in text:
+            raise CaptureError(
+                "compiled_psg needs the loss function as one graph, and Dynamo could not capture it:\n"
+                f"{text}\nFix: keep tensor values out of Python control flow (no .item() or bool(tensor) in "
+                "branches); use torch.where for data-dependent choices.") from None
+        raise CaptureError(
+            "the loss function fixes the batch size, so one graph cannot serve every batch size:\n"
+            f"{text}\nFix: use x.view(x.shape[0], -1) or x.flatten(1).") from None
+    except Exception as e:  # ConstraintViolationError: the batch size got fixed
         text = str(e)
         if "ConstraintViolation" in type(e).__name__ or "marked dynamic" in text or "specialize" in text:
             raise CaptureError(

@@ -8,15 +8,15 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from torch._guards import detect_fake_mode
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
 from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
-from .._errors import SampleMixingError
+from .._errors import CaptureError, SampleMixingError
 from .._reduce.context import ReduceContext, collect_param_grads
 from .._reduce.reductions import Reduction
 from .._rewrite.loss_head import per_sample_loss_head
@@ -67,7 +67,12 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
 
     param_positions = [i for i, r in enumerate(roles) if r.kind == "param"]
     names = [roles[i].key for i in param_positions]
-    joint = retrace_joint(forward, captured.fake_inputs, param_positions)
+    try:
+        joint = retrace_joint(forward, captured.fake_inputs, param_positions)
+    except Exception as e:  # e.g. numpy or .tolist() inside the loss: Dynamo captured it, ATen tracing cannot
+        raise CaptureError(f"the captured loss could not be re-traced for its gradient ({type(e).__name__}: {e}). "
+                           "Fix: keep the loss in torch operations (no numpy, .tolist() or Python math on "
+                           "tensor values).") from e
     rewritten = copy.deepcopy(joint)
     graph = rewritten.graph
     loss_node, per_sample_loss, *grads = graph.output_node().args[0]
@@ -80,6 +85,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     ctx = ReduceContext(graph, batch, backward, param_grads)
     ctx.set_batch_ref(per_sample_loss)
     result = reduction.emit(ctx)
+    _check_still_symbolic(captured, batch, f"the reduction {type(reduction).__name__}")
     flat, spec = pytree.tree_flatten(result)
     graph.output_node().args = ((loss_node, per_sample_loss, *flat),)
     graph.eliminate_dead_code()
@@ -100,7 +106,8 @@ def _check_still_symbolic(captured: Captured, batch: BatchDims, stage: str) -> N
     env = getattr(mode, "shape_env", None)
     if env is not None and batch.symbol in env.replacements:
         raise AssertionError(f"internal: {stage} fixed the batch size to {env.replacements[batch.symbol]}; "
-                             "the compiled graph would not serve other batch sizes")
+                             "the compiled graph would not serve other batch sizes (a custom reduction must not "
+                             "use the batch size as a Python number, e.g. len(g))")
 
 
 def _partial_report(captured, forward, mixing):

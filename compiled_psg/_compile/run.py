@@ -32,11 +32,12 @@ class CompiledPerSample:
     def _inputs(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int) -> list:
         rw = self.rewritten
         inputs = []
-        for i, role in enumerate(rw.roles):
+        for i, role in enumerate(rw.roles):  # compiled kernels assume the example inputs' (contiguous) strides
             if role.kind == "param":
                 inputs.append(params[role.key].detach())
             elif role.kind == "arg":
-                inputs.append(args[role.key])
+                arg = args[role.key]
+                inputs.append(arg.contiguous() if isinstance(arg, torch.Tensor) else arg)
             elif role.kind == "size":
                 expr = rw.captured.fake_inputs[i].node.expr
                 inputs.append(int(expr.subs(rw.batch.symbol, batch_size)))
@@ -55,10 +56,13 @@ class CompiledPerSample:
             start = time.perf_counter()
             gm = copy.deepcopy(self.rewritten.rewritten)
             if key == "any":
-                examples = [f.detach() if isinstance(f, torch.Tensor) else f for f in self.rewritten.captured.fake_inputs]
+                fakes = self.rewritten.captured.fake_inputs
+                examples = [f.detach() if isinstance(f, torch.Tensor) else f for f in fakes]
             else:
                 examples = inputs
             self._compiled[key] = compile_fx(gm, examples)
+            if key == "any":
+                _check_batch_not_pinned(self.rewritten, "Inductor")
             self.compile_seconds += time.perf_counter() - start
             self.compiles += 1
         return self._compiled[key]
@@ -70,3 +74,12 @@ class CompiledPerSample:
             out = fn(*inputs)
         loss, per_sample_losses, *flat = out
         return loss, per_sample_losses, pytree.tree_unflatten(list(flat), self.rewritten.out_spec)
+
+
+def _check_batch_not_pinned(rw: Rewritten, stage: str) -> None:
+    from torch._guards import detect_fake_mode
+
+    env = getattr(detect_fake_mode(rw.captured.fake_inputs), "shape_env", None)
+    if env is not None and rw.batch.symbol in env.replacements:
+        raise AssertionError(f"internal: {stage} fixed the batch size to {env.replacements[rw.batch.symbol]}; an op "
+                             "in the rewritten graph needs an opaque implementation. Use backend='eager' meanwhile.")

@@ -116,5 +116,6 @@ EXAMPLES: dict[str, Example] = {e.name: e for e in [
     Example("reduce_sum_squares", _mlp, R.sum_squares(), "psg.sum_squares(): (G*G)^T (X*X)"),
     Example("reduce_variance", _mlp, R.variance(), "psg.variance()"),
     Example("reduce_gram", _mlp, R.gram(), "psg.gram(): (A A^T) * (G G^T)"),
-    Example("reduce_clip_sum_sequence", _tied_lm, R.clip_sum(1.0), "clip_sum on a sequence model (ghost norms, t > 1)"),
+    Example("reduce_clip_sum_sequence", _tied_lm, R.clip_sum(1.0),
+            "clip_sum on a tied-embedding sequence model: the cost model's choice per layer"),
 ]}

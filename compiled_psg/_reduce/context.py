@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from .._analyze.batch_dims import BatchDims, value_of
 from .._analyze.layout import scale_batch
-from .._rewrite.contraction import (Contraction, factored_gram, factored_sum_squares, ghost_is_cheaper)
+from .._rewrite.contraction import Contraction, factored_gram, factored_sum_squares, ghost_is_cheaper
 from .._rewrite.emit import emit
 from .._rewrite.per_sample_pass import LiftResult, broadcast_per_sample
 
@@ -113,7 +113,7 @@ class ReduceContext:
         else:
             self._note(p, "sq_norm", "materialize")
         ps = self.per_sample(p)
-        return self.emit(lambda g: g.flatten(1).pow(2).sum(1), [ps], "sq_norm")
+        return self.emit(lambda g: g.reshape(g.shape[0], -1).pow(2).sum(1), [ps], "sq_norm")
 
     def weighted_sum(self, p: ParamGrad, weights: fx.Node) -> fx.Node:
         """``sum_n weights[n] * g_n`` for ``weights`` of shape ``[n]``."""
@@ -173,7 +173,8 @@ class ReduceContext:
                 self._note(p, "gram", "factored", t=t)
                 return self.emit(lambda *v: factored_gram(*c.factors(*v)), c.inputs, f"gram[{c.rule}]")
         self._note(p, "gram", "materialize")
-        return self.emit(lambda g: g.flatten(1) @ g.flatten(1).T, [self.per_sample(p)], "gram")
+        return self.emit(lambda g: g.reshape(g.shape[0], -1) @ g.reshape(g.shape[0], -1).T, [self.per_sample(p)],
+                         "gram")
 
     def replay_tail(self, p: ParamGrad, replaced: dict[fx.Node, fx.Node]) -> fx.Node:
         """Copy the tail from the contractions to ``p.grad`` with some contractions replaced."""

@@ -30,8 +30,14 @@ def emit(
     ``inputs`` must be tensor-valued nodes; constants belong in ``fn``'s closure.
     """
     fakes = [value_of(n) for n in inputs]
-    with torch.no_grad(), detect_fake_mode(fakes):
-        sub = make_fx(fn)(*[f.detach() if isinstance(f, torch.Tensor) else f for f in fakes])
+    mode = detect_fake_mode(fakes)
+    allowed = mode.allow_non_fake_inputs
+    mode.allow_non_fake_inputs = True  # user code (a custom reduction) may close over real tensors
+    try:
+        with torch.no_grad(), mode:
+            sub = make_fx(fn)(*[f.detach() if isinstance(f, torch.Tensor) else f for f in fakes])
+    finally:
+        mode.allow_non_fake_inputs = allowed
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     env.update(zip(placeholders, inputs, strict=True))
@@ -44,8 +50,16 @@ def emit(
             if node.op == "output":
                 result = fx.map_arg(node.args[0], lambda n: env[n])
                 break
-            if node.op == "get_attr":
-                raise RuntimeError(f"rule {tag} created a tensor constant; build it from an input instead")
+            if node.op == "get_attr":  # a tensor the traced code closed over: keep it on the module
+                owner = graph.owning_module
+                name = f"_psg_constant_{len([k for k in dir(owner) if k.startswith('_psg_constant_')])}"
+                constant = getattr(sub, node.target)
+                owner.register_buffer(name, constant, persistent=False)
+                new = graph.get_attr(name)
+                new.meta["val"] = mode.from_tensor(constant)
+                new.meta["psg"] = tag
+                env[node] = new
+                continue
             new = graph.node_copy(node, lambda n: env[n])
             new.meta["psg"] = tag
             env[node] = new

@@ -53,7 +53,7 @@ def per_sample_loss_head(forward: fx.GraphModule, loss: fx.Node, batch: BatchDim
     else:
         raise BatchInputError(
             f"the loss function must return a scalar (a sum or mean over samples) or per-sample losses of shape "
-            f"[B]; it returned shape {tuple(loss_val.shape)}. Fix: reduce the extra dimensions, e.g. "
+            f"[B]; it returned shape {_with_b(loss_val.shape, batch)}. Fix: reduce the extra dimensions, e.g. "
             "loss.mean(dim=1) or loss.sum()")
     graph.output_node().args = ((loss, per_sample),)
     graph.eliminate_dead_code()
@@ -62,3 +62,8 @@ def per_sample_loss_head(forward: fx.GraphModule, loss: fx.Node, batch: BatchDim
     return result
 
 
+
+
+def _with_b(shape, batch: BatchDims) -> str:
+    sizes = [str(s).replace(str(batch.symbol), "B") for s in shape]
+    return "(" + ", ".join(sizes) + ")"

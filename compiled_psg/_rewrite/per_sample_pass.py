@@ -20,8 +20,8 @@ import torch
 import torch.fx as fx
 
 from .._analyze.batch_dims import BatchDims, value_of
-from .._errors import UnsupportedError
 from .._analyze.source import source_line
+from .._errors import UnsupportedError
 from .contraction import Contraction
 from .emit import emit
 from .fallback import fallback_contraction, fallback_lift
@@ -167,9 +167,9 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
         if not any(a in ps for a in args):
             # depends on the batch only through its size (``torch.full([], n)``): evaluate for a batch of one
             twin = substitute_batch_values(graph, node, batch)
-            source = batch_size_source(graph, batch)
-            ps[node] = emit(graph, lambda ref, v: v.unsqueeze(0).expand([ref.shape[source[1]]] + list(v.shape)),
-                            [source[0], twin], tag="constant_per_sample", before=after)
+            source, dim = batch_size_source(graph, batch)
+            ps[node] = emit(graph, lambda ref, v, _d=dim: v.unsqueeze(0).expand([ref.shape[_d]] + list(v.shape)),
+                            [source, twin], tag="constant_per_sample", before=after)
             result.records.append(RewriteRecord(node.name, str(op_node.target), "constant_per_sample", "lift",
                                                 tuple(value_of(ps[node]).shape), source_line(node)))
             continue

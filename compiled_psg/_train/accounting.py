@@ -1,9 +1,9 @@
 """Privacy accounting, delegated to existing libraries: nothing here computes a privacy bound itself.
 
-``"rdp"`` (default) and ``"pld"`` use Google's dp-accounting (``RdpAccountant``, ``PLDAccountant``); ``"prv"`` and
-``"opacus-rdp"`` use ``opacus.accountants`` (installed with the ``peers`` extra). A DP-SGD step is the
-Poisson-subsampled Gaussian mechanism with sampling rate ``q`` and noise multiplier ``sigma``, under the
-add-or-remove-one neighbouring relation.
+``"rdp"`` (default) and ``"pld"`` use Google's dp-accounting (``RdpAccountant``, ``PLDAccountant``);
+``"prv"`` and ``"opacus-rdp"`` use ``opacus.accountants`` (installed with the ``peers`` extra). A DP-SGD
+step is the Poisson-subsampled Gaussian mechanism with sampling rate ``q`` and noise multiplier
+``sigma``, under the add-or-remove-one neighbouring relation.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism:
         return float(accountant.get_epsilon(delta))
 
 
-def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, mechanism: str = "rdp") -> float:
+def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float,
+            mechanism: str = "rdp") -> float:
     """Epsilon at ``delta`` of ``steps`` DP-SGD steps with the given noise multiplier and sampling rate."""
     return epsilon_of([(noise_multiplier, sample_rate, steps)], delta, mechanism)
 
@@ -81,8 +82,8 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
                     mechanism: str = "rdp", epsilon_tolerance: float = 0.01) -> float:
     """The smallest noise multiplier whose ``steps`` steps at ``sample_rate`` stay within ``target_epsilon``.
 
-    dp-accounting's ``calibrate_dp_mechanism`` for ``"rdp"``/``"pld"``; opacus's ``get_noise_multiplier`` for the
-    opacus accountants.
+    dp-accounting's ``calibrate_dp_mechanism`` for ``"rdp"``/``"pld"``; opacus's ``get_noise_multiplier``
+    for the opacus accountants.
     """
     _check(mechanism)
     if not target_epsilon > 0:
@@ -92,15 +93,16 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
 
         with warnings.catch_warnings():  # PRV's search probes RDP bounds at extreme sigmas
             warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-            return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta,
-                                              sample_rate=sample_rate, steps=steps,
-                                              accountant=_OPACUS[mechanism], epsilon_tolerance=epsilon_tolerance))
+            return float(get_noise_multiplier(
+                target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate,
+                steps=steps, accountant=_OPACUS[mechanism], epsilon_tolerance=epsilon_tolerance))
     import dp_accounting
 
     def calibrate(kind, bracket, tol):
         with _quiet_absl():
             return float(dp_accounting.calibrate_dp_mechanism(
-                lambda: _dp_accounting_accountant(kind), lambda sigma: dp_event([(sigma, sample_rate, steps)]),
+                lambda: _dp_accounting_accountant(kind),
+                lambda sigma: dp_event([(sigma, sample_rate, steps)]),
                 target_epsilon, target_delta, bracket_interval=bracket, tol=tol))
 
     sigma_rdp = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), 1e-4)

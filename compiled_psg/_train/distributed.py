@@ -16,9 +16,9 @@ Across nodes, launch one process per device with torchrun, e.g. on each of 2 nod
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py
 
-and in ``train.py`` call ``torch.distributed.init_process_group("nccl")`` (``"gloo"`` on CPU), select the device
-``LOCAL_RANK``, take the shard ``shard(dataset)`` and build ``make_private`` / ``compile_step`` as usual; the
-step detects the process group.
+and in ``train.py`` call ``torch.distributed.init_process_group("nccl")`` (``"gloo"`` on CPU), select the
+device ``LOCAL_RANK``, take the shard ``shard(dataset)`` and build ``make_private`` / ``compile_step`` as
+usual; the step detects the process group.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Gaussian noise for DP-SGD: the default source (torch's generators) and a cryptographically secure one.
 
 The secure source reads ``os.urandom`` (the operating system's CSPRNG, what ``secrets`` uses), turns 53 random
-bits into a uniform in (0, 1) in float64 and applies Box-Muller in float64, then casts to the parameter dtype.
-Float64 leaves far fewer gaps in the noise than float32, but any floating-point sampler is only an approximation
-of the continuous Gaussian the analysis assumes (Mironov 2012; Holohan & Braghin 2021).
+bits into a uniform in (0, 1) in float64 and applies Box-Muller in float64, then casts to the parameter
+dtype. Float64 leaves far fewer gaps in the noise than float32, but any floating-point sampler is only an
+approximation of the continuous Gaussian the analysis assumes (Mironov 2012; Holohan & Braghin 2021).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def secure_gaussian(shape, std: float = 1.0, *, dtype: torch.dtype = torch.float
 
 def gaussian_like(t: torch.Tensor, std: float, *, secure: bool = False,
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """N(0, std^2) noise shaped like ``t``: secure (os.urandom), or torch's ``generator`` (default: global)."""
+    """N(0, std^2) noise shaped like ``t``: secure (os.urandom), or from torch's ``generator`` (default:
+    the global one)."""
     if secure:
         return secure_gaussian(tuple(t.shape), std, dtype=t.dtype, device=t.device)
     noise = torch.randn(t.shape, dtype=t.dtype, device=t.device if generator is None else generator.device,

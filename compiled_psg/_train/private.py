@@ -57,17 +57,19 @@ class PrivateTraining:
         return self.accountant.epsilon(self.target_delta if delta is None else delta)
 
 
-def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader, loss_fn: Callable,
-                 *, noise_multiplier: float | None = None, target_epsilon: float | None = None,
+def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                 loss_fn: Callable, *, noise_multiplier: float | None = None,
+                 target_epsilon: float | None = None,
                  target_delta: float = 1e-5, epochs: int | None = None, max_grad_norm: float = 1.0,
                  accountant: str = "rdp", secure_rng: bool = False, poisson_sampling: bool = True,
                  loss_reduction: str = "mean", backend: str = "inductor", update_backend: str | None = None,
-                 generator: torch.Generator | None = None, sample_rate: float | None = None) -> PrivateTraining:
+                 generator: torch.Generator | None = None,
+                 sample_rate: float | None = None) -> PrivateTraining:
     """Make a training loop differentially private (DP-SGD, Abadi et al. 2016).
 
-    ``loss_fn(*batch)`` is the batched loss of ``model`` on one batch as ``data_loader`` yields it. Give either
-    ``noise_multiplier`` or ``target_epsilon`` (with ``epochs``: sigma is then calibrated by the accountant
-    library for ``epochs * len(data_loader)`` steps at ``target_delta``). The sampling rate is
+    ``loss_fn(*batch)`` is the batched loss of ``model`` on one batch as ``data_loader`` yields it. Give
+    either ``noise_multiplier`` or ``target_epsilon`` (with ``epochs``: sigma is then calibrated by the
+    accountant library for ``epochs * len(data_loader)`` steps at ``target_delta``). The sampling rate is
     ``1 / len(data_loader)`` (batch size over dataset size); the returned ``data_loader`` Poisson-samples the
     same dataset at that rate (``poisson_sampling=False`` keeps the loader as it is, which the accountant's
     analysis does not cover). The gradient is divided by the expected batch size ``q * N`` (``N`` summed over
@@ -86,18 +88,20 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         low = -dist_utils.all_reduce_scalar(-sample_rate, op=torch.distributed.ReduceOp.MAX)
         high = dist_utils.all_reduce_scalar(sample_rate, op=torch.distributed.ReduceOp.MAX)
         if abs(high - low) > 1e-12:
-            raise ValueError(f"ranks disagree on the sampling rate ({low} .. {high}): give every rank a shard of "
-                             "the same size and the same batch size, or pass sample_rate=")
+            raise ValueError(f"ranks disagree on the sampling rate ({low} .. {high}): give every rank a "
+                             "shard of the same size and the same batch size, or pass sample_rate=")
     steps_per_epoch = max(1, round(1 / sample_rate))
     if target_epsilon is not None:
-        noise_multiplier = calibrate_noise(target_epsilon, target_delta, sample_rate, epochs * steps_per_epoch,
-                                           accountant)
+        noise_multiplier = calibrate_noise(target_epsilon, target_delta, sample_rate,
+                                           epochs * steps_per_epoch, accountant)
     global_size = dist_utils.all_reduce_scalar(float(len(data_loader.dataset)))
     expected_batch_size = sample_rate * global_size
 
     # capture on a real batch first: a model that mixes samples is refused before any training
     first = next(iter(data_loader))
     first = tuple(first) if isinstance(first, list | tuple) else (first,)
+    device = next(p.device for p in model.parameters())
+    first = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in first)
     dp_step = compile_step(loss_fn, model, optimizer, max_grad_norm=max_grad_norm,
                            noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                            loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend,
@@ -110,4 +114,5 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     if poisson_sampling:
         loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch, generator=generator,
                                 secure=secure_rng)
-    return PrivateTraining(model, optimizer, loader, dp_step, Accountant(accountant), sample_rate, target_delta)
+    return PrivateTraining(model, optimizer, loader, dp_step, Accountant(accountant), sample_rate,
+                           target_delta)

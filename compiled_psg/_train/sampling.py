@@ -64,8 +64,8 @@ def poisson_loader(data: Dataset | DataLoader, sample_rate: float | None = None,
                    generator: torch.Generator | None = None, secure: bool = False) -> DataLoader:
     """A ``DataLoader`` over ``data``'s dataset whose batches are Poisson samples at ``sample_rate``.
 
-    From a ``DataLoader``, the rate defaults to ``1 / len(loader)`` (its batch size over the dataset size, as in
-    Opacus) and its collate function, workers and pinning are kept.
+    From a ``DataLoader``, the rate defaults to ``1 / len(loader)`` (its batch size over the dataset size,
+    as in Opacus) and its collate function, workers and pinning are kept.
     """
     if isinstance(data, DataLoader):
         dataset, collate = data.dataset, data.collate_fn
@@ -77,4 +77,5 @@ def poisson_loader(data: Dataset | DataLoader, sample_rate: float | None = None,
         if sample_rate is None:
             raise ValueError("sample_rate is required when building a Poisson loader from a dataset")
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator=generator, secure=secure)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=_CollateWithEmpty(dataset, collate), **options)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=_CollateWithEmpty(dataset, collate),
+                      **options)

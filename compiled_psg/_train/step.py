@@ -2,8 +2,11 @@
 
 The forward and backward run as compiled_psg's rewritten graph with the ``clip_sum`` reduction, so the
 per-sample gradients are never materialized; the noise, the scaling and ``optimizer.step()`` run as one
-``torch.compile``d function. That function only sees parameter-shaped tensors, so neither graph recompiles when
-the batch size changes (Poisson sampling draws a different one every step).
+``torch.compile``d function (full graph: the optimizer's own ``step`` is called without its graph-breaking
+wrappers; with step hooks, or an optimizer Dynamo cannot take whole, it compiles with graph breaks). That
+function only sees parameter-shaped tensors, so neither graph recompiles when the batch size changes (Poisson
+sampling draws a different one every step). The first update runs eagerly, so that the optimizer's lazily
+created state exists before the compiled function first sees it.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class DPStep:
 
     def __init__(self, loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  max_grad_norm: float | None = None, noise_multiplier: float = 0.0,
-                 expected_batch_size: float | None = None, loss_reduction: str = "mean", secure_rng: bool = False,
+                 expected_batch_size: float | None = None, loss_reduction: str = "mean",
+                 secure_rng: bool = False,
                  backend: str = "inductor", generator: torch.Generator | None = None, in_dims=0,
                  update_backend: str | None = None, distributed: bool | None = None):
         from .._api import per_sample
@@ -85,11 +89,13 @@ class DPStep:
             dist_utils.broadcast_parameters(self.params)
         # Noise drawn inside the compiled update from torch's global generator, unless it must come from
         # elsewhere: a secure source, the caller's generator, or rank 0 alone (before the all-reduce).
-        self.noise_outside = self.noise_multiplier > 0 and (secure_rng or generator is not None or self.distributed)
+        self.noise_outside = self.noise_multiplier > 0 and (secure_rng or generator is not None
+                                                            or self.distributed)
         self.noise_inside = self.noise_multiplier > 0 and not self.noise_outside
         self.update_backend = update_backend or backend
         self.update_compiles = 0
         self.update_fullgraph = True
+        self._state_ready = False
         self.compile_seconds = 0.0
         self.last_batch_size = 0
         self.last_norms: torch.Tensor | None = None
@@ -110,16 +116,17 @@ class DPStep:
 
         if self.noise_inside:
             def update(grads, std, scale):
-                for p, g in zip(params, grads):
+                for p, g in zip(params, grads, strict=True):
                     p.grad.copy_((g + std * torch.randn_like(g)) * scale)
                 step_fn(opt)
         else:
             def update(grads, scale):
-                for p, g in zip(params, grads):
+                for p, g in zip(params, grads, strict=True):
                     p.grad.copy_(g * scale)
                 step_fn(opt)
 
         self.update_fullgraph = fullgraph
+        self._update_eager = update
         return torch.compile(_fresh(update), fullgraph=fullgraph, backend=self._backend)
 
     def _run_update(self, grads, scale: float):
@@ -132,6 +139,11 @@ class DPStep:
             args.append(torch.tensor(self.noise_std, dtype=ref.dtype, device=ref.device))
         args.append(torch.tensor(scale, dtype=ref.dtype, device=ref.device))
         with torch.no_grad():
+            if not self._state_ready:
+                # The first update runs eagerly: optimizers create their state (momentum buffers, Adam's
+                # moments) lazily, and a compiled first call would be a graph of its own.
+                self._state_ready = True
+                return self._update_eager(*args)
             try:
                 return self._update(*args)
             except torch._dynamo.exc.Unsupported:
@@ -144,6 +156,8 @@ class DPStep:
     # --- one step ------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
         f = self.per_sample
+        # contiguous copies of strided views (x[rank::world]): the capture assumes dense batch inputs
+        batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
         before = (f.captures, f.compile_seconds)
         start = time.perf_counter()
         loss, per_sample_losses, (sums, norms) = f.with_losses(*batch)
@@ -176,25 +190,26 @@ class DPStep:
 
 def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  max_grad_norm: float | None = None, noise_multiplier: float = 0.0,
-                 expected_batch_size: float | None = None, loss_reduction: str = "mean", secure_rng: bool = False,
+                 expected_batch_size: float | None = None, loss_reduction: str = "mean",
+                 secure_rng: bool = False,
                  backend: str = "inductor", generator: torch.Generator | None = None, in_dims=0,
                  update_backend: str | None = None, distributed: bool | None = None) -> DPStep:
     """Build ``step(*batch) -> loss``: one (DP-)SGD step of ``optimizer`` on ``model``'s parameters.
 
-    ``loss_fn(*batch)`` computes the loss of a batch with ``model`` (batched along ``in_dims``). A step computes
-    ``S = sum_i min(1, C / ||g_i||) g_i`` over the batch's per-sample gradients ``g_i`` (``C = max_grad_norm``;
-    None: no clipping, ``S`` is the plain sum), adds Gaussian noise ``N(0, sigma^2 C^2)`` once
-    (``sigma = noise_multiplier``), divides by ``expected_batch_size`` (``loss_reduction="mean"``; None: the
-    actual batch size; ``"sum"``: no division), writes the result to ``p.grad`` and runs ``optimizer.step()``.
-    Parameters are updated in place. With Poisson sampling pass ``expected_batch_size = q * N``: dividing by
-    the actual batch size would reveal it.
+    ``loss_fn(*batch)`` computes the loss of a batch with ``model`` (batched along ``in_dims``). A step
+    computes ``S = sum_i min(1, C / ||g_i||) g_i`` over the batch's per-sample gradients ``g_i``
+    (``C = max_grad_norm``; None: no clipping, ``S`` is the plain sum), adds Gaussian noise
+    ``N(0, sigma^2 C^2)`` once (``sigma = noise_multiplier``), divides by ``expected_batch_size``
+    (``loss_reduction="mean"``; None: the actual batch size; ``"sum"``: no division), writes the result to
+    ``p.grad`` and runs ``optimizer.step()``. Parameters are updated in place. With Poisson sampling pass
+    ``expected_batch_size = q * N``: dividing by the actual batch size would reveal it.
 
     The noise comes from torch's global generator (inside the compiled update), from ``generator`` when one is
     given, or from ``os.urandom`` with ``secure_rng=True`` (both drawn outside the compiled update).
-    ``backend`` compiles the per-sample graph (``"inductor"`` or ``"eager"``); ``update_backend`` (default: the
-    same) is the ``torch.compile`` backend of the update. Under an initialized ``torch.distributed`` process
-    group (``distributed=None`` detects it) the clipped sums are all-reduced and rank 0 alone adds the noise;
-    see ``compiled_psg._train.distributed``.
+    ``backend`` compiles the per-sample graph (``"inductor"`` or ``"eager"``); ``update_backend`` (default:
+    the same) is the ``torch.compile`` backend of the update. Under an initialized ``torch.distributed``
+    process group (``distributed=None`` detects it) the clipped sums are all-reduced and rank 0 alone adds
+    the noise; see ``compiled_psg._train.distributed``.
 
     The returned object also has ``per_sample`` (the compiled per-sample function; ``per_sample.captures``),
     ``update_compiles``, ``compile_seconds``, ``last_batch_size`` and ``last_norms`` (the unclipped norms).
@@ -202,6 +217,6 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     recompiles the update.
     """
     return DPStep(loss_fn, model, optimizer, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                  expected_batch_size=expected_batch_size, loss_reduction=loss_reduction, secure_rng=secure_rng,
-                  backend=backend, generator=generator, in_dims=in_dims, update_backend=update_backend,
-                  distributed=distributed)
+                  expected_batch_size=expected_batch_size, loss_reduction=loss_reduction,
+                  secure_rng=secure_rng, backend=backend, generator=generator, in_dims=in_dims,
+                  update_backend=update_backend, distributed=distributed)

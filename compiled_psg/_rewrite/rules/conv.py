@@ -15,6 +15,30 @@ from ..contraction import Contraction, factored_sq_norms
 ATEN = torch.ops.aten
 
 
+@torch.library.custom_op("compiled_psg::conv_weight_per_sample", mutates_args=())
+def conv_weight_per_sample(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], stride: list[int],
+                           padding: list[int], dilation: list[int], transposed: bool, output_padding: list[int],
+                           groups: int) -> torch.Tensor:
+    """Per-sample conv weight gradients ``[n, *weight_shape]`` from ``gs [n, r, o, *s']`` and ``xs [n, r, c, *s]``.
+
+    The samples become the groups of one convolution (groups = n*r*G). It is an opaque op for the compiler:
+    Inductor's convolution lowering specializes ``groups``, which would fix the batch size.
+    """
+    n, r = gs.shape[0], gs.shape[1]
+    g1 = gs.reshape(1, n * r * gs.shape[2], *gs.shape[3:])
+    x1 = xs.reshape(1, n * r * xs.shape[2], *xs.shape[3:])
+    w1 = gs.new_empty([n * r * weight_shape[0]] + list(weight_shape[1:]))
+    gw = ATEN.convolution_backward(g1, x1, w1, None, stride, padding, dilation, transposed, output_padding,
+                                   n * r * groups, [False, True, False])[1]
+    gw = gw.view([n, r] + list(weight_shape))
+    return gw.sum(1) if r != 1 else gw.squeeze(1)
+
+
+@conv_weight_per_sample.register_fake
+def _(gs, xs, weight_shape, stride, padding, dilation, transposed, output_padding, groups):
+    return gs.new_empty([gs.shape[0]] + list(weight_shape))
+
+
 def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """Output 1 (weight) or 2 (bias) of ``convolution_backward(g, x, w, ...)``; n batch, o out, c in.
 
@@ -24,7 +48,8 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
         gw = cb[1]                                       # [o, c/G, *k]
         gb = cb[2]                                       # [o]
 
-    After (weight): the samples become groups of one convolution, so no per-sample loop and no unfold::
+    After (weight): the samples become groups of one convolution, so no per-sample loop and no unfold;
+    ``compiled_psg.conv_weight_per_sample`` (an opaque op, so the compiler does not fix ``n``) computes::
 
         cbn = aten.convolution_backward(g.view(1, n*o, *s'), x.view(1, n*c, *s), empty([n*o, c/G, *k]),
                                         ..., groups=n*G, mask=[False, True, False])
@@ -57,14 +82,8 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
 
     def per_sample_weight(g, x, w):
         gs, xs = split_batch(g, 0, layout), split_batch(x, 0, layout)  # [n, r, o, *s'], [n, r, c, *s]
-        n, r = gs.shape[0], gs.shape[1]
-        g1 = gs.reshape(1, n * r * gs.shape[2], *gs.shape[3:])
-        x1 = xs.reshape(1, n * r * xs.shape[2], *xs.shape[3:])
-        w1 = w.new_empty([n * r * w_shape[0]] + w_shape[1:])
-        gw = ATEN.convolution_backward(g1, x1, w1, None, stride, padding, dilation, transposed,
-                                       output_padding, n * r * groups, [False, True, False])[1]
-        gw = gw.view([n, r] + w_shape)
-        return gw.sum(1) if r != 1 else gw.squeeze(1)
+        return conv_weight_per_sample(gs, xs, w_shape, list(stride), list(padding), list(dilation), bool(transposed),
+                                      list(output_padding), int(groups))
 
     factors = None
     factor_shape = None

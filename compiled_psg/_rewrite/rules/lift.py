@@ -173,7 +173,7 @@ LIFT_RULES[ATEN.cat.default] = cat
 
 # Linear in their per-sample arguments (when all tensor arguments of add/sub are per-sample, or only one
 # argument of mul/div is): a weighted sum over samples commutes with them.
-LINEAR_LIFTS = set(_SHAPE_OPS) - {ATEN.mean.dim, ATEN.mean.default} | {
+LINEAR_LIFTS = set(_SHAPE_OPS) | {
     ATEN._weight_norm_interface_backward.default, ATEN.cat.default, ATEN.add.Tensor, ATEN.sub.Tensor,
     ATEN.mul.Tensor, ATEN.div.Tensor, ATEN.neg.default, ATEN.mul.Scalar, ATEN.div.Scalar,
 }

@@ -87,7 +87,7 @@ def trilinear(node: fx.Node, batch: BatchDims) -> Contraction | None:
         return None
     c = common_dims[0]
     layouts = {}
-    for t, e in zip(tensors, expands, strict=True):
+    for t in tensors:
         for d in batch.dims(t):
             layouts[batch_layout(t, d, batch)] = True
     if len(layouts) != 1 or None in layouts:

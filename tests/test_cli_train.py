@@ -1,0 +1,64 @@
+"""``python -m compiled_psg train``: a very short run writes its metrics JSON and its plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from compiled_psg.__main__ import main
+
+QUICK = ["--epochs", "2", "--train-subset", "300", "--batch-size", "64", "--backend", "eager",
+         "--update-backend", "eager"]
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def read_outputs(out):
+    metrics = json.loads((out / "metrics.json").read_text())
+    png = (out / "accuracy.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    return metrics
+
+
+def test_train_dp_writes_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *QUICK, "--epsilon", "4", "--out", str(out)]) == 0
+    metrics = read_outputs(out)
+    assert [r["epoch"] for r in metrics["epochs"]] == [1, 2]
+    for row in metrics["epochs"]:
+        assert 0 <= row["test_accuracy"] <= 1 and row["samples_per_second"] > 0 and row["compile_seconds"] > 0
+    final = metrics["final"]
+    assert final["epsilon"] <= 4.0 and final["epsilon"] > 3.5  # sigma calibrated for exactly these 2 epochs
+    assert final["captures"] == 1 and final["update_compiles"] == 1 and final["wall_seconds"] > 0
+    assert metrics["mechanism"]["noise_multiplier"] > 0 and metrics["dataset"]["train"] == 300
+    assert metrics["mechanism"]["sample_rate"] == pytest.approx(64 / 300)
+    text = capsys.readouterr().out
+    assert "epoch   2  test acc" in text and "samples/s" in text and "compile" in text  # per-epoch lines
+    assert "final: test accuracy" in text
+
+
+def test_train_no_dp_baseline(tmp_path):
+    out = tmp_path / "baseline"
+    assert main(["train", *QUICK, "--no-dp", "--no-progress", "--optimizer", "adam", "--lr", "0.01",
+                 "--out", str(out)]) == 0
+    metrics = read_outputs(out)
+    assert metrics["final"]["epsilon"] is None and metrics["mechanism"]["noise_multiplier"] == 0.0
+    assert metrics["final"]["test_accuracy"] > 0.5  # 2 epochs of plain Adam already learn something
+
+
+def test_module_entry_point_help():
+    result = subprocess.run([sys.executable, "-m", "compiled_psg", "train", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "--epsilon" in result.stdout and "--no-dp" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "compiled_psg"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0 and "train" in result.stderr

@@ -1,0 +1,152 @@
+"""Accounting (against the libraries called directly), calibration, Poisson sampling, make_private."""
+
+from __future__ import annotations
+
+import dp_accounting
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from dp_accounting import pld, rdp
+from torch.utils.data import DataLoader, TensorDataset
+
+import compiled_psg as psg
+from compiled_psg._train.accounting import Accountant, calibrate_noise, epsilon
+from compiled_psg._train.private import make_private
+from compiled_psg._train.sampling import PoissonBatchSampler, poisson_loader
+
+SIGMA, Q, STEPS, DELTA = 1.1, 0.02, 500, 1e-5
+
+
+def direct_dp_accounting(accountant, history):
+    for sigma, q, steps in history:
+        accountant.compose(dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+    return accountant.get_epsilon(DELTA)
+
+
+@pytest.mark.parametrize("mechanism", ["rdp", "pld"])
+def test_epsilon_is_dp_accounting(mechanism):
+    direct = direct_dp_accounting(rdp.RdpAccountant() if mechanism == "rdp" else pld.PLDAccountant(),
+                                  [(SIGMA, Q, STEPS)])
+    assert epsilon(SIGMA, Q, STEPS, DELTA, mechanism) == direct
+    assert 0 < direct < 10
+
+
+@pytest.mark.parametrize("mechanism", ["rdp", "prv"])
+def test_epsilon_is_opacus(mechanism):
+    accountants = pytest.importorskip("opacus.accountants")
+    direct = accountants.RDPAccountant() if mechanism == "rdp" else accountants.PRVAccountant()
+    for _ in range(STEPS):
+        direct.step(noise_multiplier=SIGMA, sample_rate=Q)
+    assert epsilon(SIGMA, Q, STEPS, DELTA, "opacus-rdp" if mechanism == "rdp" else "prv") == pytest.approx(
+        direct.get_epsilon(delta=DELTA), rel=1e-12)
+
+
+def test_accountant_composes_a_changing_history():
+    history = [(1.5, 0.01, 100), (0.9, 0.02, 50), (1.5, 0.01, 10)]
+    acc = Accountant("rdp")
+    for sigma, q, steps in history:
+        for _ in range(steps):
+            acc.step(sigma, q)
+    assert acc.steps == 160 and acc.history == history
+    assert acc.epsilon(DELTA) == direct_dp_accounting(rdp.RdpAccountant(), history)
+
+
+def test_epsilon_limits():
+    assert Accountant().epsilon(DELTA) == 0.0
+    assert epsilon(0.0, Q, 10, DELTA) == float("inf")
+    assert epsilon(SIGMA, Q, 100, DELTA) < epsilon(SIGMA, Q, 200, DELTA)
+    with pytest.raises(ValueError, match="accountant"):
+        Accountant("moments")
+
+
+def test_calibrate_noise_reaches_the_target():
+    sigma = calibrate_noise(3.0, DELTA, Q, STEPS, "rdp")
+    assert 2.95 <= epsilon(sigma, Q, STEPS, DELTA, "rdp") <= 3.0
+    assert epsilon(sigma * 0.98, Q, STEPS, DELTA, "rdp") > 3.0
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha")  # opacus's search probes huge sigmas
+def test_calibrate_noise_is_opacus():
+    utils = pytest.importorskip("opacus.accountants.utils")
+    direct = utils.get_noise_multiplier(target_epsilon=3.0, target_delta=DELTA, sample_rate=Q, steps=STEPS,
+                                        accountant="rdp", epsilon_tolerance=0.01)
+    assert calibrate_noise(3.0, DELTA, Q, STEPS, "opacus-rdp") == direct
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_poisson_sampler(secure):
+    generator = torch.Generator().manual_seed(0)
+    sampler = PoissonBatchSampler(1000, 0.05, steps=400, generator=generator, secure=secure)
+    batches = list(sampler)
+    sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
+    assert len(batches) == len(sampler) == 400
+    assert abs(sizes.mean().item() - 50) < 6 * (1000 * 0.05 * 0.95 / 400) ** 0.5
+    assert abs(sizes.var().item() / (1000 * 0.05 * 0.95) - 1) < 0.4  # binomial spread, not a fixed size
+    assert all(len(set(b)) == len(b) and all(0 <= i < 1000 for i in b) for b in batches)
+    assert len(PoissonBatchSampler(1000, 0.05)) == 20
+
+
+def test_poisson_loader_yields_empty_batches():
+    data = TensorDataset(torch.randn(5, 3), torch.arange(5))
+    loader = poisson_loader(data, 0.02, steps=30, generator=torch.Generator().manual_seed(0))
+    batches = list(loader)
+    empty = [b for b in batches if len(b[1]) == 0]
+    assert len(batches) == 30 and empty
+    x, y = empty[0]
+    assert x.shape == (0, 3) and x.dtype == torch.float32 and y.shape == (0,) and y.dtype == torch.long
+
+
+def _setup(n=60, batch_size=10, model=None):
+    torch.manual_seed(0)
+    model = model or nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    data = TensorDataset(torch.randn(n, 4), torch.randint(0, 3, (n,)))
+    loader = DataLoader(data, batch_size=batch_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, optimizer, loader, lambda x, y: F.cross_entropy(model(x), y)
+
+
+def test_make_private_with_noise_multiplier():
+    model, optimizer, loader, loss_fn = _setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    private = make_private(model, optimizer, loader, loss_fn, noise_multiplier=1.2, max_grad_norm=0.5,
+                           backend="eager", update_backend="eager",
+                           generator=torch.Generator().manual_seed(0))
+    assert private.sample_rate == pytest.approx(1 / 6) and private.expected_batch_size == pytest.approx(10)
+    assert isinstance(private.data_loader.batch_sampler, PoissonBatchSampler)
+    sizes = []
+    for x, y in private.data_loader:
+        private.step(x, y)
+        sizes.append(len(y))
+    private.step(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long))  # an empty batch is a step too
+    assert len(sizes) == 6 and private.accountant.steps == 7
+    assert private.epsilon() == epsilon(1.2, 1 / 6, 7, 1e-5)
+    assert private.epsilon(1e-3) < private.epsilon(1e-6)
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert private.dp_step.per_sample.captures == 1 and private.compile_seconds > 0
+
+
+def test_make_private_calibrates_to_target_epsilon():
+    model, optimizer, loader, loss_fn = _setup()
+    private = make_private(model, optimizer, loader, loss_fn, target_epsilon=4.0, epochs=5, backend="eager")
+    assert private.noise_multiplier == calibrate_noise(4.0, 1e-5, 1 / 6, 5 * 6)
+    private.accountant.step(private.noise_multiplier, private.sample_rate, steps=30)
+    assert 3.9 < private.epsilon() <= 4.0
+
+
+def test_make_private_refuses_models_that_mix_samples():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    model, optimizer, loader, loss_fn = _setup(model=model)
+    with pytest.raises(psg.SampleMixingError):
+        make_private(model, optimizer, loader, loss_fn, noise_multiplier=1.0, backend="eager")
+
+
+def test_make_private_argument_errors():
+    model, optimizer, loader, loss_fn = _setup()
+    with pytest.raises(ValueError, match="exactly one"):
+        make_private(model, optimizer, loader, loss_fn)
+    with pytest.raises(ValueError, match="exactly one"):
+        make_private(model, optimizer, loader, loss_fn, noise_multiplier=1.0, target_epsilon=1.0, epochs=1)
+    with pytest.raises(ValueError, match="epochs"):
+        make_private(model, optimizer, loader, loss_fn, target_epsilon=1.0)

@@ -1,0 +1,208 @@
+"""Refusals: sample mixing, bad inputs, graph breaks. Each error names the culprit, the user's line, a fix.
+
+Offending lines carry a ``# <marker>`` comment; ``line_of(marker)`` finds their line number in this file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import compiled_psg as psg
+
+THIS = Path(__file__)
+F64 = torch.float64
+
+
+def line_of(marker: str) -> int:
+    lines = THIS.read_text().splitlines()
+    hits = [i + 1 for i, text in enumerate(lines) if text.rstrip().endswith(f"# <{marker}>")]
+    assert len(hits) == 1, f"marker {marker!r} found on lines {hits}"
+    return hits[0]
+
+
+def assert_points_at(message: str, *markers: str):
+    """The message names this file and the line of one of ``markers``."""
+    lines = [line_of(m) for m in markers]
+    assert any(re.search(rf"{re.escape(THIS.name)}\D{{1,12}}{line}\b", message) for line in lines), (
+        f"the message should point at {THIS.name} line {' or '.join(map(str, lines))}:\n{message}")
+
+
+def data(B=4, n_in=5, n_classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, n_in, generator=g, dtype=F64), torch.randint(0, n_classes, (B,), generator=g)
+
+
+# ---------------------------------------------------------------- sample mixing
+
+
+def batchnorm_train():
+    torch.manual_seed(0)
+    bn, head = nn.BatchNorm2d(2).double().train(), nn.Linear(2 * 4 * 4, 3).double()
+    model = nn.ModuleList([bn, head])
+
+    def loss(x, y):
+        return F.cross_entropy(head(bn(x).flatten(1)), y)  # <batchnorm>
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 2, 4, 4, generator=g, dtype=F64)
+    return model, loss, (x, torch.randint(0, 3, (4,), generator=g))
+
+
+def center_over_batch():
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3).double()
+
+    def loss(x, y):
+        h = lin(x - x.mean(0))  # <center>
+        return F.cross_entropy(h, y)
+
+    return lin, loss, data()
+
+
+def softmax_over_batch():
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3).double()
+
+    def loss(x, y):
+        p = F.softmax(lin(x), dim=0)  # <softmax0>
+        return -(p.log() * F.one_hot(y, 3)).sum()
+
+    return lin, loss, data()
+
+
+def contrastive():
+    torch.manual_seed(0)
+    enc = nn.Linear(5, 4).double()
+
+    def loss(x, y):
+        z = F.normalize(enc(x), dim=1)
+        logits = z @ z.T  # <contrastive>
+        return F.cross_entropy(logits, torch.arange(x.shape[0]))
+
+    return enc, loss, data()
+
+
+MIXING = [
+    # id, builder, marker, acceptable op names (one must appear), required fix words
+    ("batchnorm_train", batchnorm_train, "batchnorm", ["batch_norm"], ["eval", "GroupNorm"]),
+    ("center_over_batch", center_over_batch, "center", ["mean", "sum"], ["fix"]),
+    ("softmax_dim0", softmax_over_batch, "softmax0", ["softmax"], ["fix"]),
+    ("contrastive_z_zT", contrastive, "contrastive", ["mm", "matmul", "bmm"], ["fix"]),
+]
+
+
+@pytest.mark.parametrize("builder,marker,ops,fixes", [m[1:] for m in MIXING], ids=[m[0] for m in MIXING])
+def test_sample_mixing_refused(builder, marker, ops, fixes):
+    model, loss, args = builder()
+    fn = psg.per_sample(model, backend="eager")(loss)
+    with pytest.raises(psg.SampleMixingError) as info:
+        fn(*args)
+    message = str(info.value)
+    assert any(op in message for op in ops), f"the message should name the op (one of {ops}):\n{message}"
+    assert_points_at(message, marker)
+    for word in fixes:
+        assert word.lower() in message.lower(), f"the message should suggest a fix ({word!r}):\n{message}"
+    assert isinstance(info.value, psg.PerSampleError)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+
+
+def test_different_batch_sizes():
+    model = _mlp()
+    fn = psg.per_sample(model, backend="eager")(lambda x, y: F.cross_entropy(model(x), y))
+    x, _ = data(B=3)
+    _, y = data(B=4)
+    with pytest.raises(psg.BatchInputError, match=r"batch size") as info:
+        fn(x, y)
+    assert "3" in str(info.value) and "4" in str(info.value), str(info.value)
+
+
+def test_in_dims_tuple_wrong_length():
+    model = _mlp()
+    fn = psg.per_sample(model, in_dims=(0,), backend="eager")(lambda x, y: F.cross_entropy(model(x), y))
+    with pytest.raises(psg.BatchInputError, match=r"in_dims") as info:
+        fn(*data())
+    assert "1" in str(info.value) and "2" in str(info.value), str(info.value)
+
+
+def test_non_tensor_batched_argument():
+    model = _mlp()
+    fn = psg.per_sample(model, backend="eager")(lambda x, y: F.cross_entropy(model(x), torch.tensor(y)))
+    x, y = data()
+    with pytest.raises(psg.BatchInputError, match=r"(?i)tensor") as info:
+        fn(x, y.tolist())
+    assert "list" in str(info.value) or "argument 1" in str(info.value), str(info.value)
+
+
+def test_loss_with_two_values_per_sample():
+    model = _mlp()
+    fn = psg.per_sample(model, backend="eager")(lambda x, y: F.cross_entropy(model(x), y, reduction="none")
+                                                .unsqueeze(1).expand(-1, 2))
+    with pytest.raises(psg.BatchInputError) as info:
+        fn(*data())
+    message = str(info.value)
+    assert re.search(r"[\[(]4, 2[\])]", message) or "2" in message and "shape" in message.lower(), message
+
+
+def test_non_floating_parameter_in_dict():
+    W = torch.randn(3, 5, dtype=F64, requires_grad=True)
+    index = torch.tensor([0, 2])
+
+    def loss(x, y):
+        return F.cross_entropy(F.linear(x, W)[:, index], y % 2)
+
+    fn = psg.per_sample({"W": W, "index": index}, backend="eager")(loss)
+    with pytest.raises(psg.BatchInputError, match=r"index") as info:
+        fn(*data())
+    assert "int64" in str(info.value) or "float" in str(info.value), str(info.value)
+
+
+# ---------------------------------------------------------------- graph breaks
+
+
+def branch_on_data():
+    model = _mlp()
+
+    def loss(x, y):
+        out = model(x)
+        if x.sum() > 0:  # <branch>
+            out = out * 2
+        return F.cross_entropy(out, y)
+
+    return model, loss
+
+
+def item_in_control_flow():
+    model = _mlp()
+
+    def loss(x, y):
+        value = F.cross_entropy(model(x), y)
+        scale = value.item()  # <item>
+        if scale > 1.0:  # <item_if>
+            return value / scale
+        return value
+
+    return model, loss
+
+
+@pytest.mark.parametrize("builder,marker",
+                         [(branch_on_data, "branch"), (item_in_control_flow, ("item", "item_if"))],
+                         ids=["branch_on_tensor", "item"])
+def test_graph_break_is_capture_error(builder, marker):
+    model, loss = builder()
+    fn = psg.per_sample(model, backend="eager")(loss)
+    with pytest.raises(psg.CaptureError) as info:
+        fn(*data())
+    assert_points_at(str(info.value), *(marker if isinstance(marker, tuple) else (marker,)))
