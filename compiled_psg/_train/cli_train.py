@@ -46,7 +46,7 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--max-grad-norm", type=float, default=DEFAULTS["max_grad_norm"])
     p.add_argument("--accountant", choices=("rdp", "pld", "prv", "opacus-rdp"), default="rdp")
     p.add_argument("--secure-rng", action="store_true", help="noise and sampling from os.urandom")
-    p.add_argument("--backend", choices=("inductor", "eager"), default="eager",
+    p.add_argument("--backend", choices=("inductor", "eager"), default="inductor",
                    help="backend of the per-sample graph (the optimizer update is compiled with Inductor)")
     p.add_argument("--update-backend", default="inductor", help="torch.compile backend of the update")
     p.add_argument("--train-subset", type=int, default=None, help="use only this many training examples")
