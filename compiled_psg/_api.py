@@ -198,15 +198,13 @@ def per_sample_grad(fn: Callable, argnums: int = 0, *, in_dims: InDims = 0, redu
     ``in_dims`` refers to the batch arguments (every positional argument but ``argnums``); a tuple with one
     entry per positional argument of ``fn`` (``None`` at ``argnums``) is accepted too.
     """
-    if argnums != 0:
-        def reordered(params, *batch):
-            full = list(batch)
-            full.insert(argnums, params)
-            return fn(*full)
-        inner = reordered
-    else:
-        inner = fn
-    cache: dict[int, PerSampleFunction] = {}
+    def inner(params, *batch):
+        full = list(batch)
+        full.insert(argnums, params)
+        return fn(*full)
+
+    state: dict[str, Any] = {}
+    psf = PerSampleFunction(lambda *batch: inner(state["params"], *batch), {}, in_dims, reduce, backend)
 
     def wrapped(*all_args):
         if len(all_args) <= argnums:
@@ -214,26 +212,15 @@ def per_sample_grad(fn: Callable, argnums: int = 0, *, in_dims: InDims = 0, redu
         params = all_args[argnums]
         if not isinstance(params, Mapping):
             raise BatchInputError(f"argument {argnums} must be a dict of parameters, got {type(params).__name__}")
-        batch = all_args[:argnums] + all_args[argnums + 1:]
         dims = in_dims
         if isinstance(dims, tuple) and len(dims) == len(all_args):
             dims = dims[:argnums] + dims[argnums + 1:]
-        leaves = {k: v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                  for k, v in params.items()}
-        holder = _FunctionalParams(leaves)
-        key = id(fn)
-        psf = cache.get(key)
-        if psf is None:
-            psf = cache[key] = PerSampleFunction(lambda *b: inner(holder.current, *b), holder, dims, reduce, backend)
-        holder.current = leaves
-        psf.params_source = leaves
+        # fresh leaves each call: the tensors the loss sees are the ones differentiated (and labelled by identity)
+        state["params"] = {k: v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+                           for k, v in params.items()}
+        psf.params_source = {k: v for k, v in state["params"].items() if isinstance(v, torch.Tensor)}
         psf.in_dims = dims
-        return psf(*batch)
+        return psf(*(all_args[:argnums] + all_args[argnums + 1:]))
 
+    wrapped.per_sample_function = psf
     return wrapped
-
-
-class _FunctionalParams(dict):
-    def __init__(self, current):
-        super().__init__(current)
-        self.current = current
