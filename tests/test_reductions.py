@@ -26,7 +26,7 @@ from zoo import BY_ID
 import compiled_psg as psg
 
 F64 = dict(rtol=1e-9, atol=1e-10)
-SUBSET = ["mlp_ce_mean", "simple_cnn", "seq_linear", "tied_embedding_lm", "weight_norm_mlp",
+SUBSET = ["mlp_ce_mean", "simple_cnn", "seq_linear", "tied_embedding_lm", "position_embedding_lm", "weight_norm_mlp",
           "encoder_batch_first_padmask", "lstm"]
 
 

@@ -199,6 +199,28 @@ def build_seq_linear():
     return Built(model, loss, lambda B, dtype, g: (randn(g, dtype, B, T, 4), labels(g, 5, B, T)))
 
 
+def build_position_embedding_lm():
+    V, E, T = 13, 8, 6
+
+    class PositionLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(V, E)
+            self.pos = nn.Embedding(T, E)  # shared by every sample: its gradient is summed before the scatter
+            self.out = nn.Linear(E, V)
+
+        def forward(self, tokens):
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            return self.out(torch.tanh(self.tok(tokens) + self.pos(positions)))
+
+    model = PositionLM()
+
+    def loss(tokens, targets):
+        return F.cross_entropy(model(tokens).reshape(-1, V), targets.reshape(-1))
+
+    return Built(model, loss, lambda B, dtype, g: (labels(g, V, B, T), labels(g, V, B, T)))
+
+
 def build_tied_embedding_lm():
     V, E, T = 13, 8, 6
 
@@ -610,6 +632,7 @@ CASES: list[Case] = [
     Case("bilinear", build_bilinear),
     Case("prelu", build_prelu),
     Case("tied_embedding_lm", build_tied_embedding_lm),
+    Case("position_embedding_lm", build_position_embedding_lm),
     Case("weight_norm_mlp", build_weight_norm_mlp),
     Case("raw_affine", build_raw_affine),
     Case("raw_temperature", build_raw_temperature),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 
 from .._analyze.batch_dims import BatchDims, value_of
 from .._analyze.source import source_line
@@ -160,6 +161,8 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
                 log.warning("compiled_psg: no rule for %s (%s); using the vmap fallback for this op",
                             op_node.target, source_line(node))
             ps[node] = emit(graph, contraction.per_sample, contraction.inputs, tag=contraction.rule, before=after)
+            if contraction.rule.startswith("fallback"):
+                _refuse_if_batch_pinned(ps[node], op_node, node, batch)
             result.contractions[node] = contraction
             result.records.append(RewriteRecord(node.name, str(op_node.target), contraction.rule, "contraction",
                                                 tuple(value_of(ps[node]).shape), source_line(node)))
@@ -185,6 +188,8 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
             log.warning("compiled_psg: no lift rule for %s (%s); using the vmap fallback for this op",
                         op_node.target, source_line(node))
         ps[node] = emit(graph, fn, [ps.get(a, a) for a in lift_args], tag=name, before=after)
+        if name.startswith("fallback"):
+            _refuse_if_batch_pinned(ps[node], op_node, node, batch)
         result.records.append(RewriteRecord(node.name, str(op_node.target), name, "lift",
                                             tuple(value_of(ps[node]).shape), source_line(node),
                                             linear=is_linear_lift(twin, lifted)))
@@ -196,6 +201,15 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
                 raise AssertionError(f"post-condition: per-sample {t.name} has shape {got}, expected {expected}")
     graph.lint()
     return result
+
+
+def _refuse_if_batch_pinned(emitted: fx.Node, op_node: fx.Node, node: fx.Node, batch: BatchDims) -> None:
+    """vmap's batching rules can read sizes and fix the batch size: then the fallback is no use for this op."""
+    env = getattr(detect_fake_mode([value_of(emitted)]), "shape_env", None)
+    if env is not None and batch.symbol in env.replacements:
+        raise UnsupportedError(
+            f"no rule for {op_node.target} at {source_line(node)}, and its vmap fallback fixes the batch size. "
+            "Add a rule in compiled_psg/_rewrite/rules (docs/contributing.md) or open an issue with this message")
 
 
 def batch_size_source(graph: fx.Graph, batch: BatchDims) -> tuple[fx.Node, int]:

@@ -70,3 +70,30 @@ def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | N
     linear = None if scale_by_freq else 0  # the frequency scale is per sample, not per batch
     return Contraction(rule="embedding_dense_backward", node=node, inputs=[g, idx], per_sample=per_sample,
                        linear_arg=linear, linear_layout=(bdim, layout), rebuild=rebuild, sq_norms=sq_norms)
+
+
+def embedding_dense_backward_lift(node: fx.Node, lifted: list[bool]):
+    """``embedding_dense_backward`` of a per-sample gradient with shared indices (a position embedding:
+    ``pos_emb(arange(t))`` is added to every sample, so its gradient sums the samples first, then scatters).
+
+    Before::  s = sum(g, [0]);  eb = aten.embedding_dense_backward(s [t, d], arange(t), v, pad, False)   # [v, d]
+    After::   ps = zeros(n*v, d).index_add(0, arange(t) + n*v offsets, ps_s [n, t, d]).view(n, v, d)
+    """
+    if not lifted[0] or any(lifted[1:]):
+        return None
+    _g, _idx, num_weights, padding_idx, scale_by_freq = node.args
+
+    def run(grads, idx, *_sizes):
+        n, dim_d = grads.shape[0], grads.shape[-1]
+        grads = grads.reshape(n, -1, dim_d)
+        ids = idx.reshape(1, -1).expand(n, -1)
+        rows = ids + torch.arange(n, device=ids.device).unsqueeze(1) * num_weights
+        if padding_idx is not None and padding_idx >= 0:
+            grads = grads * (ids != padding_idx).unsqueeze(-1).to(grads.dtype)
+        if scale_by_freq:
+            counts = grads.new_zeros(n * num_weights).index_add(0, rows.flatten(), grads.new_ones(rows.numel()))
+            grads = grads / counts[rows].unsqueeze(-1)
+        table = grads.new_zeros(n * num_weights, dim_d).index_add(0, rows.flatten(), grads.reshape(-1, dim_d))
+        return table.view(n, num_weights, dim_d)
+
+    return run

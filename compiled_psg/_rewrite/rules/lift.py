@@ -171,9 +171,18 @@ LIFT_RULES: dict[object, Callable[[fx.Node, list[bool]], LiftFn | None]] = {op: 
 LIFT_RULES[ATEN._weight_norm_interface_backward.default] = weight_norm_backward
 LIFT_RULES[ATEN.cat.default] = cat
 
+
+def _register_late() -> None:
+    from .embedding import embedding_dense_backward_lift  # lift rules that live beside their op's contraction rule
+
+    LIFT_RULES[ATEN.embedding_dense_backward.default] = embedding_dense_backward_lift
+
+
+_register_late()
+
 # Linear in their per-sample arguments (when all tensor arguments of add/sub are per-sample, or only one
 # argument of mul/div is): a weighted sum over samples commutes with them.
-LINEAR_LIFTS = set(_SHAPE_OPS) | {
+LINEAR_LIFTS = set(_SHAPE_OPS) | {ATEN.embedding_dense_backward.default,
     ATEN._weight_norm_interface_backward.default, ATEN.cat.default, ATEN.add.Tensor, ATEN.sub.Tensor,
     ATEN.mul.Tensor, ATEN.div.Tensor, ATEN.neg.default, ATEN.mul.Scalar, ATEN.div.Scalar,
 }

@@ -1,0 +1,110 @@
+"""``python -m benchmarks [--quick] [--models ...] [--methods ...] [--device cpu|cuda] [--out docs]``
+
+Runs every method side by side on each model, one subprocess per model, and writes ``OUT/benchmarks.md``,
+``OUT/benchmarks.json`` (the raw results) and the plots under ``OUT/img/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import report
+from .measure import run_worker
+from .methods import MAX_NORM, METHODS, NOISE_MULTIPLIER
+from .models import MODELS
+
+# --quick checks the harness within minutes on 2 cores: every method, on one model every method supports and
+# on the GPT-2-style decoder (tied weights, LayerNorm, attention: where the peers fail).
+QUICK_MODELS = ("mlp", "gpt2")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
+    add = p.add_argument
+    add("--quick", action="store_true", help="tiny models and batches, 3 timed calls: checks the harness")
+    add("--models", nargs="+", choices=list(MODELS), metavar="MODEL",
+        help=f"of {', '.join(MODELS)} (default: all; with --quick: {', '.join(QUICK_MODELS)})")  # fmt: skip
+    add("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), metavar="METHOD",
+        help=f"of {', '.join(METHODS)} (default: all)")  # fmt: skip
+    add("--device", choices=["cpu", "cuda"], default="cpu")
+    add("--out", default="docs", help="folder for benchmarks.md, benchmarks.json and img/ (default: docs)")
+    add("--threads", type=int, help="torch.set_num_threads per worker (default: torch's; cores / jobs)")
+    add("--jobs", type=int,
+        help="models measured at once (default: 1, so that they do not disturb each other's timings; "
+             "with --quick: one per core)")  # fmt: skip
+    add("--worker", choices=list(MODELS), help=argparse.SUPPRESS)  # internal: measure this model here
+    add("--results", help=argparse.SUPPRESS)  # internal: the worker's JSON-lines file
+    args = p.parse_args(argv)
+    if args.models is None:
+        args.models = list(QUICK_MODELS) if args.quick else list(MODELS)
+    if args.jobs is None:
+        args.jobs = min(len(args.models), os.cpu_count() or 1) if args.quick else 1
+    if args.threads is None and args.jobs > 1:  # workers side by side share the cores, not oversubscribe them
+        args.threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    return args
+
+
+def run_model(model: str, args: argparse.Namespace, scratch: Path) -> dict:
+    """Measure one model in a fresh process; methods it never reached are recorded as failures."""
+    path = scratch / f"{model}.jsonl"
+    cmd = [sys.executable, "-m", "benchmarks", "--worker", model, "--results", str(path)]
+    cmd += ["--device", args.device, "--methods", *args.methods]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["--threads", str(args.threads)] if args.threads else []
+    env = dict(os.environ)
+    if not args.quick:  # first calls compile cold, as on a user's first run: an empty compiler cache per model
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / f"inductor-{model}")
+        env["TRITON_CACHE_DIR"] = str(scratch / f"inductor-{model}" / "triton")
+    rc = subprocess.run(cmd, env=env).returncode
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    header = lines[0] if lines and "environment" in lines[0] else {}
+    records = {r["method"]: r for r in lines if "method" in r}
+    for key in args.methods:
+        error = f"unsupported: the worker process exited with code {rc} before this method"
+        records.setdefault(key, {"model": model, "method": key, "label": METHODS[key].label, "error": error})
+    return {**header, "methods": {key: records[key] for key in args.methods}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.worker:
+        run_worker(args.worker, args.methods, args.quick, args.device, args.results, args.threads)
+        return
+    argv = sys.argv[1:] if argv is None else argv
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="benchmarks-") as scratch, ThreadPoolExecutor(args.jobs) as pool:
+        measured = pool.map(lambda m: run_model(m, args, Path(scratch)), args.models)
+        models = dict(zip(args.models, measured, strict=True))
+    environment = next((m["environment"] for m in models.values() if "environment" in m), None)
+    if environment is None:
+        sys.exit("every worker failed before measuring anything")
+    results = {
+        "command": shlex.join(["python", "-m", "benchmarks", *argv]),
+        "quick": args.quick,
+        "jobs": args.jobs,
+        "date": datetime.date.today().isoformat(),
+        "wall_s": time.perf_counter() - start,
+        "environment": environment,
+        "methods": args.methods,
+        "dp": {"max_norm": MAX_NORM, "noise_multiplier": NOISE_MULTIPLIER},
+        "models": models,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
+    written = [out / "benchmarks.json", *report.write(results, out)]
+    print(f"wrote {', '.join(map(str, written))} in {results['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""Measure every method on one model in this process: the worker ``python -m benchmarks`` starts per model.
+
+For each method: setup once, then for each batch size a first call (timed: capture and compile for the
+compiled methods), warm-up calls, one call for peak memory, and timed calls (the median is reported); then the
+changing batch-size sequence (each call timed, compiles counted); then a check of the result against a
+``vmap(grad)`` reference. Any exception becomes a recorded failure, never a missing row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .methods import METHODS, Prepared
+from .models import MODELS, Workload, build_workload
+
+
+@dataclass(frozen=True)
+class Plan:
+    sizes: tuple[int, ...]
+    sequence: tuple[int, ...]
+    check_size: int
+    warmup: int
+    reps: int  # at least this many timed calls...
+    min_seconds: float  # ...and more, up to max_reps, until the timed calls add up to this
+    max_reps: int
+
+
+FULL_SIZES = (16, 64, 256)
+FULL_SEQUENCE = (64, 57, 64, 33)
+QUICK_SEQUENCE = (8, 6, 8)
+
+
+def plan_for(model: str, quick: bool) -> Plan:
+    spec = MODELS[model]
+    if quick:
+        return Plan(
+            (spec.quick_batch,),
+            QUICK_SEQUENCE,
+            spec.quick_batch,
+            warmup=1,
+            reps=3,
+            min_seconds=0.0,
+            max_reps=3,
+        )
+    return Plan(
+        tuple(sorted({*FULL_SIZES, spec.batch})),
+        FULL_SEQUENCE,
+        spec.batch,
+        warmup=2,
+        reps=7,
+        min_seconds=1.0,
+        max_reps=25,
+    )
+
+
+def short_error(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    message = lines[0] if lines else ""
+    if len(message) > 140:
+        message = message[:137] + "..."
+    return f"unsupported: {type(exc).__name__}: {message}" if message else f"unsupported: {type(exc).__name__}"
+
+
+# -- clocks ----------------------------------------------------------------------------------------
+
+
+class Device:
+    """Synchronization and peak memory for one device.
+
+    CPU: the peak resident set (VmHWM, reset by writing 5 to /proc/self/clear_refs) during the call, minus the
+    resident set just before it (after freeing what the allocator holds): the memory the call needs on top of
+    what the process already holds. CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._libc = None
+        if not self.cuda:
+            try:
+                self._libc = ctypes.CDLL("libc.so.6")
+            except OSError:
+                pass
+
+    def name(self) -> str:
+        if self.cuda:
+            return torch.cuda.get_device_name(self.device)
+        return cpu_model()
+
+    def release(self) -> None:
+        """After a failure (out of memory, say): give cached blocks back before the next measurement."""
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, fn, batch) -> tuple[float, object]:
+        self.sync()
+        start = time.perf_counter()
+        out = fn(*batch)
+        self.sync()
+        return time.perf_counter() - start, out
+
+    def peak_bytes(self, fn, batch) -> int | None:
+        gc.collect()
+        if self.cuda:
+            self.sync()
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            out = fn(*batch)
+            self.sync()
+            peak = torch.cuda.max_memory_allocated(self.device) - before
+            del out
+            return peak
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+        before = _status_kb("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            return None
+        out = fn(*batch)
+        peak = _status_kb("VmHWM")
+        del out
+        if before is None or peak is None:
+            return None
+        return max(0, peak - before) * 1024
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+# -- the check -------------------------------------------------------------------------------------
+
+
+def reference(wl: Workload, size: int) -> dict:
+    """Per-sample gradients from eager ``vmap(grad)``, and what each kind of method is checked against."""
+    from .methods import func_vmap
+
+    batch = wl.batch(size)
+    grads = {n: g.detach() for n, g in func_vmap(wl).run(*batch).items()}
+    flat = torch.cat([g.flatten(1) for g in grads.values()], 1)
+    return {
+        "grads": grads,
+        "norms": flat.norm(dim=1),
+        "variance": {n: g.var(0, unbiased=False) for n, g in grads.items()},
+        "gram": flat @ flat.T,
+    }
+
+
+TOLERANCE = 1e-3  # a larger relative error marks the result wrong in the tables
+
+
+class Mismatch(ValueError):
+    """The result does not have the reference's structure: a wrong result, not a failure to run."""
+
+
+def relative_error(got, want) -> float:
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            keys = sorted(got) if isinstance(got, dict) else type(got).__name__
+            raise Mismatch(f"result keys {keys} differ from the parameters {sorted(want)}")
+        return max(relative_error(got[k], want[k]) for k in want)
+    got = got.detach().to(want.dtype)
+    if got.shape != want.shape:
+        raise Mismatch(f"a result of shape {tuple(got.shape)} where {tuple(want.shape)} is expected")
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+# -- one method ------------------------------------------------------------------------------------
+
+
+def _counters(prepared: Prepared) -> dict:
+    return prepared.counters() if prepared and prepared.counters else {}
+
+
+def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | None, log) -> dict:
+    method = METHODS[key]
+    record: dict = {
+        "model": wl.name,
+        "method": key,
+        "label": method.label,
+        "sizes": {},
+        "sequence": None,
+        "check": None,
+    }
+    start = time.perf_counter()
+    try:
+        prepared = method.setup(wl)
+    except Exception as e:  # a failure is a result
+        record["error"] = short_error(e)
+        log(f"{key}: setup {record['error']}")
+        return record
+    record["setup_s"] = time.perf_counter() - start
+    if prepared.note:
+        record["note"] = prepared.note
+
+    for size in plan.sizes:
+        batch = wl.batch(size)
+        entry: dict = {}
+        try:
+            before = _counters(prepared).get("compiles")
+            entry["first_call_s"], out = dev.timed(prepared.run, batch)
+            del out
+            if before is not None:
+                entry["compiles"] = _counters(prepared)["compiles"] - before
+            for _ in range(plan.warmup):
+                dev.timed(prepared.run, batch)
+            entry["peak_bytes"] = dev.peak_bytes(prepared.run, batch)
+            times: list[float] = []
+            while len(times) < plan.reps or (sum(times) < plan.min_seconds and len(times) < plan.max_reps):
+                times.append(dev.timed(prepared.run, batch)[0])
+            entry["median_s"] = statistics.median(times)
+            entry["times_s"] = times
+            log(f"{key} B={size}: {entry['median_s'] * 1e3:.2f} ms (first call {entry['first_call_s']:.2f} s)")
+        except Exception as e:
+            entry["error"] = short_error(e)
+            log(f"{key} B={size}: {entry['error']}")
+            dev.release()
+        record["sizes"][str(size)] = entry
+
+    if any("error" not in e for e in record["sizes"].values()):
+        record["sequence"] = measure_sequence(wl, prepared, plan, dev)
+        seq = record["sequence"]
+        log(f"{key} sizes {plan.sequence}: {seq['total_s']:.2f} s, {seq.get('recompiles', 'no')} recompiles")
+        record["check"] = check(wl, method.kind, prepared, plan, ref)
+    record["counters"] = _counters(prepared)
+    if "compiles" in record["counters"]:  # compiles after the first call (which may compile several graphs)
+        first = record["sizes"][str(plan.sizes[0])].get("compiles", 1)
+        record["recompiles"] = max(0, record["counters"]["compiles"] - first)
+    del prepared
+    gc.collect()
+    return record
+
+
+def measure_sequence(wl: Workload, prepared: Prepared, plan: Plan, dev: Device) -> dict:
+    seq: dict = {"sizes": list(plan.sequence), "times_s": []}
+    before = _counters(prepared).get("compiles")
+    try:
+        for size in plan.sequence:
+            seq["times_s"].append(dev.timed(prepared.run, wl.batch(size, seed=1))[0])
+    except Exception as e:
+        seq["error"] = short_error(e)
+    seq["total_s"] = sum(seq["times_s"])
+    if before is not None:
+        seq["recompiles"] = _counters(prepared)["compiles"] - before
+    return seq
+
+
+def check(wl: Workload, kind: str, prepared: Prepared, plan: Plan, ref: dict | None) -> dict | None:
+    if kind in ("backward", "step"):
+        return None
+    if ref is None:
+        return {"error": "no reference"}
+    try:
+        got = prepared.canonical(prepared.run(*wl.batch(plan.check_size)))
+        return {"size": plan.check_size, "max_rel_err": relative_error(got, ref[kind])}
+    except Mismatch as e:
+        return {"error": f"wrong: {e}"}
+    except Exception as e:
+        return {"error": short_error(e)}
+
+
+# -- the worker ------------------------------------------------------------------------------------
+
+
+def environment(dev: Device) -> dict:
+    import platform
+
+    return {
+        "device": str(dev.device),
+        "device_name": dev.name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "cores": _cores(),
+    }
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+def warm_up_process(wl: Workload, plan: Plan, dev: Device) -> None:
+    """Run the ordinary backward untimed for a while, so that the first method measured (the baseline) does
+    not pay for the first use of the thread pool and the allocator."""
+    from .methods import backward
+
+    run, batch = backward(wl).run, wl.batch(plan.check_size)
+    end = time.perf_counter() + max(plan.min_seconds, 0.2)
+    while time.perf_counter() < end:
+        dev.timed(run, batch)
+
+
+def run_worker(
+    model: str, methods: list[str], quick: bool, device: str, out_path: str, threads: int | None = None
+) -> None:
+    """Measure ``methods`` on ``model``; write one JSON object per line to ``out_path`` as results come."""
+    if threads:
+        torch.set_num_threads(threads)
+    for noise in ("Full backward hook is firing", "Secure RNG turned off"):  # said on every call by the peers
+        warnings.filterwarnings("ignore", message=noise)
+    dev = Device(torch.device(device))
+    plan = plan_for(model, quick)
+    wl = build_workload(model, quick, dev.device)
+
+    def log(msg: str) -> None:
+        print(f"[{model}] {msg}", file=sys.stderr, flush=True)
+
+    with open(out_path, "a") as out:
+
+        def emit(obj: dict) -> None:
+            out.write(json.dumps(obj) + "\n")
+            out.flush()
+
+        emit(
+            {
+                "model": model,
+                "environment": environment(dev),
+                "plan": plan.__dict__,
+                "config": wl.spec.describe(quick),
+                "params": sum(p.numel() for p in wl.model.parameters()),
+            }
+        )
+        ref = None
+        if any(METHODS[m].kind not in ("backward", "step") for m in methods):
+            try:
+                ref = reference(wl, plan.check_size)
+            except Exception:
+                log("no reference:\n" + traceback.format_exc())
+        warm_up_process(wl, plan, dev)
+        for key in methods:
+            emit(measure_method(wl, key, plan, dev, ref, log))

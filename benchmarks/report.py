@@ -1,0 +1,404 @@
+"""Turn the raw results (``benchmarks.json``) into ``benchmarks.md`` and the plots under ``img/``.
+
+Everything here is derived from the results dict; nothing is measured. On a CPU the tables give time ratios
+only (absolute CPU times on a shared machine say little); on a GPU they give milliseconds too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .measure import TOLERANCE
+from .methods import METHODS, baseline_of
+from .models import MODELS
+
+TIME_PLOT = "img/benchmarks_time_ratio.png"
+MEMORY_PLOT = "img/benchmarks_memory.png"
+
+
+# -- lookups ---------------------------------------------------------------------------------------
+
+
+def _entry(model: dict, method: str, size) -> dict:
+    record = model["methods"].get(method, {})
+    if "error" in record:
+        return {"error": record["error"]}
+    return record.get("sizes", {}).get(str(size), {"error": "not run"})
+
+
+def ratio(model: dict, method: str, size, against: str | None = None) -> float | None:
+    base = _entry(model, against or baseline_of(method), size).get("median_s")
+    mine = _entry(model, method, size).get("median_s")
+    return mine / base if mine is not None and base else None
+
+
+def _fmt_ratio(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _fmt_mib(n: int | None) -> str:
+    return "—" if n is None else f"{n / 2**20:.0f}" if n >= 2**20 else f"{n / 2**20:.2f}"
+
+
+def _cell(model: dict, method: str, size, fmt) -> str:
+    entry = _entry(model, method, size)
+    return _failure(entry["error"]) if "error" in entry else fmt(entry)
+
+
+def _failure(error: str) -> str:
+    return error.replace("|", "\\|")
+
+
+def _label(method: str, record: dict | None = None) -> str:
+    label = METHODS[method].label if method in METHODS else method
+    return f"{label} ({record['note']})" if record and record.get("note") else label
+
+
+# -- tables ----------------------------------------------------------------------------------------
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def headline_table(model: dict, gpu: bool) -> list[str]:
+    size = model["plan"]["check_size"]
+    header = [
+        "method",
+        "× backward",
+        "× SGD step",
+        "peak extra memory (MiB)",
+        "first call in the run (s)",
+        "recompiles",
+        "check (max rel. err.)",
+    ]
+    if gpu:
+        header.insert(1, "time (ms)")
+    rows = []
+    for key, record in model["methods"].items():
+        entry = _entry(model, key, size)
+        if "error" in entry:
+            rows.append([_label(key, record), _failure(entry["error"])] + [""] * (len(header) - 2))
+            continue
+        dp = METHODS[key].group == "DP step" or key == "sgd_step"
+        row = [
+            _label(key, record),
+            _fmt_ratio(ratio(model, key, size, "backward")),
+            _fmt_ratio(ratio(model, key, size, "sgd_step")) if dp else "",
+            _fmt_mib(entry.get("peak_bytes")),
+            _first_call(record, model),
+            str(record.get("recompiles", "")),
+            _fmt_check(record.get("check")),
+        ]
+        if gpu:
+            row.insert(1, f"{entry['median_s'] * 1e3:.2f}")
+        rows.append(row)
+    return _table(header, rows)
+
+
+def _first_call(record: dict, model: dict) -> str:
+    """The run's first call, at the first batch size: capture and compile, for the compiled methods."""
+    first = record.get("sizes", {}).get(str(model["plan"]["sizes"][0]), {})
+    return f"{first['first_call_s']:.2f}" if "first_call_s" in first else "—"
+
+
+def _fmt_check(check: dict | None) -> str:
+    if not check:
+        return ""
+    if "error" in check:
+        return _failure(check["error"])
+    err = check["max_rel_err"]
+    return f"{err:.1e}" if err <= TOLERANCE else f"{err:.1e} (wrong)"
+
+
+def sizes_table(model: dict, gpu: bool) -> list[str]:
+    sizes = model["plan"]["sizes"]
+    header = ["method"] + [f"B={b}: × baseline" for b in sizes] + [f"B={b}: MiB" for b in sizes]
+    rows = []
+    for key in model["methods"]:
+        cells = [_cell(model, key, b, lambda e, b=b, key=key: _fmt_ratio(ratio(model, key, b))) for b in sizes]
+        mems = [_cell(model, key, b, lambda e: _fmt_mib(e.get("peak_bytes"))) for b in sizes]
+        if gpu:
+            cells = [
+                c
+                + (
+                    f" ({_entry(model, key, b)['median_s'] * 1e3:.2f} ms)"
+                    if "median_s" in _entry(model, key, b)
+                    else ""
+                )
+                for c, b in zip(cells, sizes, strict=True)
+            ]
+        rows.append([_label(key)] + cells + mems)
+    return _table(header, rows)
+
+
+def sequence_table(model: dict, gpu: bool) -> list[str]:
+    base = model["methods"].get("backward", {}).get("sequence") or {}
+    header = [
+        "method",
+        "recompiles in the sequence",
+        "compiles in the whole run",
+        "sequence time × backward's",
+    ]
+    if gpu:
+        header.append("sequence time (ms)")
+    rows = []
+    for key, record in model["methods"].items():
+        seq = record.get("sequence")
+        if seq is None:
+            rows.append(
+                [_label(key), _failure(record.get("error", "not run (every batch size failed)")), "", ""]
+                + ([""] if gpu else [])
+            )
+            continue
+        if "error" in seq:
+            rows.append([_label(key), _failure(seq["error"]), "", ""] + ([""] if gpu else []))
+            continue
+        counters = record.get("counters", {})
+        compiles = str(counters.get("compiles", ""))
+        if "captures" in counters:
+            compiles += f" ({counters['captures']} capture{'s' if counters['captures'] != 1 else ''})"
+        rel = seq["total_s"] / base["total_s"] if base.get("total_s") else None
+        row = [
+            _label(key),
+            str(seq.get("recompiles", "— (not compiled)")),
+            compiles,
+            _fmt_ratio(rel),
+        ]
+        if gpu:
+            row.append(f"{seq['total_s'] * 1e3:.1f}")
+        rows.append(row)
+    return _table(header, rows)
+
+
+TARGETS = [
+    ("compiled_psg materialized <= torch.compile(vmap(grad))", "psg_grads", "func_compile", 1.0),
+    ("compiled_psg norms <= 1.3 × ordinary backward", "psg_norms", "backward", 1.3),
+    ("compiled_psg DP step <= 1.5 × plain SGD step", "dp_psg", "sgd_step", 1.5),
+]
+PEER_DP = ["dp_func_compile", "dp_opacus_hooks", "dp_opacus_ghost"]
+
+
+def targets_table(results: dict) -> list[str]:
+    header = ["model (headline B)"] + [t[0] for t in TARGETS] + ["compiled_psg DP step faster than every peer DP step"]
+    rows = []
+    for name, model in results["models"].items():
+        size = model["plan"]["check_size"]
+        row = [f"{name} (B={size})"]
+        for _, mine, other, bound in TARGETS:
+            r = ratio(model, mine, size, other)
+            row.append("—" if r is None else f"{'PASS' if r <= bound else 'FAIL'} ({r:.2f})")
+        mine = _entry(model, "dp_psg", size).get("median_s")
+        peers = {p: _entry(model, p, size).get("median_s") for p in PEER_DP}
+        timed = {p: t for p, t in peers.items() if t is not None}
+        if mine is None:
+            row.append("—")
+        else:
+            best = min(timed, key=timed.get) if timed else None
+            verdict = "PASS" if all(mine < t for t in timed.values()) else "FAIL"
+            detail = f"fastest peer: {_label(best)}, {mine / timed[best]:.2f}×" if best else "no peer ran"
+            row.append(f"{verdict} ({detail})")
+        rows.append(row)
+    return _table(header, rows)
+
+
+def failures(results: dict) -> list[str]:
+    lines = []
+    for name, model in results["models"].items():
+        for key, record in model["methods"].items():
+            if "error" in record:
+                lines.append(f"- {name} / {_label(key, record)}: {record['error']}")
+                continue
+            for size, entry in record.get("sizes", {}).items():
+                if "error" in entry:
+                    lines.append(f"- {name} / {_label(key, record)} / B={size}: {entry['error']}")
+            seq = record.get("sequence") or {}
+            if "error" in seq:
+                lines.append(f"- {name} / {_label(key, record)} / changing batch size: {seq['error']}")
+            chk = record.get("check") or {}
+            if "error" in chk:
+                lines.append(f"- {name} / {_label(key, record)} / check: {chk['error']}")
+            elif chk.get("max_rel_err", 0) > TOLERANCE:
+                err = chk["max_rel_err"]
+                lines.append(f"- {name} / {_label(key, record)} / check: wrong, relative error {err:.1e}")
+    return lines or ["None."]
+
+
+# -- the page --------------------------------------------------------------------------------------
+
+
+HOW = (
+    "How it measures: one process per model runs every method side by side. Per method and batch size: the "
+    "first call is timed on its own (capture and compile for the compiled methods), then warm-up calls, one "
+    "call for peak memory, then timed calls; the tables give the median. Full runs start each model with an "
+    "empty Inductor cache, so the run's first call of a compiled method is a cold compile (quick runs share "
+    "the user's cache)."
+)
+HOW_TIME = {
+    "cpu": "Times are ratios against the ordinary backward pass (forward + `loss.backward()`) in the same "
+    "process; a DP step is also compared with a plain SGD step (forward, backward, `optimizer.step()`).",
+    "cuda": "Times in ms are medians after `torch.cuda.synchronize()`; ratios as on CPU.",
+}
+HOW_MEMORY = {
+    "cpu": "Peak extra memory: the peak resident set during one call (VmHWM, reset through "
+    "/proc/self/clear_refs) minus the resident set before it.",
+    "cuda": "Peak extra memory: `torch.cuda.max_memory_allocated()` during one call minus the allocation before it.",
+}
+HOW_CHECK = (
+    "Check: the largest error of the method's result (per-sample gradients, norms, variance or Gram matrix, "
+    "rescaled to the gradient of each sample's loss alone) relative to the largest entry of an eager "
+    "`vmap(grad)` reference. A failure is recorded as `unsupported: <error>`."
+)
+QUICK = "quick (tiny sizes, 3 timed calls: checks the harness; the figures mean little)"
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    gpu = env["device"].startswith("cuda")
+    kind = "cuda" if gpu else "cpu"
+    dp = results["dp"]
+    out = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m benchmarks`; every number on this page comes from the command below. "
+        "Raw results: [benchmarks.json](benchmarks.json).",
+        "",
+        f"- Command: `{results['command']}`",
+        f"- Mode: {QUICK if results['quick'] else 'full'}"
+        + (f"; {results['jobs']} models measured at once" if results.get("jobs", 1) > 1 else ""),
+        f"- Machine: {env['cpu']}, {env['cores']} cores ({env['threads']} torch threads); "
+        f"device: {env['device']} ({env['device_name']})",
+        f"- torch {env['torch']}, Python {env['python']}; {results['date']}; "
+        f"the run took {results['wall_s'] / 60:.1f} min",
+        "",
+        " ".join([HOW, HOW_TIME[kind], HOW_MEMORY[kind], HOW_CHECK]),
+        "",
+        f"A DP step clips each sample's gradient to norm {dp['max_norm']}, sums, adds Gaussian noise (noise "
+        f"multiplier {dp['noise_multiplier']}), divides by the batch size and steps SGD; Opacus runs with "
+        "`poisson_sampling=False` and a fixed batch.",
+        "",
+        "## Targets",
+        "",
+        *targets_table(results),
+        "",
+        f"![time ratio against the ordinary backward pass]({TIME_PLOT})",
+        "",
+        f"![peak extra memory against batch size]({MEMORY_PLOT})",
+        "",
+    ]
+    for name, model in results["models"].items():
+        spec = MODELS[name]
+        size = model["plan"]["check_size"]
+        out += [
+            f"## {spec.label} (`{name}`)",
+            "",
+            f"{model['config']}; {model['params']:,} parameters.",
+            "",
+            f"### Batch size {size}",
+            "",
+            *headline_table(model, gpu),
+            "",
+            "### Batch sizes",
+            "",
+            "Time against the method's baseline (ordinary backward; a plain SGD step for DP steps), and "
+            "peak extra memory.",
+            "",
+            *sizes_table(model, gpu),
+            "",
+            f"### Changing batch size {tuple(model['plan']['sequence'])}",
+            "",
+            "Run after the batch sizes above, on the same (already compiled) callables.",
+            "",
+            *sequence_table(model, gpu),
+            "",
+        ]
+    out += ["## Failures and wrong results", "", *failures(results), ""]
+    return "\n".join(out)
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+
+GROUP_COLORS = {  # the time plot colours methods by what they compute
+    "baseline": "#888888",
+    "per-sample grads": "#1f77b4",
+    "norms": "#2ca02c",
+    "DP step": "#d62728",
+    "variance": "#9467bd",
+    "gram": "#8c564b",
+}
+
+
+def plot_time_ratios(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results["models"].items())
+    methods = [m for m in METHODS if any(m in model["methods"] for _, model in models)]
+    fig, axes = plt.subplots(
+        1, len(models), figsize=(3.2 * len(models) + 3, 0.32 * len(methods) + 1.5), sharey=True, squeeze=False
+    )
+    for ax, (name, model) in zip(axes[0], models, strict=True):
+        size = model["plan"]["check_size"]
+        for i, key in enumerate(methods):
+            r = ratio(model, key, size, "backward") if key in model["methods"] else None
+            if r is None:
+                ax.text(1, i, " unsupported", va="center", fontsize=7, color="#555555")
+                continue
+            ax.barh(i, r, color=GROUP_COLORS[METHODS[key].group], edgecolor="black" if "psg" in key else "none")
+            ax.text(r, i, f" {r:.2f}", va="center", fontsize=7)
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_title(f"{name}, B={size}", fontsize=9)
+        ax.set_xlabel("time / ordinary backward")
+    axes[0][0].set_yticks(range(len(methods)), [_label(m) for m in methods], fontsize=8)
+    axes[0][0].invert_yaxis()
+    fig.suptitle(f"Time against the ordinary backward pass ({results['environment']['device_name']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(results: dict, path: Path) -> None:
+    """One panel per model: peak extra memory against batch size, a line per method (compiled_psg solid)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results["models"].items())
+    colors = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(1, len(models), figsize=(3.6 * len(models) + 3, 4.2), squeeze=False,
+                             layout="constrained")  # fmt: skip
+    handles = {}
+    for ax, (name, model) in zip(axes[0], models, strict=True):
+        for key, record in model["methods"].items():
+            sizes = record.get("sizes", {}).items()
+            points = sorted((int(b), e["peak_bytes"] / 2**20) for b, e in sizes if e.get("peak_bytes"))
+            if not points:
+                continue
+            xs, ys = zip(*points, strict=True)
+            color = colors[list(METHODS).index(key) % len(colors)] if key in METHODS else "black"
+            style = "-" if key.startswith(("psg", "dp_psg")) else "--"
+            handles[key] = ax.plot(xs, ys, style, marker="o", ms=3, color=color)[0]
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("batch size")
+    axes[0][0].set_ylabel("peak extra memory (MiB)")
+    fig.legend(handles.values(), [_label(k) for k in handles], loc="outside right center", fontsize=7)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(results: dict, out: Path) -> list[Path]:
+    (out / "img").mkdir(parents=True, exist_ok=True)
+    page = out / "benchmarks.md"
+    page.write_text(markdown(results))
+    plot_time_ratios(results, out / TIME_PLOT)
+    plot_memory(results, out / MEMORY_PLOT)
+    return [page, out / TIME_PLOT, out / MEMORY_PLOT]
