@@ -7,6 +7,7 @@ Runs every method side by side on each model, one subprocess per model, and writ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -42,6 +43,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--jobs", type=int,
         help="models measured at once (default: 1, so that they do not disturb each other's timings; "
              "with --quick: one per core)")  # fmt: skip
+    add("--headline-only", action="store_true",
+        help="time each model at its headline batch size only (plus the changing-size sequence)")
+    add("--scratch", help="keep each model's raw results in this folder and reuse those already there "
+                          "(resume a long run; default: a temporary folder)")
     add("--worker", choices=list(MODELS), help=argparse.SUPPRESS)  # internal: measure this model here
     add("--results", help=argparse.SUPPRESS)  # internal: the worker's JSON-lines file
     args = p.parse_args(argv)
@@ -57,7 +62,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def run_model(model: str, args: argparse.Namespace, scratch: Path) -> dict:
     """Measure one model in a fresh process; methods it never reached are recorded as failures."""
     path = scratch / f"{model}.jsonl"
+    if args.scratch and path.exists():  # measured by an earlier run into the same scratch folder
+        return _collect(model, args, path, rc=0)
     cmd = [sys.executable, "-m", "benchmarks", "--worker", model, "--results", str(path)]
+    cmd += ["--headline-only"] if args.headline_only else []
     cmd += ["--device", args.device, "--methods", *args.methods]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--threads", str(args.threads)] if args.threads else []
@@ -66,6 +74,10 @@ def run_model(model: str, args: argparse.Namespace, scratch: Path) -> dict:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / f"inductor-{model}")
         env["TRITON_CACHE_DIR"] = str(scratch / f"inductor-{model}" / "triton")
     rc = subprocess.run(cmd, env=env).returncode
+    return _collect(model, args, path, rc)
+
+
+def _collect(model: str, args: argparse.Namespace, path: Path, rc: int) -> dict:
     lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     header = lines[0] if lines and "environment" in lines[0] else {}
     records = {r["method"]: r for r in lines if "method" in r}
@@ -78,11 +90,15 @@ def run_model(model: str, args: argparse.Namespace, scratch: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.worker:
-        run_worker(args.worker, args.methods, args.quick, args.device, args.results, args.threads)
+        run_worker(args.worker, args.methods, args.quick, args.device, args.results, args.threads,
+                   headline_only=args.headline_only)
         return
     argv = sys.argv[1:] if argv is None else argv
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="benchmarks-") as scratch, ThreadPoolExecutor(args.jobs) as pool:
+    if args.scratch:
+        Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(args.scratch) if args.scratch else tempfile.TemporaryDirectory(prefix="benchmarks-")
+          ) as scratch, ThreadPoolExecutor(args.jobs) as pool:
         measured = pool.map(lambda m: run_model(m, args, Path(scratch)), args.models)
         models = dict(zip(args.models, measured, strict=True))
     environment = next((m["environment"] for m in models.values() if "environment" in m), None)

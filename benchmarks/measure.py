@@ -40,7 +40,7 @@ FULL_SEQUENCE = (64, 57, 64, 33)
 QUICK_SEQUENCE = (8, 6, 8)
 
 
-def plan_for(model: str, quick: bool) -> Plan:
+def plan_for(model: str, quick: bool, headline_only: bool = False) -> Plan:
     spec = MODELS[model]
     if quick:
         return Plan(
@@ -53,7 +53,7 @@ def plan_for(model: str, quick: bool) -> Plan:
             max_reps=3,
         )
     return Plan(
-        tuple(sorted({*FULL_SIZES, spec.batch})),
+        (spec.batch,) if headline_only else tuple(sorted({*FULL_SIZES, spec.batch})),
         FULL_SEQUENCE,
         spec.batch,
         warmup=2,
@@ -331,7 +331,8 @@ def warm_up_process(wl: Workload, plan: Plan, dev: Device) -> None:
 
 
 def run_worker(
-    model: str, methods: list[str], quick: bool, device: str, out_path: str, threads: int | None = None
+    model: str, methods: list[str], quick: bool, device: str, out_path: str, threads: int | None = None,
+    headline_only: bool = False,
 ) -> None:
     """Measure ``methods`` on ``model``; write one JSON object per line to ``out_path`` as results come."""
     if threads:
@@ -339,7 +340,7 @@ def run_worker(
     for noise in ("Full backward hook is firing", "Secure RNG turned off"):  # said on every call by the peers
         warnings.filterwarnings("ignore", message=noise)
     dev = Device(torch.device(device))
-    plan = plan_for(model, quick)
+    plan = plan_for(model, quick, headline_only)
     wl = build_workload(model, quick, dev.device)
 
     def log(msg: str) -> None:

@@ -38,6 +38,9 @@ def check_case(case, dtype, backend, batch=None, seed=1):
     with torch.no_grad():
         torch.testing.assert_close(loss, built.loss(*args), **tol)
     torch.testing.assert_close(losses, reference_losses(built.loss, args, built.in_dims), **tol)
+    report = psg.explain(fn, *args)  # cached: no new capture
+    assert not report.fallbacks, f"{case.id}: ops took the vmap fallback: {[f.op for f in report.fallbacks]}"
+    assert {r.name for r in report.rewrites} == set(ref) and all(r.rules for r in report.rewrites)
     return fn
 
 

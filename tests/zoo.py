@@ -101,22 +101,7 @@ def classifier_case(features_fn: Callable[[], nn.Module], in_shape: tuple, n_cla
 # ---------------------------------------------------------------- the tutorial's SimpleCNN
 
 
-class SimpleCNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        x = self.fc2(x)
-        return F.log_softmax(x, dim=1)
+from compiled_psg._inspect.examples import SeedCNN as SimpleCNN  # noqa: E402  (one definition of the model)
 
 
 def build_simple_cnn():
