@@ -7,7 +7,6 @@ merged with other dimensions (a sequence Linear folds ``[B, T, i]`` into ``[B*T,
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 
 import sympy
@@ -81,17 +80,6 @@ class BatchDims:
 
 def tensor_inputs(node: fx.Node) -> Iterable[fx.Node]:
     return (a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor))
-
-
-def is_tensor_node(node: fx.Node) -> bool:
-    return isinstance(value_of(node), torch.Tensor)
-
-
-def op_of(node: fx.Node):
-    """The op that produced ``node``: for ``getitem(multi_output_op, k)`` this is the multi-output op."""
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return node.args[0].target
-    return node.target
 
 
 def find_batch_symbol(values) -> sympy.Symbol | None:

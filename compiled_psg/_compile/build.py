@@ -82,8 +82,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
 
     shapes = [tuple(value_of(p).shape) for p in (captured.fake_inputs[i] for i in param_positions)]
     param_grads = collect_param_grads(names, grads, shapes, backward)
-    ctx = ReduceContext(graph, batch, backward, param_grads)
-    ctx.set_batch_ref(per_sample_loss)
+    ctx = ReduceContext(graph, batch, backward, param_grads, per_sample_loss)
     result = reduction.emit(ctx)
     _check_still_symbolic(captured, batch, f"the reduction {type(reduction).__name__}")
     flat, spec = pytree.tree_flatten(result)

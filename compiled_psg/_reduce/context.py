@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .._analyze.batch_dims import BatchDims, value_of
+from .._analyze.batch_dims import BatchDims
 from .._analyze.layout import scale_batch
 from .._rewrite.contraction import Contraction, factored_gram, factored_sum_squares, ghost_is_cheaper
 from .._rewrite.emit import emit
@@ -52,8 +52,10 @@ class Choice:
 class ReduceContext:
     """Emits reductions of per-sample gradients into ``graph``; one instance per rewrite."""
 
-    def __init__(self, graph: fx.Graph, batch: BatchDims, lifted: LiftResult, params: list[ParamGrad]):
+    def __init__(self, graph: fx.Graph, batch: BatchDims, lifted: LiftResult, params: list[ParamGrad],
+                 batch_ref: fx.Node):
         self.graph, self.batch, self.lifted, self.params = graph, batch, lifted, params
+        self._batch_ref = batch_ref  # a node of shape [n] (the per-sample losses): sizes for new tensors
         self.choices: dict[str, list[Choice]] = {p.name: [] for p in params}
         self._materialized: dict[str, fx.Node] = {}
 
@@ -76,7 +78,7 @@ class ReduceContext:
         """``[n, *shape]``, the materialized per-sample gradient."""
         if p.name not in self._materialized:
             if p.grad is None:
-                ref = self.lifted_batch_ref()
+                ref = self._batch_ref
                 shape = p.shape
                 node = self.emit(lambda r: r.new_zeros([r.shape[0]] + list(shape)), [ref], "unused_parameter")
             elif p.grad in self.lifted.per_sample:
@@ -85,13 +87,6 @@ class ReduceContext:
                 node = broadcast_per_sample(self.graph, p.grad, self.batch)
             self._materialized[p.name] = node
         return self._materialized[p.name]
-
-    def lifted_batch_ref(self) -> fx.Node:
-        """A node of shape ``[n]`` (the per-sample losses)."""
-        return self._batch_ref
-
-    def set_batch_ref(self, node: fx.Node) -> None:
-        self._batch_ref = node
 
     def total(self, p: ParamGrad) -> fx.Node:
         """The sum over samples: the ordinary gradient the joint graph already computes."""
@@ -230,6 +225,3 @@ def collect_param_grads(names: list[str], grads: list[fx.Node | None], shapes: l
         result.append(p)
     return result
 
-
-def value_shape(node: fx.Node) -> tuple:
-    return tuple(value_of(node).shape)

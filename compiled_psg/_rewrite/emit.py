@@ -65,7 +65,3 @@ def emit(
             env[node] = new
     return result
 
-
-def symbolic_batch_size(t: torch.Tensor, dim: int = 0) -> int:
-    """``t.shape[dim]``; exists so rule code reads as what it means."""
-    return t.shape[dim]

@@ -12,6 +12,20 @@ from ..contraction import Contraction
 ATEN = torch.ops.aten
 
 
+def per_sample_table(grads: torch.Tensor, ids: torch.Tensor, num_weights: int, padding_idx, scale_by_freq: bool):
+    """``[n, l, d]`` token gradients and ``[n, l]`` ids -> ``[n, v, d]``: one scatter-add into an ``[n*v, d]``
+    table, sample ``n`` owning rows ``n*v .. n*v+v-1``."""
+    n, dim_d = grads.shape[0], grads.shape[-1]
+    rows = ids + torch.arange(n, device=ids.device).unsqueeze(1) * num_weights
+    if padding_idx is not None and padding_idx >= 0:
+        grads = grads * (ids != padding_idx).unsqueeze(-1).to(grads.dtype)
+    if scale_by_freq:
+        counts = grads.new_zeros(n * num_weights).index_add(0, rows.flatten(), grads.new_ones(rows.numel()))
+        grads = grads / counts[rows].unsqueeze(-1)
+    table = grads.new_zeros(n * num_weights, dim_d).index_add(0, rows.flatten(), grads.reshape(-1, dim_d))
+    return table.view(n, num_weights, dim_d)
+
+
 def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``embedding_dense_backward(g [*idx, d], idx, v, padding_idx, scale)``; n batch, t tokens, v vocab.
 
@@ -41,17 +55,7 @@ def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | N
         return grads.reshape(n, -1, dim_d), ids.reshape(n, -1)
 
     def per_sample(g, idx):
-        grads, ids = tokens(g, idx)
-        n = ids.shape[0]
-        rows = ids + torch.arange(n, device=ids.device).unsqueeze(1) * num_weights
-        if padding_idx is not None and padding_idx >= 0:
-            grads = grads * (ids != padding_idx).unsqueeze(-1).to(grads.dtype)
-        if scale_by_freq:
-            counts = grads.new_zeros(n * num_weights).index_add(0, rows.flatten(),
-                                                                grads.new_ones(rows.numel()))
-            grads = grads / counts[rows].unsqueeze(-1)
-        table = grads.new_zeros(n * num_weights, dim_d).index_add(0, rows.flatten(), grads.reshape(-1, dim_d))
-        return table.view(n, num_weights, dim_d)
+        return per_sample_table(*tokens(g, idx), num_weights, padding_idx, scale_by_freq)
 
     def sq_norms(g, idx):
         grads, ids = tokens(g, idx)
@@ -84,16 +88,9 @@ def embedding_dense_backward_lift(node: fx.Node, lifted: list[bool]):
     _g, _idx, num_weights, padding_idx, scale_by_freq = node.args
 
     def run(grads, idx, *_sizes):
-        n, dim_d = grads.shape[0], grads.shape[-1]
-        grads = grads.reshape(n, -1, dim_d)
+        n = grads.shape[0]
         ids = idx.reshape(1, -1).expand(n, -1)
-        rows = ids + torch.arange(n, device=ids.device).unsqueeze(1) * num_weights
-        if padding_idx is not None and padding_idx >= 0:
-            grads = grads * (ids != padding_idx).unsqueeze(-1).to(grads.dtype)
-        if scale_by_freq:
-            counts = grads.new_zeros(n * num_weights).index_add(0, rows.flatten(), grads.new_ones(rows.numel()))
-            grads = grads / counts[rows].unsqueeze(-1)
-        table = grads.new_zeros(n * num_weights, dim_d).index_add(0, rows.flatten(), grads.reshape(-1, dim_d))
-        return table.view(n, num_weights, dim_d)
+        return per_sample_table(grads.reshape(n, ids.shape[1], grads.shape[-1]), ids, num_weights, padding_idx,
+                                scale_by_freq)
 
     return run

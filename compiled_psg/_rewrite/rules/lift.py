@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..._analyze.batch_dims import value_of
+from .embedding import embedding_dense_backward_lift
 
 ATEN = torch.ops.aten
 LiftFn = Callable[..., torch.Tensor]
@@ -170,15 +171,7 @@ _SHAPE_OPS = [
 LIFT_RULES: dict[object, Callable[[fx.Node, list[bool]], LiftFn | None]] = {op: shape_op for op in _SHAPE_OPS}
 LIFT_RULES[ATEN._weight_norm_interface_backward.default] = weight_norm_backward
 LIFT_RULES[ATEN.cat.default] = cat
-
-
-def _register_late() -> None:
-    from .embedding import embedding_dense_backward_lift  # lift rules that live beside their op's contraction rule
-
-    LIFT_RULES[ATEN.embedding_dense_backward.default] = embedding_dense_backward_lift
-
-
-_register_late()
+LIFT_RULES[ATEN.embedding_dense_backward.default] = embedding_dense_backward_lift  # beside its contraction rule
 
 # Linear in their per-sample arguments (when all tensor arguments of add/sub are per-sample, or only one
 # argument of mul/div is): a weighted sum over samples commutes with them.
