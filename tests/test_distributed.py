@@ -30,11 +30,11 @@ def data():
     return [(torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in BATCHES]
 
 
-def train(model, shards, sigma, rank=0, world=1):
+def train(model, shards, sigma, rank=0, world=1, backend="eager"):
     """The run both sides do: momentum SGD, clipping on, noise from a seeded generator (drawn on rank 0)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, opt, max_grad_norm=C,
-                        noise_multiplier=sigma, backend="eager", update_backend="eager",
+                        noise_multiplier=sigma, backend=backend,
                         generator=torch.Generator().manual_seed(5))
     for x, y in shards:
         step(x[rank::world], y[rank::world])
@@ -51,7 +51,13 @@ def _worker(rank: int, port: int, out: str) -> None:
             model = model_for(seed=rank)  # rank 1 starts elsewhere: the step broadcasts rank 0's parameters
             step = train(model, data(), sigma, rank, WORLD)
             results[sigma] = dict(params=[p.detach().clone() for p in model.parameters()],
-                                  distributed=step.distributed, last_batch_size=step.last_batch_size)
+                                  distributed=step.distributed, last_batch_size=step.last_batch_size,
+                                  programs=step.programs)
+        # Inductor: the all-reduce is a functional collective inside the compiled step program
+        model = model_for(seed=rank)
+        step = train(model, data(), 0.0, rank, WORLD, backend="inductor")
+        results["inductor"] = dict(params=[p.detach().clone() for p in model.parameters()],
+                                   programs=step.programs, compiles=step.compiles)
         from compiled_psg._train.distributed import shard
         from compiled_psg._train.private import make_private
 
@@ -60,7 +66,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                DataLoader(shard(full), batch_size=4),
                                lambda x, y: F.cross_entropy(model(x), y),
-                               noise_multiplier=1.0, backend="eager", update_backend="eager")
+                               noise_multiplier=1.0, backend="eager")
         results["private"] = dict(sample_rate=private.sample_rate, expected=private.expected_batch_size)
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
@@ -87,11 +93,22 @@ def test_two_ranks_equal_one_process_on_the_union(ranks, sigma):
     expected = [p.detach() for p in model.parameters()]
     for r in ranks:
         assert r[sigma]["distributed"] and r[sigma]["last_batch_size"] == step.last_batch_size == BATCHES[-1]
+        assert r[sigma]["programs"] == 1
         for got, want in zip(r[sigma]["params"], expected, strict=True):
             # sigma > 0: the same generator draws the same noise, added once (on rank 0) to the global sum
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(ranks[0][sigma]["params"], ranks[1][sigma]["params"], strict=True):
         assert torch.equal(a, b)  # the replicas stay identical
+
+
+def test_inductor_program_equals_one_process(ranks):
+    model = model_for(seed=0)
+    train(model, data(), 0.0)
+    for rank, r in enumerate(ranks):
+        # compiled for B >= 2, and for B = 1 on rank 0 (rank 1's shards: 3, 6, 0, 0, 2)
+        assert r["inductor"]["programs"] == 1 and r["inductor"]["compiles"] == (2 if rank == 0 else 1)
+        for got, want in zip(r["inductor"]["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_noise_is_added_once(ranks):

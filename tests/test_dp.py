@@ -111,7 +111,7 @@ def test_make_private_with_noise_multiplier():
     model, optimizer, loader, loss_fn = _setup()
     before = [p.detach().clone() for p in model.parameters()]
     private = make_private(model, optimizer, loader, loss_fn, noise_multiplier=1.2, max_grad_norm=0.5,
-                           backend="eager", update_backend="eager",
+                           backend="eager",
                            generator=torch.Generator().manual_seed(0))
     assert private.sample_rate == pytest.approx(1 / 6) and private.expected_batch_size == pytest.approx(10)
     assert isinstance(private.data_loader.batch_sampler, PoissonBatchSampler)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
 from .build import Rewritten
@@ -20,10 +21,14 @@ BACKENDS = ("inductor", "eager")
 
 
 class CompiledPerSample:
-    def __init__(self, rewritten: Rewritten, backend: str):
+    """Runs ``graph`` (default: the rewritten graph) compiled by ``backend``. A graph built on the rewritten one
+    (the fused training step) may take more inputs after the rewritten graph's own: ``run(..., extra)``."""
+
+    def __init__(self, rewritten: Rewritten, backend: str, graph: torch.fx.GraphModule | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.rewritten = rewritten
+        self.graph = rewritten.rewritten if graph is None else graph
         self.backend = backend
         self._compiled: dict[str, Callable] = {}
         self.compile_seconds = 0.0
@@ -48,16 +53,18 @@ class CompiledPerSample:
 
     def _callable(self, batch_size: int, inputs: list) -> Callable:
         if self.backend == "eager":
-            return self.rewritten.rewritten
+            return self.graph
         key = "one" if batch_size == 1 else "any"
         if key not in self._compiled:
             from torch._inductor.compile_fx import compile_fx
 
             start = time.perf_counter()
-            gm = copy.deepcopy(self.rewritten.rewritten)
+            gm = copy.deepcopy(self.graph)
             if key == "any":
                 fakes = self.rewritten.captured.fake_inputs
+                mode = detect_fake_mode(fakes)
                 examples = [f.detach() if isinstance(f, torch.Tensor) else f for f in fakes]
+                examples += [mode.from_tensor(x, static_shapes=True) for x in inputs[len(fakes):]]
             else:
                 examples = inputs
             self._compiled[key] = compile_fx(gm, examples)
@@ -67,18 +74,23 @@ class CompiledPerSample:
             self.compiles += 1
         return self._compiled[key]
 
-    def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
-        inputs = self._inputs(params, args, batch_size)
+    def prepare(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int, extra: tuple = ()) -> None:
+        """Compile for ``batch_size`` now, without running."""
+        self._callable(batch_size, self._inputs(params, args, batch_size) + list(extra))
+
+    def run(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int, extra: tuple = ()) -> list:
+        """The graph's flat outputs; ``extra`` feeds the placeholders after the rewritten graph's own."""
+        inputs = self._inputs(params, args, batch_size) + list(extra)
         fn = self._callable(batch_size, inputs)
         with torch.no_grad():
-            out = fn(*inputs)
-        loss, per_sample_losses, *flat = out
+            return list(fn(*inputs))
+
+    def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
+        loss, per_sample_losses, *flat = self.run(params, args, batch_size)
         return loss, per_sample_losses, pytree.tree_unflatten(list(flat), self.rewritten.out_spec)
 
 
 def _check_batch_not_pinned(rw: Rewritten, stage: str) -> None:
-    from torch._guards import detect_fake_mode
-
     env = getattr(detect_fake_mode(rw.captured.fake_inputs), "shape_env", None)
     if env is not None and rw.batch.symbol in env.replacements:
         raise AssertionError(f"internal: {stage} fixed the batch size to {env.replacements[rw.batch.symbol]}; an op "

@@ -47,8 +47,7 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--accountant", choices=("rdp", "pld", "prv", "opacus-rdp"), default="rdp")
     p.add_argument("--secure-rng", action="store_true", help="noise and sampling from os.urandom")
     p.add_argument("--backend", choices=("inductor", "eager"), default="inductor",
-                   help="backend of the per-sample graph (the optimizer update is compiled with Inductor)")
-    p.add_argument("--update-backend", default="inductor", help="torch.compile backend of the update")
+                   help="how the step program (forward, rewritten backward, clipping, noise, update) runs")
     p.add_argument("--train-subset", type=int, default=None, help="use only this many training examples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
@@ -88,8 +87,7 @@ def _trainer(args, model, train):
     optimizer = _optimizer(args, model.parameters())
     batch = min(args.batch_size, len(train))
     if args.no_dp:
-        step = compile_step(loss_fn, model, optimizer, backend=args.backend,
-                            update_backend=args.update_backend)
+        step = compile_step(loss_fn, model, optimizer, backend=args.backend)
         loader = DataLoader(train, batch_size=batch, shuffle=True, generator=generator)
         return step, loader, lambda: math.inf, dict(noise_multiplier=0.0, sample_rate=None), step
     q = batch / len(train)
@@ -98,7 +96,7 @@ def _trainer(args, model, train):
                            target_epsilon=None if args.sigma is not None else args.epsilon,
                            target_delta=args.delta, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
                            accountant=args.accountant, secure_rng=args.secure_rng, backend=args.backend,
-                           update_backend=args.update_backend, generator=generator, sample_rate=q)
+                           generator=generator, sample_rate=q)
     info = dict(noise_multiplier=private.noise_multiplier, sample_rate=q,
                 expected_batch_size=private.expected_batch_size)
     return private.step, private.data_loader, private.epsilon, info, private.dp_step
@@ -152,7 +150,8 @@ def train(args) -> dict:
         final=dict(test_accuracy=final.get("test_accuracy"), epsilon=final.get("epsilon"), delta=args.delta,
                    wall_seconds=wall, compile_seconds=dp_step.compile_seconds,
                    samples_per_second=samples_total / train_seconds if train_seconds else None,
-                   captures=dp_step.per_sample.captures, update_compiles=dp_step.update_compiles))
+                   captures=dp_step.per_sample.captures, program_builds=dp_step.program_builds,
+                   programs_per_step=dp_step.programs))
     write_outputs(metrics, args.out)
     eps_text = "inf (non-private)" if final.get("epsilon") is None else f"{final['epsilon']:.3f}"
     print(f"final: test accuracy {final.get('test_accuracy', float('nan')):.4f}, epsilon {eps_text} at "

@@ -2,11 +2,15 @@
 
 Every rank holds a full copy of the model and its own shard of the data. A step of ``compile_step`` then:
 
-1. computes the rank's clipped sum ``sum_i min(1, C/||g_i||) g_i`` over its local batch (the compiled graph);
+1. computes the rank's clipped sum ``sum_i min(1, C/||g_i||) g_i`` over its local batch;
 2. rank 0 adds the Gaussian noise N(0, sigma^2 C^2), once: the other ranks add nothing;
-3. all-reduces (sums) the noisy sums and the batch sizes in one flat buffer, so every rank holds the same
+3. all-reduces (sums) the noisy sums and the batch size in one flat buffer, so every rank holds the same
    ``noise + sum over the global batch``: exactly the single-process aggregate of the union of the batches;
-4. divides by the global expected batch size and runs the same compiled optimizer update on every rank.
+4. divides by the global expected batch size and runs the optimizer update on every rank.
+
+All four happen in the one compiled program of the step: the all-reduce is a functional collective
+(``_c10d_functional.all_reduce``) inside the graph. A rank that runs a step eagerly (the first step, an empty
+local batch) joins the same single collective through ``all_reduce_flat``.
 
 The parameters are broadcast from rank 0 when the step is built, so the replicas start (and stay) identical.
 Each rank Poisson-samples its shard with the same rate ``q``: every example of the union is then included
@@ -47,19 +51,18 @@ def broadcast_parameters(params: list[torch.Tensor], src: int = 0) -> None:
             dist.broadcast(p.data, src)
 
 
-def all_reduce_sum(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Sum each tensor over the ranks, one collective per dtype (a flat buffer); returns new tensors."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = torch.cat([tensors[i].reshape(-1) for i in index])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for i in index:
-            n = tensors[i].numel()
-            out[i] = flat[offset:offset + n].view_as(tensors[i])
-            offset += n
-    return out
+def group_name() -> str:
+    """The default process group's name, as functional collectives inside a compiled graph refer to it."""
+    return dist.group.WORLD.group_name
+
+
+def all_reduce_flat(grads: list[torch.Tensor], count: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``cat(g.view(-1) for g in grads) + [count]`` summed over the ranks in one collective: the layout the fused
+    step program all-reduces in its graph (``fuse._all_reduce_flat``), so eager and compiled ranks can meet."""
+    flat = torch.cat([g.reshape(-1) for g in grads] + [count.reshape(1).to(grads[0].dtype)])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    parts = flat.split([g.numel() for g in grads] + [1])
+    return [part.view_as(g) for part, g in zip(parts, grads, strict=False)], parts[-1].view(())
 
 
 def all_reduce_scalar(value: float, op=None) -> float:

@@ -62,7 +62,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                  target_epsilon: float | None = None,
                  target_delta: float = 1e-5, epochs: int | None = None, max_grad_norm: float = 1.0,
                  accountant: str = "rdp", secure_rng: bool = False, poisson_sampling: bool = True,
-                 loss_reduction: str = "mean", backend: str = "inductor", update_backend: str | None = None,
+                 loss_reduction: str = "mean", backend: str = "inductor",
                  generator: torch.Generator | None = None,
                  sample_rate: float | None = None) -> PrivateTraining:
     """Make a training loop differentially private (DP-SGD, Abadi et al. 2016).
@@ -105,7 +105,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     dp_step = compile_step(loss_fn, model, optimizer, max_grad_norm=max_grad_norm,
                            noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                            loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend,
-                           generator=generator, update_backend=update_backend)
+                           generator=generator)
     start = time.perf_counter()
     dp_step.per_sample.compiled_for(*first)
     dp_step.compile_seconds += time.perf_counter() - start

@@ -1,0 +1,144 @@
+"""Splice the optimizer update after the per-sample graph: one program for a whole training step.
+
+Before, two graphs (index letters: n batch, j parameter)::
+
+    per-sample (clip_sum):  (params, batch)                    -> (loss, losses[n], {name: S_j}, norms[n])
+    update:                 (G_j, scale, params, .grad, state)  -> ()    # ends with copy_ into params, .grad, state
+
+After, one graph::
+
+    (params, batch, [noise_j], [count], [scale], .grad, state) -> (loss, losses[n], [norms[n]], [global count])
+        G_j = S_j + noise_j                     # noise placeholders only on the process that adds the noise
+        G, count = all_reduce(cat(G_j, count))  # one collective, only under torch.distributed
+        scale = 1 / max(count, 1)               # in the graph only when dividing by the global batch size
+        <update graph on G_j and scale>
+
+Pre-conditions: the per-sample graph's result is ``{name: tensor}`` or ``({name: tensor}, norms)`` with an entry
+for every parameter the optimizer updates; the update graph comes from ``capture_update``. Post-conditions: the
+graph lints, and ``StepProgram.inputs`` describes every placeholder after the per-sample graph's own.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .._compile.build import Rewritten
+from .update_graph import UpdateGraph
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+@dataclass
+class StepProgram:
+    """The fused graph. ``inputs``: one entry per placeholder after the per-sample graph's own, ``("noise", j)``,
+    ``("count", None)``, ``("scale", None)``, ``("dot_grad", j)`` or ``("tensor", t)``; ``outputs``: names of
+    the flat outputs."""
+
+    gm: fx.GraphModule
+    inputs: list[tuple[str, object]]
+    outputs: list[str]
+
+
+def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tensor], names: list[str], *,
+              noisy: bool, group_name: str | None, divide_by_count: bool) -> StepProgram:
+    """``params[j]``/``names[j]``: the optimizer's ``j``-th parameter; ``group_name``: the process group to
+    all-reduce over (None: one process); ``divide_by_count``: the scale is 1 / the global batch size."""
+    per_sample_gm = rewritten.rewritten
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    loss, losses, *flat = graph.graph_copy(per_sample_gm.graph, env)
+    result = pytree.tree_unflatten(list(flat), rewritten.out_spec)
+    sums, norms = result if isinstance(result, tuple) else (result, None)
+    missing = [n for n in names if n not in sums]
+    if missing:
+        raise AssertionError(f"internal: the per-sample graph has no gradient for {missing}")
+    roles = zip(rewritten.roles, _placeholders(per_sample_gm.graph), strict=True)
+    param_placeholder = {r.key: env[n] for r, n in roles if r.kind == "param"}
+    first_compute = next(n for n in graph.nodes if n.op != "placeholder")
+    inputs: list[tuple[str, object]] = []
+
+    def placeholder(kind: str, key: object, name: str) -> fx.Node:
+        with graph.inserting_before(first_compute):  # after the per-sample graph's own, in order
+            node = graph.placeholder(f"step_{len(inputs)}_{name}")  # the target is the argument's name
+        inputs.append((kind, key))
+        return node
+
+    call = graph.call_function
+    grads = [sums[n] for n in names]
+    if noisy:
+        grads = [call(aten.add.Tensor, (g, placeholder("noise", j, f"noise_{j}"))) for j, g in enumerate(grads)]
+    outputs, output_names = [loss, losses], ["loss", "per_sample_losses"]
+    if norms is not None:
+        outputs.append(norms)
+        output_names.append("norms")
+    scale = None
+    if group_name is not None:
+        count = placeholder("count", None, "count")
+        grads, count = _all_reduce_flat(graph, grads, count, [p.shape for p in params], group_name)
+        outputs.append(count)
+        output_names.append("global_count")
+        if divide_by_count:
+            scale = call(aten.reciprocal.default, (call(aten.clamp_min.default, (count, 1)),))
+    if scale is None:
+        scale = placeholder("scale", None, "scale")
+
+    by_identity = {id(p): n for p, n in zip(params, names, strict=True)}
+    update_env: dict[fx.Node, fx.Node] = {}
+    for node, (kind, key) in zip(_placeholders(update.gm.graph), update.sources, strict=True):
+        if kind == "grad":
+            update_env[node] = grads[key]
+        elif kind == "scale":
+            update_env[node] = scale
+        elif kind == "tensor" and id(key) in by_identity:  # the parameters: the per-sample graph reads them too
+            update_env[node] = param_placeholder[by_identity[id(key)]]
+        else:
+            update_env[node] = placeholder(kind, key, node.name)
+    graph.graph_copy(update.gm.graph, update_env)
+    graph.output(tuple(outputs))
+
+    root = torch.nn.Module()
+    _register_constants(per_sample_gm, env, root, "per_sample_")
+    _register_constants(update.gm, update_env, root, "update_")
+    graph.lint()
+    gm = fx.GraphModule(root, graph)
+    return StepProgram(gm, inputs, output_names)
+
+
+def _placeholders(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def _all_reduce_flat(graph: fx.Graph, grads: list[fx.Node], count: fx.Node, shapes: list, group_name: str):
+    """``cat(G_j.view(-1), count.view(1))`` summed over the ranks in ONE collective, the layout
+    ``distributed.all_reduce_flat`` uses, so that a rank running eagerly (its first step, an empty batch)
+    joins the same collective."""
+    call = graph.call_function
+    pieces = [call(aten.view.default, (g, [-1])) for g in grads] + [call(aten.view.default, (count, [1]))]
+    flat = call(aten.cat.default, (pieces,))
+    summed = call(c10d.wait_tensor.default, (call(c10d.all_reduce.default, (flat, "sum", group_name)),))
+    sizes = [math.prod(s) for s in shapes] + [1]
+    parts = call(aten.split_with_sizes.default, (summed, sizes))
+    views = [call(aten.view.default, (call(operator.getitem, (parts, k)), list(s)))
+             for k, s in enumerate([*shapes, ()])]
+    return views[:-1], views[-1]
+
+
+def _register_constants(source: fx.GraphModule, env: dict, root: torch.nn.Module, prefix: str) -> None:
+    """Values the copied graph reads with ``get_attr``, moved to the fused module under ``prefix``."""
+    for node in [n for n in source.graph.nodes if n.op == "get_attr"]:
+        value = source
+        for part in node.target.split("."):
+            value = getattr(value, part)
+        name = prefix + node.target.replace(".", "_")
+        if isinstance(value, torch.Tensor):
+            root.register_buffer(name, value)
+        else:
+            setattr(root, name, value)
+        env[node].target = name
