@@ -11,8 +11,7 @@ import torch
 
 from compiled_psg.__main__ import main
 
-QUICK = ["--epochs", "2", "--train-subset", "300", "--batch-size", "64", "--backend", "eager",
-         "--update-backend", "eager"]
+QUICK = ["--epochs", "2", "--train-subset", "300", "--batch-size", "64", "--backend", "eager"]
 
 
 @pytest.fixture(autouse=True)
