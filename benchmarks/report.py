@@ -226,6 +226,43 @@ def failures(results: dict) -> list[str]:
     return lines or ["None."]
 
 
+def not_best(results: dict) -> list[str]:
+    """Every model, batch size and quantity where a peer that ran (and passed the check) beat compiled_psg's best
+    method on time, or on peak extra memory (by more than 5%: resident-set noise)."""
+    lines = []
+    for name, model in results["models"].items():
+        groups: dict[str, list[str]] = {}
+        for key in model["methods"]:
+            if key in METHODS and METHODS[key].group != "baseline":
+                groups.setdefault(METHODS[key].group, []).append(key)
+        sizes = sorted({int(s) for r in model["methods"].values() for s in r.get("sizes", {})})
+        for group, keys in groups.items():
+            ours = [k for k in keys if k.startswith(("psg_", "dp_psg"))]
+            peers = [k for k in keys if k not in ours and _passed(model, k)]
+            for size in sizes:
+                for field, what, slack in (("median_s", "time", 1.0), ("peak_bytes", "peak extra memory", 1.05)):
+                    mine = {k: _entry(model, k, size).get(field) for k in ours}
+                    mine = {k: v for k, v in mine.items() if v is not None}
+                    theirs = {k: _entry(model, k, size).get(field) for k in peers}
+                    theirs = {k: v for k, v in theirs.items() if v is not None}
+                    if not mine or not theirs:
+                        continue
+                    best_ours, best_peer = min(mine, key=mine.get), min(theirs, key=theirs.get)
+                    if theirs[best_peer] * slack < mine[best_ours]:
+                        if field == "median_s":
+                            detail = f", which takes {mine[best_ours] / theirs[best_peer]:.2f}× as long"
+                        else:
+                            detail = f" ({_fmt_mib(mine[best_ours])} MiB against {_fmt_mib(theirs[best_peer])})"
+                        lines.append(f"- {name} B={size}, {group}, {what}: {_label(best_peer)} beats "
+                                     f"{_label(best_ours)}{detail}")
+    return lines or ["None."]
+
+
+def _passed(model: dict, key: str) -> bool:
+    check = model["methods"][key].get("check") or {}
+    return "error" not in check and check.get("max_rel_err", 0) <= TOLERANCE
+
+
 # -- the page --------------------------------------------------------------------------------------
 
 
@@ -314,6 +351,10 @@ def markdown(results: dict) -> str:
             *sequence_table(model, gpu),
             "",
         ]
+    out += ["## Where compiled_psg is not the fastest or the leanest", "",
+            "Generated from the tables above: each model, batch size and quantity where a peer that ran and "
+            "passed the check beats compiled_psg's best method for that quantity.", "",
+            *not_best(results), ""]
     out += ["## Failures and wrong results", "", *failures(results), ""]
     return "\n".join(out)
 
