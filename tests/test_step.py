@@ -236,6 +236,7 @@ MORE_OPTIMIZERS = {
     "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
     "SGD-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
     "Adam-amsgrad": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+    "Adam-tensor-betas": lambda p: torch.optim.Adam(p, lr=0.01, betas=(torch.tensor(0.9), torch.tensor(0.99))),
 }
 
 
@@ -338,5 +339,45 @@ def test_zero_grad_between_steps_is_harmless():
 def test_optimizer_over_foreign_tensors_is_refused():
     model = small_cnn()
     opt = torch.optim.SGD([*model.parameters(), torch.zeros(3, requires_grad=True)], lr=0.1)
-    with pytest.raises(ValueError, match=r"not trainable parameters of the model.*Fix"):
+    with pytest.raises(ValueError, match=r"not parameters of the model.*Fix"):
         compile_step(lambda x, y: ce_mean(model, x, y), model, opt)
+
+
+def test_optimizer_changed_midway():
+    """Cleared state, a parameter frozen and a hook registered after the step was built: each still matches
+    the optimizer run eagerly (the program is rebuilt, or the update falls back to eager)."""
+    ours, ref = small_cnn(), small_cnn()
+    opt_ours, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, ref))
+    step = compile_step(lambda x, y: ce_mean(ours, x, y), ours, opt_ours, backend="eager")
+    calls = []
+    for k, n in enumerate((6, 7, 8, 9, 10, 11)):
+        if k == 2:
+            opt_ours.state.clear()
+            opt_ref.state.clear()
+        if k == 3:
+            for m in (ours, ref):
+                m[0].requires_grad_(False)
+        if k == 4:
+            opt_ours.register_step_post_hook(lambda *a: calls.append(1))
+        step(*batch(n, seed=n))
+        plain_step(ref, opt_ref, ce_mean, *batch(n, seed=n))
+        assert max_diff(ours, ref) < 1e-6, k
+    assert len(opt_ours.state) == len(opt_ref.state) == 4  # momentum recreated after the clear
+    assert calls == [1, 1] and not step.fused and "hooks" in step.fallback_reason
+
+
+def test_rebuilds_do_not_keep_copies_alive():
+    """Each rebuild traces a copy of the optimizer; nothing may keep the copies' tensors."""
+    import gc
+
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, opt, backend="eager")
+    alive = []
+    for k in range(5):
+        opt.param_groups[0]["lr"] = 0.01 / (k + 1)  # a float lr: every change rebuilds
+        step(torch.randn(6, 5), torch.randint(0, 3, (6,)))
+        gc.collect()
+        alive.append(sum(isinstance(o, torch.Tensor) and o.shape == (7, 5) for o in gc.get_objects()))
+    assert step.program_builds == 5
+    assert alive[1] == alive[-1]  # parameter, .grad, Adam's two moments: no more per rebuild

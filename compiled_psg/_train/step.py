@@ -88,24 +88,15 @@ class DPStep:
         self.generator = generator
         self.distributed = dist_utils.is_distributed() if distributed is None else distributed
         self.per_sample = per_sample(model, in_dims=in_dims, reduce=reduction, backend=backend)(loss_fn)
-        self.params = update_graph.flat_params(optimizer)
-        trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-        strangers = [tuple(p.shape) for p in self.params if id(p) not in trainable]
-        if strangers:
-            raise ValueError(f"the optimizer updates tensors of shapes {strangers} that are not trainable "
-                             "parameters of the model. Fix: build the optimizer on model.parameters()")
-        self.names = [trainable[id(p)] for p in self.params]
-        if self.distributed:
-            dist_utils.broadcast_parameters(self.params)
-        self._dot_grads = [torch.zeros_like(p) for p in self.params]  # what p.grad holds after a step
         self.fused = True
         self.fallback_reason: str | None = None
-        if update_graph.has_step_hooks(optimizer):
-            self._fall_back("the optimizer has step hooks, which run in Python")
-        if self.distributed and len({p.dtype for p in self.params}) > 1:
-            self._fall_back("parameters of several dtypes do not share one all-reduce buffer")
         self._update: update_graph.UpdateGraph | None = None
         self._programs: dict[int, tuple[StepProgram, CompiledPerSample]] = {}
+        self._dot_grads_by_param: dict[int, torch.Tensor] = {}
+        self._bound: tuple = ()
+        self._bind()
+        if self.distributed:
+            dist_utils.broadcast_parameters(self.params)
         self._state_ready = False
         self.program_builds = 0
         self.compile_seconds = 0.0
@@ -133,6 +124,32 @@ class DPStep:
         per_sample = sum(c.compiles for c in self.per_sample._cache.values())
         return per_sample + sum(c.compiles for _, c in self._programs.values())
 
+    def _bind(self) -> None:
+        """Which of the optimizer's parameters the step trains (those that require grad), and their names; redone
+        when the optimizer's parameters or their ``requires_grad`` change (``add_param_group``, freezing)."""
+        flat = update_graph.flat_params(self.optimizer)
+        bound = tuple((id(p), p.requires_grad) for p in flat)
+        if bound == self._bound:
+            return
+        trainable = {id(p): n for n, p in self.model.named_parameters() if p.requires_grad}
+        self.trained = [j for j, p in enumerate(flat) if p.requires_grad]
+        self.params = [flat[j] for j in self.trained]
+        strangers = [tuple(p.shape) for p in self.params if id(p) not in trainable]
+        if strangers:
+            raise ValueError(f"the optimizer updates tensors of shapes {strangers} that are not parameters of "
+                             "the model. Fix: build the optimizer on model.parameters()")
+        self.names = [trainable[id(p)] for p in self.params]
+        for p in flat:  # a parameter frozen since: drop the .grad the step left, as zero_grad() would
+            if not p.requires_grad and p.grad is not None and p.grad is self._dot_grads_by_param.get(id(p)):
+                p.grad = None
+        # what p.grad holds after a step; kept per parameter across rebinds
+        self._dot_grads = [self._dot_grads_by_param.setdefault(id(p), torch.zeros_like(p)) for p in self.params]
+        if self.distributed and len({p.dtype for p in self.params}) > 1:
+            self._fall_back("parameters of several dtypes do not share one all-reduce buffer")
+        self._bound = bound
+        self._update = None
+        self._programs.clear()
+
     def _fall_back(self, reason: str) -> None:
         self.fused, self.fallback_reason = False, reason
         log.warning("compiled_psg: compile_step runs the optimizer update eagerly after the compiled per-sample "
@@ -153,7 +170,11 @@ class DPStep:
     # --- the fused program ---------------------------------------------------------------------------------
     def _program_for(self, entry: CompiledPerSample) -> tuple[StepProgram, CompiledPerSample] | None:
         """The program for this per-sample graph; rebuilt when the optimizer changed (see update_graph)."""
-        if self._update is not None and self._update.signature != update_graph.signature(self.optimizer):
+        if update_graph.has_step_hooks(self.optimizer):
+            self._fall_back("the optimizer has step hooks, which run in Python")
+            return None
+        if self._update is not None and self._update.signature != update_graph.signature(self.optimizer,
+                                                                                          self.trained):
             log.warning("compiled_psg: the optimizer's hyperparameters or state tensors changed; recompiling the "
                         "step (use tensor hyperparameters, lr=torch.tensor(0.1), to change them without this)")
             self._update = None
@@ -161,10 +182,13 @@ class DPStep:
         if self._update is None:
             self._install_dot_grads()
             try:
-                self._update = update_graph.capture_update(self.optimizer, self.params[0].dtype)
-            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
-                self._fall_back(f"Dynamo cannot trace {type(self.optimizer).__name__}.step whole "
-                                f"({type(e).__name__}: {str(e).splitlines()[0]})")
+                self._update = update_graph.capture_update(self.optimizer, self.trained, self.params[0].dtype)
+            except update_graph.StateMissing:  # e.g. the state was cleared: one eager step creates it again
+                self._state_ready = False
+                return None
+            except Exception as e:  # noqa: BLE001 -- any failure to trace the step: keep it eager, and say so
+                self._fall_back(f"{type(self.optimizer).__name__}.step could not be captured whole "
+                                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
                 return None
         if id(entry) not in self._programs:
             divide_by_count = self.loss_reduction == "mean" and self.expected_batch_size is None
@@ -177,12 +201,12 @@ class DPStep:
             self.program_builds += 1
         return self._programs[id(entry)]
 
-    def _extra_inputs(self, program: StepProgram, batch_size: int) -> list:
+    def _extra_inputs(self, program: StepProgram, batch_size: int, draw_noise: bool = True) -> list:
         ref = self.params[0]
         extra = []
         for kind, key in program.inputs:
             if kind == "noise":
-                extra.append(self._noise(self.params[key]))
+                extra.append(self._noise(self.params[key]) if draw_noise else torch.zeros_like(self.params[key]))
             elif kind == "count":
                 extra.append(torch.tensor(float(batch_size), dtype=ref.dtype, device=ref.device))
             elif kind == "scale":
@@ -243,6 +267,7 @@ class DPStep:
         from .._api import batch_dims_of
 
         _, batch_size = batch_dims_of(batch, self.per_sample.in_dims)
+        self._bind()
         if batch_size == 0:  # a step of noise alone (Poisson sampling draws empty batches)
             loss, _, result = self.per_sample.with_losses(*batch)
             self.last_norms = result[1] if isinstance(result, tuple) else None
@@ -254,7 +279,7 @@ class DPStep:
             if built is not None:
                 return self._run_fused(*built, params, args, batch_size)
         # the first step (optimizer state does not exist yet) runs the rewritten graph without compiling it
-        runner = entry if not self.fused else CompiledPerSample(entry.rewritten, "eager")
+        runner = entry if not self.fused else CompiledPerSample(entry.rewritten, "eager")  # no double compile
         loss, _, result = runner(params, args, batch_size)
         sums, self.last_norms = result if isinstance(result, tuple) else (result, None)
         self._run_eager_update(sums, batch_size)
@@ -262,7 +287,8 @@ class DPStep:
             built = self._program_for(entry)
             if built is not None:
                 program, compiled = built
-                compiled.prepare(params, args, max(batch_size, 2), self._extra_inputs(program, batch_size))
+                compiled.prepare(params, args, max(batch_size, 2),
+                                 self._extra_inputs(program, batch_size, draw_noise=False))
         return loss
 
 

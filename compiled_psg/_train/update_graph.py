@@ -21,15 +21,20 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch.utils import _pytree as pytree
+
+
+class StateMissing(Exception):
+    """The traced step created optimizer state (momentum buffers, moments): run one eager step first."""
 
 
 @dataclass
 class UpdateGraph:
     """``gm(*inputs)`` performs one optimizer step. ``sources[k]`` says what feeds placeholder ``k``:
-    ``("grad", j)`` the new gradient of parameter ``j`` (in ``flat_params`` order), ``("scale", None)`` the
-    factor the gradients are multiplied by, ``("dot_grad", j)`` the ``.grad`` tensor of parameter ``j`` (written
-    with the scaled gradient, as ``optimizer.step()`` leaves it), ``("tensor", t)`` another tensor of the user's
-    (a parameter, optimizer state, a tensor hyperparameter)."""
+    ``("grad", i)`` the new gradient of the ``i``-th trained parameter, ``("scale", None)`` the factor the
+    gradients are multiplied by, ``("dot_grad", i)`` the ``.grad`` tensor of the ``i``-th trained parameter
+    (written with the scaled gradient, as ``optimizer.step()`` leaves it), ``("tensor", t)`` another tensor of the
+    user's (a parameter, optimizer state, a tensor hyperparameter)."""
 
     gm: fx.GraphModule
     sources: list[tuple[str, object]]
@@ -63,28 +68,40 @@ def flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _tensors_and_values(optimizer: torch.optim.Optimizer):
-    """Every tensor the step may read, keyed and in a fixed order, and every Python value it may bake in."""
+def _tensors_and_values(optimizer: torch.optim.Optimizer, trained: list[int]):
+    """Every tensor the step may read, keyed and in a fixed order, and every Python value it may bake in
+    (nested containers, such as tensor betas, flattened)."""
     tensors, values = [], []
+
+    def add(key, value):
+        leaves, _ = pytree.tree_flatten(value)
+        for i, leaf in enumerate(leaves):
+            (tensors if isinstance(leaf, torch.Tensor) else values).append(((*key, i), leaf))
+        values.append(((*key, "structure"), repr(pytree.tree_structure(value))))
+
+    position = {j: i for i, j in enumerate(trained)}
     j = 0
     for g, group in enumerate(optimizer.param_groups):
         for key in sorted(k for k in group if k != "params"):
-            (tensors if isinstance(group[key], torch.Tensor) else values).append(((g, key), group[key]))
+            add((g, key), group[key])
         for p in group["params"]:
-            tensors += [(("param", j), p), (("dot_grad", j), p.grad)]
+            tensors.append((("param", j), p))
+            if j in position:
+                tensors.append((("dot_grad", position[j]), p.grad))
+            else:  # a frozen parameter: the step reads (and applies) a .grad it may still hold, like eager torch
+                add(("frozen_grad", j), p.grad)
             for key in sorted(optimizer.state.get(p, {})):
-                value = optimizer.state[p][key]
-                (tensors if isinstance(value, torch.Tensor) else values).append(((j, key), value))
+                add((j, key), optimizer.state[p][key])
             j += 1
     return tensors, values
 
 
-def signature(optimizer: torch.optim.Optimizer) -> tuple:
+def signature(optimizer: torch.optim.Optimizer, trained: list[int]) -> tuple:
     """Changes whenever a captured update graph would be stale (see the module docstring)."""
-    tensors, values = _tensors_and_values(optimizer)
-    # .grad is not part of it: the step owns the .grad buffers it writes and restores them before each call
+    tensors, values = _tensors_and_values(optimizer, trained)
+    # .grad of trained parameters is not part of it: the step owns those buffers and reinstalls them each call
     return (tuple((k, id(t)) for k, t in tensors if k[0] != "dot_grad"),
-            tuple((k, _hashable(v)) for k, v in values))
+            tuple((k, _hashable(v)) for k, v in values), tuple(trained))
 
 
 def _hashable(value):
@@ -95,23 +112,26 @@ def _hashable(value):
         return repr(value)
 
 
-def capture_update(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> UpdateGraph:
-    """Trace ``p.grad = new_grad * scale; optimizer.step()`` for every parameter (needs ``.grad`` allocated)."""
+def capture_update(optimizer: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype) -> UpdateGraph:
+    """Trace ``p.grad = new_grad * scale; optimizer.step()`` for the parameters at positions ``trained`` of
+    ``flat_params(optimizer)`` (their ``.grad`` must be allocated). Raises ``StateMissing`` if the step would
+    create optimizer state."""
     shadow = copy.deepcopy(optimizer)
     for copied, p in zip(flat_params(shadow), flat_params(optimizer), strict=True):
-        copied.grad = p.grad.clone()  # deepcopy leaves .grad out
-    real_tensors, _ = _tensors_and_values(optimizer)
-    shadow_tensors, _ = _tensors_and_values(shadow)
-    if len(real_tensors) != len(shadow_tensors):
+        copied.grad = None if p.grad is None else p.grad.clone()  # deepcopy leaves .grad out
+    real_tensors, _ = _tensors_and_values(optimizer, trained)
+    shadow_tensors, shadow_values = _tensors_and_values(shadow, trained)
+    if [k for k, _ in real_tensors] != [k for k, _ in shadow_tensors]:
         raise AssertionError("internal: the optimizer's copy holds different tensors")
     original = {id(s): (key, r) for (key, s), (_, r) in zip(shadow_tensors, real_tensors, strict=True)}
     params = flat_params(shadow)
-    new_grads = [torch.zeros_like(p) for p in params]
-    scale = torch.ones((), dtype=dtype, device=params[0].device)
+    trained_params = [params[j] for j in trained]
+    new_grads = [torch.zeros_like(p) for p in trained_params]
+    scale = torch.ones((), dtype=dtype, device=trained_params[0].device)
     step = raw_step(shadow)
 
     def update(grads, factor):
-        for p, g in zip(params, grads, strict=True):
+        for p, g in zip(trained_params, grads, strict=True):
             p.grad.copy_(g * factor)
         step(shadow)
 
@@ -134,15 +154,20 @@ def capture_update(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> Upda
     try:
         with torch.no_grad():
             torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(new_grads, scale)
+        gm, inputs = state["gm"], state["inputs"]
     finally:
         torch._dynamo.reset_code(fn.__code__)
-    gm: fx.GraphModule = state["gm"]
+        state.clear()  # Dynamo keeps the backend (and so this dict) alive: drop the copies' tensors
+    after_tensors, after_values = _tensors_and_values(shadow, trained)
+    if ([k for k, _ in after_tensors] != [k for k, _ in shadow_tensors]
+            or [k for k, _ in after_values] != [k for k, _ in shadow_values]):
+        raise StateMissing(f"{type(optimizer).__name__}.step creates state")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(state["inputs"]):
-        raise AssertionError(f"internal: {len(placeholders)} update placeholders for {len(state['inputs'])} inputs")
-    grad_index = {id(g): j for j, g in enumerate(new_grads)}
+    if len(placeholders) != len(inputs):
+        raise AssertionError(f"internal: {len(placeholders)} update placeholders for {len(inputs)} inputs")
+    grad_index = {id(g): i for i, g in enumerate(new_grads)}
     sources: list[tuple[str, object]] = []
-    for value in state["inputs"]:
+    for value in inputs:
         if id(value) in grad_index:
             sources.append(("grad", grad_index[id(value)]))
         elif value is scale:
@@ -152,4 +177,4 @@ def capture_update(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> Upda
             sources.append(key if key[0] == "dot_grad" else ("tensor", real))
         else:
             raise AssertionError(f"internal: the optimizer step reads an unknown input of type {type(value)}")
-    return UpdateGraph(gm, sources, signature(optimizer))
+    return UpdateGraph(gm, sources, signature(optimizer, trained))
