@@ -64,21 +64,51 @@ def run_model(model: str, args: argparse.Namespace, scratch: Path) -> dict:
     path = scratch / f"{model}.jsonl"
     if args.scratch and path.exists():  # measured by an earlier run into the same scratch folder
         return _collect(model, args, path, rc=0)
-    cmd = [sys.executable, "-m", "benchmarks", "--worker", model, "--results", str(path)]
-    cmd += ["--headline-only"] if args.headline_only else []
-    cmd += ["--device", args.device, "--methods", *args.methods]
-    cmd += ["--quick"] if args.quick else []
-    cmd += ["--threads", str(args.threads)] if args.threads else []
     env = dict(os.environ)
     if not args.quick:  # first calls compile cold, as on a user's first run: an empty compiler cache per model
         env["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / f"inductor-{model}")
         env["TRITON_CACHE_DIR"] = str(scratch / f"inductor-{model}" / "triton")
-    rc = subprocess.run(cmd, env=env).returncode
+    remaining = list(args.methods)
+    rc = 0
+    while remaining:
+        cmd = [sys.executable, "-m", "benchmarks", "--worker", model, "--results", str(path)]
+        cmd += ["--headline-only"] if args.headline_only else []
+        cmd += ["--device", args.device, "--methods", *remaining]
+        cmd += ["--quick"] if args.quick else []
+        cmd += ["--threads", str(args.threads)] if args.threads else []
+        rc = subprocess.run(cmd, env=env).returncode
+        done = {r["method"] for r in _lines(path) if "method" in r}
+        remaining = [m for m in remaining if m not in done]
+        if rc == 0 or not remaining:
+            break
+        # the worker died in remaining[0] (methods run in order; typically the out-of-memory killer): record
+        # that method's finished sizes and the fatal one, and go on with the rest in a fresh worker
+        _record_killed(model, remaining[0], path, rc)
+        remaining = remaining[1:]
     return _collect(model, args, path, rc)
 
 
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _record_killed(model: str, method: str, path: Path, rc: int) -> None:
+    lines = _lines(path)
+    sizes = {str(r["size"]): r["entry"] for r in lines if r.get("partial") == method}
+    running = [r["size"] for r in lines if r.get("running") == method]
+    cause = "signal 9, most likely the out-of-memory killer" if rc == -9 else f"exit code {rc}"
+    if running and str(running[-1]) not in sizes:
+        sizes[str(running[-1])] = {"error": f"unsupported: the process was killed ({cause})"}
+    record = {"model": model, "method": method, "label": METHODS[method].label, "sizes": sizes,
+              "sequence": None, "check": None}
+    if not sizes:
+        record["error"] = f"unsupported: the process was killed ({cause})"
+    with path.open("a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
 def _collect(model: str, args: argparse.Namespace, path: Path, rc: int) -> dict:
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = _lines(path)
     header = lines[0] if lines and "environment" in lines[0] else {}
     records = {r["method"]: r for r in lines if "method" in r}
     for key in args.methods:

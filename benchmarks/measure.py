@@ -209,7 +209,9 @@ def _counters(prepared: Prepared) -> dict:
     return prepared.counters() if prepared and prepared.counters else {}
 
 
-def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | None, log) -> dict:
+def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | None, log, emit=None) -> dict:
+    """One method at every batch size; ``emit`` records each size as it starts and ends (a worker killed by the
+    out-of-memory killer leaves those behind, see ``__main__.run_model``)."""
     method = METHODS[key]
     record: dict = {
         "model": wl.name,
@@ -231,6 +233,8 @@ def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | 
         record["note"] = prepared.note
 
     for size in plan.sizes:
+        if emit:
+            emit({"running": key, "size": size})
         batch = wl.batch(size)
         entry: dict = {}
         try:
@@ -253,6 +257,8 @@ def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | 
             log(f"{key} B={size}: {entry['error']}")
             dev.release()
         record["sizes"][str(size)] = entry
+        if emit:
+            emit({"partial": key, "size": size, "entry": entry})
 
     if any("error" not in e for e in record["sizes"].values()):
         record["sequence"] = measure_sequence(wl, prepared, plan, dev)
@@ -369,4 +375,4 @@ def run_worker(
                 log("no reference:\n" + traceback.format_exc())
         warm_up_process(wl, plan, dev)
         for key in methods:
-            emit(measure_method(wl, key, plan, dev, ref, log))
+            emit(measure_method(wl, key, plan, dev, ref, log, emit))

@@ -51,3 +51,29 @@ def test_quick_run_records_every_method(tmp_path):
                     assert entry["error"].startswith("unsupported: "), (model, key, size)
                 else:
                     assert entry["median_s"] > 0 and len(entry["times_s"]) >= 3, (model, key, size)
+
+
+def test_a_killed_worker_keeps_its_finished_sizes(tmp_path):
+    """A worker killed in the middle of a method (the out-of-memory killer): that method keeps the batch sizes
+    it finished and records the fatal one; methods it never reached are failures, not silently dropped."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.__main__ import _collect, _record_killed
+
+    path = tmp_path / "mlp.jsonl"
+    lines = [
+        {"model": "mlp", "environment": {"device": "cpu"}},
+        {"model": "mlp", "method": "backward", "sizes": {"16": {"median_s": 0.01}}},
+        {"running": "psg_gram", "size": 16},
+        {"partial": "psg_gram", "size": 16, "entry": {"median_s": 0.02}},
+        {"running": "psg_gram", "size": 64},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _record_killed("mlp", "psg_gram", path, -9)
+    args = argparse.Namespace(methods=["backward", "psg_gram", "psg_norms"])
+    got = _collect("mlp", args, path, rc=-9)["methods"]
+    assert got["backward"]["sizes"]["16"]["median_s"] == 0.01
+    assert got["psg_gram"]["sizes"]["16"] == {"median_s": 0.02}
+    assert "out-of-memory killer" in got["psg_gram"]["sizes"]["64"]["error"]
+    assert got["psg_norms"]["error"].startswith("unsupported: the worker process exited with code -9")
