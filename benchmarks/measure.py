@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,6 +34,35 @@ class Plan:
     reps: int  # at least this many timed calls...
     min_seconds: float  # ...and more, up to max_reps, until the timed calls add up to this
     max_reps: int
+    max_seconds_per_size: float = 600.0  # a larger batch predicted to take longer than this is skipped
+
+
+def _machine_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def predicted_skip(kind: str, done: dict, size: int, plan: Plan) -> str | None:
+    """Why not to run ``size`` after the sizes ``done`` (str -> entry): its time or peak memory, extrapolated from
+    the largest finished size (linearly in B; quadratically for a Gram matrix), exceeds the budget or the
+    machine. "Where memory allows": a run killed by the out-of-memory killer costs minutes and tells nothing."""
+    finished = [(int(s), e) for s, e in done.items() if "median_s" in e]
+    if not finished:
+        return None
+    prev, entry = max(finished)
+    growth = (size / prev) ** (2 if kind == "gram" else 1)
+    calls = plan.warmup + plan.reps + 2
+    seconds = entry["median_s"] * growth * calls
+    if seconds > plan.max_seconds_per_size:
+        return (f"skipped: predicted {seconds / 60:.0f} min for B={size} ({entry['median_s']:.1f} s per call at "
+                f"B={prev}), over the {plan.max_seconds_per_size / 60:.0f} min budget per batch size")
+    memory, machine = entry.get("peak_bytes"), _machine_bytes()
+    if memory and machine and memory * growth > 0.8 * machine:
+        return (f"skipped: predicted peak memory {memory * growth / 2**30:.0f} GiB for B={size} "
+                f"({memory / 2**30:.1f} GiB at B={prev}), over 80% of the machine's {machine / 2**30:.0f} GiB")
+    return None
 
 
 FULL_SIZES = (16, 64, 256)
@@ -233,6 +263,11 @@ def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | 
         record["note"] = prepared.note
 
     for size in plan.sizes:
+        skip = predicted_skip(method.kind, record["sizes"], size, plan)
+        if skip:
+            record["sizes"][str(size)] = {"error": skip}
+            log(f"{key} B={size}: {skip}")
+            continue
         if emit:
             emit({"running": key, "size": size})
         batch = wl.batch(size)

@@ -77,3 +77,17 @@ def test_a_killed_worker_keeps_its_finished_sizes(tmp_path):
     assert got["psg_gram"]["sizes"]["16"] == {"median_s": 0.02}
     assert "out-of-memory killer" in got["psg_gram"]["sizes"]["64"]["error"]
     assert got["psg_norms"]["error"].startswith("unsupported: the worker process exited with code -9")
+
+
+def test_sizes_predicted_too_slow_or_too_big_are_skipped():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.measure import plan_for, predicted_skip
+
+    plan = plan_for("mlp", quick=False)
+    done = {"16": {"median_s": 0.01, "peak_bytes": 2**20}}
+    assert predicted_skip("grads", done, 64, plan) is None
+    slow = {"64": {"median_s": 20.0, "peak_bytes": 2**20}}
+    assert "min budget" in predicted_skip("gram", slow, 256, plan)  # 16x the time of B=64
+    big = {"64": {"median_s": 0.1, "peak_bytes": 2**50}}
+    assert "peak memory" in predicted_skip("grads", big, 256, plan)
+    assert predicted_skip("grads", {"16": {"error": "unsupported: x"}}, 64, plan) is None
