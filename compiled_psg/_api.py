@@ -129,6 +129,11 @@ class PerSampleFunction:
         return len(self._cache)
 
     @property
+    def compiles(self) -> int:
+        """Graphs compiled so far (per capture: one for every batch size from 2 up, one for a batch of one)."""
+        return sum(c.compiles for c in self._cache.values())
+
+    @property
     def compile_seconds(self) -> float:
         return sum(c.compile_seconds for c in self._cache.values())
 

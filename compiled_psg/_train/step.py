@@ -121,8 +121,7 @@ class DPStep:
     def compiles(self) -> int:
         """Graphs compiled so far: the step program (any batch size, and a batch of one), plus the per-sample
         graph when the update runs eagerly."""
-        per_sample = sum(c.compiles for c in self.per_sample._cache.values())
-        return per_sample + sum(c.compiles for _, c in self._programs.values())
+        return self.per_sample.compiles + sum(c.compiles for _, c in self._programs.values())
 
     def _bind(self) -> None:
         """Which of the optimizer's parameters the step trains (those that require grad), and their names; redone
@@ -253,15 +252,13 @@ class DPStep:
         f = self.per_sample
         # contiguous copies of strided views (x[rank::world]): the capture assumes dense batch inputs
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
-        before = (f.captures, self.program_builds, self._compiles())
+        before = (f.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
         loss = self._step(batch)
-        if (f.captures, self.program_builds, self._compiles()) != before:  # the call's time is compile time
+        if (f.captures, self.program_builds, self.compiles) != before:  # the call's time is compile time
             self.compile_seconds += time.perf_counter() - start
         return loss
 
-    def _compiles(self) -> tuple[float, int]:
-        return self.per_sample.compile_seconds, sum(c.compiles for _, c in self._programs.values())
 
     def _step(self, batch: tuple) -> torch.Tensor:
         from .._api import batch_dims_of
