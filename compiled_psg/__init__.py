@@ -11,6 +11,8 @@ from ._api import per_sample as per_sample
 from ._api import per_sample_grad as per_sample_grad
 from ._errors import BatchInputError as BatchInputError
 from ._errors import CaptureError as CaptureError
+from ._errors import CompileError as CompileError
+from ._errors import InternalError as InternalError
 from ._errors import PerSampleError as PerSampleError
 from ._errors import SampleMixingError as SampleMixingError
 from ._errors import UnsupportedError as UnsupportedError

@@ -26,3 +26,14 @@ class CaptureError(PerSampleError):
 
 class UnsupportedError(PerSampleError):
     """A graph node has no rule and the generic fallback cannot handle it either."""
+
+
+class CompileError(PerSampleError):
+    """The compiler (Inductor) failed on a rewritten graph; ``backend="eager"`` gives the same numbers."""
+
+
+class InternalError(PerSampleError, AssertionError):
+    """A check inside compiled_psg failed: a bug in compiled_psg, not in the user's code. Please report it."""
+
+    def __init__(self, message: str):
+        super().__init__(f"{message}\nThis is a bug in compiled_psg; please report it with this message.")
