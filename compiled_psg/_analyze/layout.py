@@ -15,21 +15,13 @@ import sympy
 import torch
 import torch.fx as fx
 
+from . import ops
 from .batch_dims import BatchDims, value_of
 
 ATEN = torch.ops.aten
 Layout = tuple[int, int]
 
-_VIEWS = {ATEN.view.default, ATEN._unsafe_view.default, ATEN.reshape.default}
-_SAME_SHAPE = {ATEN.clone.default, ATEN.alias.default, ATEN.detach.default, ATEN._to_copy.default,
-               ATEN.contiguous.default}
 _PROBE = 10007  # a stand-in batch size for grouping view dimensions; prime so no product collides with it
-
-
-def _concrete(size, symbol) -> int:
-    if isinstance(size, torch.SymInt):
-        return int(size.node.expr.subs(symbol, _PROBE))
-    return int(size)
 
 
 def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> Layout | None:
@@ -44,8 +36,10 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
         return None
     target = node.target
     args = node.args
-    if target in _VIEWS:
+    if target in ops.VIEWS:
         return _through_view(args[0], value, dim, batch, depth)
+    if target is ATEN.cat.default:
+        return _through_cat(node, value, dim, batch, depth)
     if target in (ATEN.unsqueeze.default, ATEN.squeeze.dim, ATEN.select.int):
         k = args[1] % (value.dim() if target is ATEN.unsqueeze.default else value_of(args[0]).dim())
         if target is ATEN.unsqueeze.default:
@@ -67,27 +61,70 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
         if dim == 0:
             return batch_layout(a, 0, batch, depth + 1)
         return batch_layout(a, 1, batch, depth + 1) if dim == 1 else batch_layout(b, 2, batch, depth + 1)
-    if target is operator.getitem or target in _SAME_SHAPE or _is_pointwise(target) or target in _ELEMENTWISE:
+    if (target is operator.getitem or target in ops.IDENTITY or ops.is_pointwise(target) or target in ops.ALONG_DIM
+            or target is ATEN.expand.default):
         return _through_elementwise(node, value, dim, batch, depth)
     return None
 
 
+def _through_cat(node, value, dim, batch, depth):
+    """Along another dim the parts hold the samples alike; along the batch dim they are blocks of samples."""
+    parts = [p for p in node.args[0] if tuple(value_of(p).shape) != (0,)]  # cat skips legacy empty 1-D parts
+    k = (node.args[1] if len(node.args) > 1 else 0) % value.dim()
+    layouts = [batch_layout(p, dim, batch, depth + 1) for p in parts]
+    if None in layouts:
+        return None
+    if dim != k:
+        return layouts[0] if len(set(layouts)) == 1 else None
+    if len({inner for _, inner in layouts}) != 1:
+        return None
+    return (sum(outer for outer, _ in layouts), layouts[0][1])
+
+
 def _through_view(src_node, value, dim, batch, depth):
-    """Follow a view: list the source's atomic factors (the batch dim as ``outer, B, inner``), regroup them into
-    the target's dimensions (splitting a non-batch factor where a boundary falls inside it), and read the
-    layout of the target dimension from its factors."""
     src = value_of(src_node)
+    src_dims = batch.dims(src)
+    if len(src_dims) != 1:
+        return None
+    below = batch_layout(src_node, src_dims[0], batch, depth + 1)
+    if below is None:
+        return None
+    found = view_layout(src.shape, src_dims[0], below, value.shape, batch.symbol)
+    return found[1] if found is not None and found[0] == dim else None
+
+
+def view_layout(src_shape, src_dim: int, layout: Layout, dst_shape, symbol) -> tuple[int, Layout] | None:
+    """Where the batch goes through a reshape: ``(dst_dim, layout)``, or None when the samples do not stay whole.
+
+    List the source's atomic factors (the batch dimension as ``outer, B, inner``), regroup them into the target's
+    dimensions (splitting a plain factor where a boundary falls inside it), and read the layout of the target
+    dimension that receives the batch factor. A reshape that cuts the batch factor (``x.view(2, B // 2, F)``) or
+    interleaves it with other factors in a way no layout describes (``x.t().flatten().view(B, -1)``) gives None.
+    """
     factors: list[tuple[int, bool]] = []
-    for e, size in enumerate(src.shape):
-        if e in batch.dims(src):
-            below = batch_layout(src_node, e, batch, depth + 1)
-            if below is None:
-                return None
-            factors += [(below[0], False), (_PROBE, True), (below[1], False)]
+    for e, size in enumerate(src_shape):
+        if e == src_dim:
+            factors += [(layout[0], False), (_PROBE, True), (layout[1], False)]
         else:
-            factors.append((_concrete(size, batch.symbol), False))
+            if isinstance(size, torch.SymInt) and size.node.expr.free_symbols:
+                return None
+            factors.append((int(size), False))
     factors = [f for f in factors if f[0] != 1]
-    dst = [_concrete(s, batch.symbol) for s in value.shape]
+    dst = []
+    for s in dst_shape:
+        if isinstance(s, torch.SymInt):
+            expr = s.node.expr
+            if expr.free_symbols - {symbol}:
+                return None
+            ratio = sympy.simplify(expr / symbol)
+            if ratio.free_symbols or not ratio.is_integer:
+                if expr.free_symbols:
+                    return None
+                dst.append(int(expr))
+                continue
+            dst.append(int(ratio) * _PROBE)
+        else:
+            dst.append(int(s))
     pos = 0
     for j, need in enumerate(dst):
         taken: list[tuple[int, bool]] = []
@@ -105,26 +142,13 @@ def _through_view(src_node, value, dim, batch, depth):
                 need = 1
             else:
                 return None
-        if j == dim:
-            flags = [b for _, b in taken]
+        flags = [b for _, b in taken]
+        if True in flags:
             if flags.count(True) != 1:
                 return None
             k = flags.index(True)
-            return (int(sympy.prod([f for f, _ in taken[:k]])), int(sympy.prod([f for f, _ in taken[k + 1:]])))
+            return j, (int(sympy.prod([f for f, _ in taken[:k]])), int(sympy.prod([f for f, _ in taken[k + 1:]])))
     return None
-
-
-# Ops whose output dims line up with their (broadcast) tensor inputs, beyond those tagged pointwise.
-_ELEMENTWISE = {
-    ATEN.threshold_backward.default, ATEN.gelu_backward.default, ATEN.tanh_backward.default,
-    ATEN.sigmoid_backward.default, ATEN.native_dropout_backward.default, ATEN.silu_backward.default,
-    ATEN.expand.default, ATEN._log_softmax_backward_data.default, ATEN._softmax_backward_data.default,
-    ATEN._log_softmax.default, ATEN._softmax.default, ATEN.native_dropout.default,
-}
-
-
-def _is_pointwise(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
 def _through_elementwise(node, value, dim, batch, depth):

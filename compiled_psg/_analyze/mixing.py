@@ -1,39 +1,77 @@
-"""Find where samples mix in the forward graph. Per-sample gradients are undefined there: we refuse.
+"""Prove that samples stay apart in the forward graph, op by op; refuse every node where that cannot be proved.
 
-A value mixes samples when sample ``i``'s entries depend on sample ``j``'s inputs:
-- a reduction over the batch whose result flows back into per-sample values (``x - x.mean(0)``);
-- BatchNorm in training mode (its statistics are such a reduction, inside one op);
-- an op working *along* the batch dimension (softmax, cumsum, sort, roll, index_select over samples);
-- a value with the batch in two dimensions (``z @ z.T``: a similarity matrix across samples).
-Reductions over the batch whose results flow only into the loss are the loss head: allowed, and rewritten so
-that each sample gets its own loss (``loss_head.py``).
+Per-sample gradients exist when the batched computation is the same computation on each sample: slice ``i`` of
+every batched value equals the value the graph computes on the batch made of sample ``i`` alone. This pass
+propagates one *fact* per node from the inputs to the loss and checks that invariant at each op, using the op
+facts of ``ops.py``. It is an allow-list: an op in no table, or a use of an op its entry does not cover, is
+refused wherever it touches a value that depends on the samples.
+
+The facts (index letters: n batch):
+
+- ``SHARED``: the same for every sample (parameters, constants, sizes).
+- ``PerSample(dim, layout)``: dimension ``dim`` holds the samples with ``layout`` (``layout.py``); a ``None``
+  layout means the values are the same for every sample (``zeros(n, d)``, an expanded parameter, a random draw),
+  so any layout fits.
+- ``Pooled(origin)``: computed from several samples (a reduction over the batch, a read of the batch size as a
+  value). Allowed only on the way to the loss, where the loss-head pass gives each sample its own loss.
+- ``SampleIndex(dim, stride)``: ``arange(0, n * stride, stride)``, entry ``b`` is ``b * stride``. Allowed only to
+  pair each sample with itself (``logits[arange(n), y]``, the offsets of per-sample embedding bags).
+
+A node is refused when its inputs' facts have no per-sample meaning under the op (``SampleMixingError``: data
+moves across the batch dimension, a pooled value flows back into per-sample values, two values pair different
+samples) or when the op has no entry (``UnsupportedError``). Every fact is checked against the symbolic shapes:
+a ``PerSample`` fact must name the one dimension whose size contains the batch symbol.
+
+Pre-condition: ``graph`` is a captured forward graph whose batched placeholders have the batch symbol in one
+dimension. Post-condition: every node has a fact, or the returned sites are not empty.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
 
+from . import ops
 from .batch_dims import BatchDims, value_of
+from .layout import Layout, view_layout
 from .source import where
 
 ATEN = torch.ops.aten
 
-_BATCH_NORM_TRAINING_ARG = {  # op -> index of its `training` argument
-    ATEN._native_batch_norm_legit_functional.default: 5,
-    ATEN._native_batch_norm_legit.default: 5,
-    ATEN._native_batch_norm_legit.no_stats: 3,
-    ATEN.native_batch_norm.default: 5,
-}
-_ALONG_DIM_OPS = {  # op -> index of its dim argument
-    ATEN._softmax.default: 1, ATEN._log_softmax.default: 1, ATEN.cumsum.default: 1, ATEN.cumprod.default: 1,
-    ATEN.logcumsumexp.default: 1, ATEN.sort.default: 1, ATEN.sort.stable: 2, ATEN.topk.default: 2,
-    ATEN.index_select.default: 1, ATEN.gather.default: 1, ATEN.cummax.default: 1, ATEN.cummin.default: 1,
-    ATEN.roll.default: 2, ATEN.flip.default: 1,
-}
+
+@dataclass(frozen=True)
+class Shared:
+    pass
+
+
+SHARED = Shared()
+
+
+@dataclass(frozen=True)
+class PerSample:
+    dim: int
+    layout: Layout | None
+
+
+@dataclass(frozen=True)
+class Pooled:
+    origin: fx.Node
+    why: str = "it reduces over the batch"
+
+
+@dataclass(frozen=True)
+class SampleIndex:
+    dim: int
+    stride: int = 1
+
+
+Fact = Shared | PerSample | Pooled | SampleIndex | tuple | None
 
 
 @dataclass
@@ -43,87 +81,1052 @@ class MixingSite:
     source: str
     reason: str
     fix: str
+    kind: str = "mixing"  # "mixing": SampleMixingError; "unknown": UnsupportedError
 
     def __str__(self) -> str:
         return f"{self.op} ({self.node}) at {self.source}: {self.reason}. Fix: {self.fix}"
 
 
-def _dims_hit(arg, rank: int) -> list[int]:
-    if isinstance(arg, int):
-        return [arg % rank]
-    if isinstance(arg, (list, tuple)):
-        return [d % rank for d in arg if isinstance(d, int)]
-    return []
+class _Refuse(Exception):
+    def __init__(self, reason: str, fix: str, kind: str = "mixing", node: fx.Node | None = None):
+        super().__init__(reason)
+        self.reason, self.fix, self.kind, self.node = reason, fix, kind, node
+
+
+_FIX_DIM = ("apply it along a non-batch dimension, or pass in_dims so the batch dimension is the one you mean")
+_FIX_PER_SAMPLE = "compute per-sample quantities only, each from its own sample"
+
+
+def _mix(reason: str, fix: str = _FIX_PER_SAMPLE) -> _Refuse:
+    return _Refuse(reason, fix)
+
+
+def _unknown(op_name: str, detail: str = "") -> _Refuse:
+    return _Refuse(
+        f"compiled_psg has no batch semantics for {op_name}{detail}, so it cannot prove that samples stay apart",
+        "express this step with common tensor operations, or open an issue naming the op", kind="unknown")
+
+
+# ----------------------------------------------------------------------------------------------- the analysis
 
 
 def find_mixing(graph: fx.Graph, batch: BatchDims) -> list[MixingSite]:
-    sites: list[MixingSite] = []
-    reduced_from: dict[fx.Node, fx.Node] = {}  # unbatched node -> the batch reduction it derives from
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
+    """The sites where the forward graph mixes samples or uses an op of unknown batch semantics (empty: none)."""
+    return Analysis(graph, batch).run()
+
+
+class Analysis:
+    def __init__(self, graph: fx.Graph, batch: BatchDims):
+        self.graph, self.batch = graph, batch
+        self.facts: dict[fx.Node, Fact] = {}
+        self.sites: list[MixingSite] = []
+        self._reported: set[fx.Node] = set()
+
+    def run(self) -> list[MixingSite]:
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                self.facts[node] = self._placeholder(node)
+            elif node.op == "get_attr":
+                self.facts[node] = SHARED
+            elif node.op == "call_function":
+                self._visit(node)
+        return self.sites
+
+    # ----- per node -----
+    def _placeholder(self, node: fx.Node) -> Fact:
         value = value_of(node)
+        if isinstance(value, torch.Tensor):
+            dims = self.batch.dims(value)
+            if not dims:
+                return SHARED
+            if len(dims) == 1 and self.batch.is_whole(value, dims[0]):
+                return PerSample(dims[0], (1, 1))
+            return None
+        return SHARED
+
+    def _visit(self, node: fx.Node) -> None:
+        inputs = node.all_input_nodes
+        if any(self.facts.get(a, SHARED) is None for a in inputs):
+            self.facts[node] = None  # downstream of a refused node: its site is already reported
+            return
+        try:
+            fact = self._fact(node)
+            fact = self._checked(node, fact)
+        except _Refuse as refusal:
+            self._report(refusal.node or node, refusal)
+            fact = None
+        self.facts[node] = fact
+
+    def _report(self, node: fx.Node, refusal: _Refuse) -> None:
+        if node in self._reported:
+            return
+        self._reported.add(node)
+        self.sites.append(MixingSite(_op_name(node), node.name, where(node), refusal.reason, refusal.fix,
+                                     refusal.kind))
+
+    def fact(self, arg) -> Fact:
+        if isinstance(arg, fx.Node):
+            return self.facts.get(arg, SHARED)
+        if isinstance(arg, (list, tuple)):
+            found = [self.fact(a) for a in arg]
+            pooled = [f for f in found if isinstance(f, Pooled)]
+            return pooled[0] if pooled else SHARED
+        return SHARED
+
+    def _fact(self, node: fx.Node) -> Fact:
         target = node.target
-        if target is operator.getitem:  # one output of a multi-output op: reductions are per output
-            src = node.args[0]
-            if isinstance(value, torch.Tensor) and not batch.dims(value):
-                if src in reduced_from:
-                    reduced_from[node] = reduced_from[src]
-                elif any(batch.is_batched(a) for a in src.all_input_nodes):
-                    reduced_from[node] = node
-            continue
-        tensor_inputs = [a for a in node.all_input_nodes if isinstance(value_of(a), (torch.Tensor, tuple, list))]
-        batched_inputs = [a for a in tensor_inputs if batch.is_batched(a)]
-        name = str(getattr(target, "__name__", target)) if target is not operator.getitem else "getitem"
-        op = f"aten.{name}" if isinstance(target, torch._ops.OpOverload) else name
+        if target is operator.getitem:
+            source = self.facts.get(node.args[0], SHARED)
+            if isinstance(source, tuple):
+                return source[node.args[1]]
+            return source
+        if target in ops.CHECKS:
+            return SHARED
+        if target in ops.SIZE_QUERIES:
+            return SHARED
+        if target in ops.SYMBOLIC_PYTHON or target in ops.SCALAR_READS:
+            facts = [self.fact(a) for a in node.args]
+            pooled = [f for f in facts if isinstance(f, Pooled)]
+            if pooled:
+                return pooled[0]
+            if target in ops.SCALAR_READS and any(not isinstance(f, Shared) for f in facts):
+                return Pooled(node, "it reads a tensor value of the samples into Python (.item())")
+            return SHARED
+        handler = _handler_for(target)
+        inputs = _tensor_facts(self, node)
+        if handler is None:
+            if all(isinstance(f, Shared) for f in inputs.values()) and not _output_batched(node, self.batch):
+                return self._size_taint(node) or SHARED
+            pooled = [f for f in inputs.values() if isinstance(f, Pooled)]
+            if pooled and not _output_batched(node, self.batch) and all(
+                    isinstance(f, Shared | Pooled) for f in inputs.values()):
+                return pooled[0]
+            raise _unknown(_op_name(node))
+        return handler(self, node)
 
-        if target in _BATCH_NORM_TRAINING_ARG and batched_inputs:
-            idx = _BATCH_NORM_TRAINING_ARG[target]
-            training = node.args[idx] if len(node.args) > idx else True
-            x_dims = batch.dims(node.args[0])
-            if training and any(d != 1 for d in x_dims):
-                sites.append(MixingSite(op, node.name, where(node),
-                                        "BatchNorm in training mode normalizes each sample with statistics of the "
-                                        "whole batch",
-                                        "call model.eval() so BatchNorm uses its running statistics, or replace "
-                                        "BatchNorm with GroupNorm or LayerNorm"))
+    def _size_taint(self, node: fx.Node) -> Pooled | None:
+        """A node of shared inputs whose *value* reads the batch size (``full([], n)``): pooled."""
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            return None
+        for arg, value in zip(schema.arguments, list(node.args) + [None] * len(schema.arguments), strict=False):
+            if value is None or "SymInt" in str(arg.type) or "int[]" in str(arg.type):
                 continue
-        if target in _ALONG_DIM_OPS and batched_inputs:
-            x = node.args[0]
-            idx = _ALONG_DIM_OPS[target]
-            dims = node.args[idx] if len(node.args) > idx else 0
-            rank = value_of(x).dim()
-            if set(_dims_hit(dims, rank)) & set(batch.dims(x)):
-                sites.append(MixingSite(op, node.name, where(node),
-                                        "it works along the batch dimension, so each sample's output depends on "
-                                        "the others",
-                                        "apply it along a non-batch dimension, or pass in_dims so the batch "
-                                        "dimension is the one you mean"))
+            if _reads_batch_size(value, self.batch):
+                return Pooled(node, "it uses the batch size as a value")
+        for name, value in node.kwargs.items():
+            if name in ("size", "stride") or not _reads_batch_size(value, self.batch):
                 continue
-        outputs = value if isinstance(value, (tuple, list)) else [value]
-        if any(isinstance(v, torch.Tensor) and len(batch.dims(v)) > 1 for v in outputs):
-            in_counts = [len(batch.dims(a)) for a in batched_inputs]
-            if not in_counts or max(in_counts) < max(len(batch.dims(v)) for v in outputs
-                                                      if isinstance(v, torch.Tensor)):
-                sites.append(MixingSite(op, node.name, where(node),
-                                        "its result pairs every sample with every other sample",
-                                        "compute per-sample quantities only; losses over pairs of samples "
-                                        "(contrastive losses) have no per-sample gradient"))
-                continue
-        tainted = [reduced_from[a] for a in tensor_inputs if a in reduced_from]
-        if batch.is_batched(node):
-            if tainted:
-                origin = tainted[0]
-                sites.append(MixingSite(f"aten.{getattr(origin.target, '__name__', origin.target)}", origin.name,
-                                        where(origin),
-                                        f"it reduces over the batch, and its result flows back into per-sample "
-                                        f"values ({op} at {where(node)})",
-                                        "reduce over non-batch dimensions only (e.g. x.mean(1) instead of "
-                                        "x.mean(0)), or move batch statistics out of the loss function"))
-            continue
-        if tainted:
-            reduced_from[node] = tainted[0]
-        elif batched_inputs and isinstance(value, torch.Tensor):
-            reduced_from[node] = node
-    return sites
+            return Pooled(node, "it uses the batch size as a value")
+        return None
 
+    def _checked(self, node: fx.Node, fact: Fact) -> Fact:
+        """Post-condition of every handler: the fact agrees with the symbolic shapes; pooled values reaching
+        per-sample values are reported at their origin."""
+        value = value_of(node)
+        if isinstance(value, (tuple, list)) and not isinstance(fact, tuple):
+            fact = tuple(fact if isinstance(v, torch.Tensor) else SHARED for v in value)
+        if isinstance(fact, tuple):
+            return tuple(self._check_one(node, v, f) for v, f in zip(value, fact, strict=True))
+        return self._check_one(node, value, fact)
+
+    def _check_one(self, node: fx.Node, value, fact: Fact) -> Fact:
+        if not isinstance(value, torch.Tensor):
+            return fact
+        dims = self.batch.dims(value)
+        if isinstance(fact, PerSample | SampleIndex):
+            if dims != (fact.dim,):
+                raise _unknown(_op_name(node), f" (its output has the batch in dimensions {dims})")
+            if isinstance(fact, PerSample) and fact.layout is not None:
+                if self.batch.factor(value.shape[fact.dim]) != fact.layout[0] * fact.layout[1]:
+                    raise _unknown(_op_name(node), " (its output's size does not match the samples' layout)")
+            self._check_no_pooled_inputs(node)
+            return fact
+        if dims:
+            if len(dims) > 1:
+                raise _mix("its result pairs every sample with every other sample",
+                           "compute per-sample quantities only; losses over pairs of samples (contrastive "
+                           "losses) have no per-sample gradient")
+            raise _unknown(_op_name(node), f" (its output has the batch in dimension {dims[0]})")
+        return fact
+
+    def _check_no_pooled_inputs(self, node: fx.Node) -> None:
+        for a in node.all_input_nodes:
+            f = self.facts.get(a)
+            if isinstance(f, Pooled):
+                origin = f.origin
+                raise _Refuse(
+                    f"{f.why}, and its result flows back into per-sample values ({_op_name(node)} at {where(node)})",
+                    "reduce over non-batch dimensions only (e.g. x.mean(1) instead of x.mean(0)), or move batch "
+                    "statistics out of the loss function", node=origin)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target.overloadpacket.__name__}"
+    return str(getattr(target, "__name__", target))
+
+
+def _reads_batch_size(value, batch: BatchDims) -> bool:
+    v = value_of(value) if isinstance(value, fx.Node) else value
+    if isinstance(v, (torch.SymInt, torch.SymFloat)):
+        return batch.symbol in v.node.expr.free_symbols
+    if isinstance(v, (list, tuple)):
+        return any(_reads_batch_size(x, batch) for x in v)
+    return False
+
+
+def _output_batched(node: fx.Node, batch: BatchDims) -> bool:
+    return batch.is_batched(node)
+
+
+def _tensor_facts(analysis: Analysis, node: fx.Node) -> dict[fx.Node, Fact]:
+    return {a: analysis.facts.get(a, SHARED) for a in node.all_input_nodes
+            if isinstance(value_of(a), torch.Tensor)}
+
+
+def _kwargs(node: fx.Node) -> dict:
+    pair = normalize_function(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
+    if pair is None:
+        raise _unknown(_op_name(node), " (its arguments do not match its schema)")
+    return pair.kwargs
+
+
+def _rank(node) -> int:
+    return value_of(node).dim()
+
+
+def _norm_dim(d: int, rank: int) -> int:
+    return d % max(rank, 1)
+
+
+def _merge_layouts(layouts) -> Layout | None:
+    """The common layout of values that must hold the samples alike (None entries fit any layout)."""
+    found = {lay for lay in layouts if lay is not None}
+    if len(found) > 1:
+        raise _mix("it combines values whose elements belong to different samples (the batch is laid out "
+                   "differently in them)")
+    return found.pop() if found else None
+
+
+def _no_sample_index(facts) -> None:
+    if any(isinstance(f, SampleIndex) for f in facts):
+        raise _mix("it uses each sample's position in the batch as a value, which differs from the position 0 the "
+                   "sample has in a batch of its own", "index with per-sample values instead of batch positions")
+
+
+def _pooled(facts) -> Pooled | None:
+    return next((f for f in facts if isinstance(f, Pooled)), None)
+
+
+def _aligned(facts_and_ranks, out_rank: int) -> Fact:
+    """Broadcasting: the per-sample inputs must hold the samples in the same output dimension, alike."""
+    dims, layouts = set(), []
+    for fact, rank in facts_and_ranks:
+        if isinstance(fact, PerSample):
+            dims.add(fact.dim + out_rank - rank)
+            layouts.append(fact.layout)
+    if not dims:
+        return SHARED
+    if len(dims) > 1:
+        raise _mix("its result pairs every sample with every other sample",
+                   "compute per-sample quantities only; losses over pairs of samples (contrastive losses) have no "
+                   "per-sample gradient")
+    return PerSample(dims.pop(), _merge_layouts(layouts))
+
+
+# ----------------------------------------------------------------------------------------------- handlers
+
+Handler = Callable[[Analysis, fx.Node], Fact]
+_HANDLERS: dict[object, Handler] = {}
+
+
+def _handles(ops_set):
+    def register(fn: Handler) -> Handler:
+        for op in ops_set:
+            _HANDLERS[op] = fn
+        return fn
+    return register
+
+
+def _handler_for(target) -> Handler | None:
+    if target in _HANDLERS:
+        return _HANDLERS[target]
+    if ops.is_pointwise(target):
+        return _pointwise
+    return None
+
+
+def _pointwise(an: Analysis, node: fx.Node) -> Fact:
+    """Element ``k`` reads element ``k`` of each broadcast input. Batch-size scalars read 1 later (loss head)."""
+    facts = _tensor_facts(an, node)
+    _no_sample_index(facts.values())
+    out = value_of(node)
+    out_rank = (out[0] if isinstance(out, (tuple, list)) else out).dim()
+    result = _aligned([(f, _rank(a)) for a, f in facts.items()], out_rank)
+    if isinstance(result, Shared):
+        pooled = _pooled(facts.values())
+        if pooled is not None:
+            return pooled
+        if _reads_batch_size(list(node.args) + list(node.kwargs.values()), an.batch):
+            return Pooled(node, "it uses the batch size as a value")
+        if an.batch.is_batched(node):  # a random draw shaped like the batch (rand_like of a shared value)
+            return _from_shape(an, node)
+    return result
+
+
+def _from_shape(an: Analysis, node: fx.Node) -> Fact:
+    """A value that is the same for every sample, shaped with the batch: per-sample with any layout."""
+    value = value_of(node)
+    values = value if isinstance(value, (tuple, list)) else [value]
+    facts = []
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            facts.append(SHARED)
+            continue
+        dims = an.batch.dims(v)
+        if not dims:
+            facts.append(SHARED)
+        elif len(dims) == 1:
+            facts.append(PerSample(dims[0], None))
+        else:
+            raise _unknown(_op_name(node), " (it makes a value with the batch in two dimensions)")
+    return tuple(facts) if isinstance(value, (tuple, list)) else facts[0]
+
+
+@_handles(ops.IDENTITY)
+def _identity(an: Analysis, node: fx.Node) -> Fact:
+    return an.fact(node.args[0])
+
+
+@_handles(ops.FACTORIES)
+def _factory(an: Analysis, node: fx.Node) -> Fact:
+    kw = _kwargs(node)
+    for name in ("fill_value", "s", "low", "high", "mean", "std", "from", "to", "value"):
+        if name in kw and _reads_batch_size(kw[name], an.batch):
+            return Pooled(node, "it uses the batch size as a value")
+    return _from_shape(an, node)
+
+
+@_handles(ops.ARANGES)
+def _arange(an: Analysis, node: fx.Node) -> Fact:
+    kw = _kwargs(node)
+    start, end, step = kw.get("start", 0), kw["end"], kw.get("step", 1)
+    if not _reads_batch_size([start, end, step], an.batch):
+        return SHARED
+    step_v = value_of(step) if isinstance(step, fx.Node) else step
+    start_v = value_of(start) if isinstance(start, fx.Node) else start
+    end_v = value_of(end) if isinstance(end, fx.Node) else end
+    if start_v == 0 and isinstance(step_v, int) and step_v > 0 and isinstance(end_v, torch.SymInt):
+        if sympy.simplify(end_v.node.expr - step_v * an.batch.symbol) == 0:
+            return SampleIndex(0, step_v)
+    raise _mix("it makes batch positions into values (an arange whose length depends on the batch size)",
+               "index with per-sample values, or use arange(n) only to pair each sample with itself "
+               "(logits[torch.arange(n), y])")
+
+
+@_handles(ops.POSITIONAL_FACTORIES)
+def _positional_factory(an: Analysis, node: fx.Node) -> Fact:
+    if _reads_batch_size(list(node.args) + list(node.kwargs.values()), an.batch):
+        if node.target is ATEN.randperm.default:
+            raise _mix("it draws a random permutation of the batch; using it to index (mixup, shuffling) pairs "
+                       "each sample with another", "mix samples outside the loss function (mixup on the data "
+                       "loader side), or use per-sample augmentation")
+        raise _mix("its values depend on the batch size", _FIX_PER_SAMPLE)
+    return SHARED
+
+
+@_handles(ops.VIEWS)
+def _view(an: Analysis, node: fx.Node) -> Fact:
+    fact = an.fact(node.args[0])
+    out = value_of(node)
+    if isinstance(fact, Shared | Pooled):
+        return fact
+    src = value_of(node.args[0])
+    if isinstance(fact, SampleIndex) or fact.layout is None:
+        dims = an.batch.dims(out)
+        whole = len(dims) == 1 and an.batch.factor(out.shape[dims[0]]) == an.batch.factor(src.shape[fact.dim])
+        if whole and (fact.layout is None or an.batch.is_whole(out, dims[0])):
+            return type(fact)(dims[0], fact.stride) if isinstance(fact, SampleIndex) else PerSample(dims[0], None)
+        raise _mix("the reshape moves values between samples")
+    found = view_layout(src.shape, fact.dim, fact.layout, out.shape, an.batch.symbol)
+    if found is None:
+        raise _mix("the reshape moves values between samples (it splits the batch dimension or interleaves it "
+                   "with other dimensions)", "reshape only the dimensions after the batch, e.g. "
+                   "x.view(x.shape[0], -1)")
+    return PerSample(*found)
+
+
+def _moved(fact: Fact, mapping: Callable[[int], int | None], op: str) -> Fact:
+    if not isinstance(fact, PerSample | SampleIndex):
+        return fact
+    new = mapping(fact.dim)
+    if new is None:
+        raise _mix(f"it {op} the batch dimension", _FIX_DIM)
+    return PerSample(new, fact.layout) if isinstance(fact, PerSample) else SampleIndex(new, fact.stride)
+
+
+@_handles(ops.DIM_OPS)
+def _dim_op(an: Analysis, node: fx.Node) -> Fact:
+    target = node.target
+    name = target.overloadpacket.__name__
+    if name in ("cat", "stack"):
+        return _cat(an, node, name == "stack")
+    if name in ("slice_scatter", "select_scatter"):
+        return _slice_scatter(an, node)
+    x = node.args[0]
+    fact = an.fact(x)
+    if isinstance(fact, Shared | Pooled) and name != "expand" and name != "repeat":
+        return fact if not an.batch.is_batched(node) else _from_shape(an, node)
+    kw = _kwargs(node)
+    rank = _rank(x)
+    out = value_of(node)
+    if name == "t":
+        return _moved(fact, lambda d: (1 - d) if rank == 2 else d, "moves")
+    if name == "transpose":
+        a, b = _norm_dim(kw["dim0"], rank), _norm_dim(kw["dim1"], rank)
+        return _moved(fact, lambda d: b if d == a else a if d == b else d, "moves")
+    if name == "permute":
+        perm = [_norm_dim(d, rank) for d in kw["dims"]]
+        return _moved(fact, perm.index, "moves")
+    if name == "unsqueeze":
+        k = _norm_dim(kw["dim"], rank + 1)
+        return _moved(fact, lambda d: d if d < k else d + 1, "moves")
+    if name == "squeeze":
+        removed = [d for d in range(rank) if value_of(x).shape[d] == 1
+                   and (kw.get("dim") is None or d in [_norm_dim(e, rank) for e in _as_list(kw["dim"])])]
+        return _moved(fact, lambda d: d - sum(r < d for r in removed), "moves")
+    if name == "expand":
+        offset = out.dim() - rank
+        if isinstance(fact, Shared | Pooled):
+            return fact if not an.batch.is_batched(node) else _from_shape(an, node)
+        return _moved(fact, lambda d: d + offset, "expands")
+    if name == "repeat":
+        if isinstance(fact, Shared | Pooled):
+            return fact if not an.batch.is_batched(node) else _from_shape(an, node)
+        repeats = kw["repeats"]
+        offset = len(repeats) - rank
+        times = repeats[fact.dim + offset]
+        if isinstance(fact, SampleIndex) or (times != 1 and not isinstance(times, int)):
+            raise _mix("it repeats batch positions")
+        layout = None if fact.layout is None else (fact.layout[0] * times, fact.layout[1])
+        return PerSample(fact.dim + offset, layout)
+    if name == "select":
+        k = _norm_dim(kw["dim"], rank)
+        return _moved(fact, lambda d: None if d == k else d - (k < d), "picks one element of")
+    if name in ("slice", "narrow"):
+        k = _norm_dim(kw["dim"], rank)
+        if isinstance(fact, PerSample | SampleIndex) and k == fact.dim and not _whole_slice(node, kw, an):
+            raise _mix("it keeps only some samples, or shifts samples against each other (as h[1:] - h[:-1] "
+                       "does along the batch)", _FIX_DIM)
+        return fact
+    if name == "flip":
+        dims = [_norm_dim(d, rank) for d in kw["dims"]]
+        return _moved(fact, lambda d: None if d in dims else d, "reverses")
+    if name == "roll":
+        dims = [_norm_dim(d, rank) for d in kw.get("dims") or []]
+        return _moved(fact, lambda d: None if not dims or d in dims else d, "rolls")
+    if name in ("split", "split_with_sizes", "chunk", "unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk",
+                "tensor_split"):
+        k = _norm_dim(kw.get("dim", 0), rank)
+        moved = _moved(fact, lambda d: None if d == k else d, "splits")
+        return tuple(moved for _ in out)
+    if name == "unbind":
+        k = _norm_dim(kw.get("dim", 0), rank)
+        moved = _moved(fact, lambda d: None if d == k else d - (k < d), "splits")
+        return tuple(moved for _ in out)
+    if name == "diagonal":
+        a, b = _norm_dim(kw.get("dim1", 0), rank), _norm_dim(kw.get("dim2", 1), rank)
+        return _moved(fact, lambda d: None if d in (a, b) else d - (a < d) - (b < d), "takes a diagonal over")
+    if name == "unfold":
+        k = _norm_dim(kw["dimension"], rank)
+        return _moved(fact, lambda d: None if d == k else d, "unfolds")
+    if name == "constant_pad_nd":
+        pad = list(kw["pad"])
+        padded = {rank - 1 - j: (pad[2 * j], pad[2 * j + 1]) for j in range(len(pad) // 2)}
+        return _moved(fact, lambda d: None if padded.get(d, (0, 0)) != (0, 0) else d, "pads")
+    if name == "one_hot":
+        _no_sample_index([fact])
+        return fact
+    raise _unknown(_op_name(node))
+
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _whole_slice(node: fx.Node, kw: dict, an: Analysis) -> bool:
+    """``x[:]`` along the batch: start 0, step 1, and an end at or past the dimension's size."""
+    if "length" in kw:  # narrow
+        start, end, step = kw["start"], None, 1
+        length = value_of(kw["length"]) if isinstance(kw["length"], fx.Node) else kw["length"]
+        size = value_of(node.args[0]).shape[_norm_dim(kw["dim"], _rank(node.args[0]))]
+        return start == 0 and _same_size(length, size)
+    start, end, step = kw.get("start"), kw.get("end"), kw.get("step", 1)
+    start = value_of(start) if isinstance(start, fx.Node) else start
+    end = value_of(end) if isinstance(end, fx.Node) else end
+    if start not in (None, 0) or step != 1:
+        return False
+    size = value_of(node.args[0]).shape[_norm_dim(kw["dim"], _rank(node.args[0]))]
+    return end is None or (isinstance(end, int) and end >= 2 ** 62) or _same_size(end, size)
+
+
+def _same_size(a, b) -> bool:
+    ea = a.node.expr if isinstance(a, torch.SymInt) else sympy.Integer(a)
+    eb = b.node.expr if isinstance(b, torch.SymInt) else sympy.Integer(b)
+    return sympy.simplify(ea - eb) == 0
+
+
+def _cat(an: Analysis, node: fx.Node, stack: bool) -> Fact:
+    kw = _kwargs(node)
+    parts = [p for p in kw["tensors"] if not (value_of(p).dim() == 1 and value_of(p).shape[0] == 0)]  # legacy []
+    facts = [an.fact(p) for p in parts]
+    _no_sample_index(facts)
+    out = value_of(node)
+    k = _norm_dim(kw.get("dim", 0), out.dim())
+    if all(isinstance(f, Shared | Pooled) for f in facts):
+        return _pooled(facts) or SHARED
+    per_sample = [f for f in facts if isinstance(f, PerSample)]
+    if stack:
+        dims = {f.dim if f.dim < k else f.dim + 1 for f in per_sample}
+    else:
+        dims = {f.dim for f in per_sample}
+    if len(dims) != 1 or len(per_sample) != len(facts):
+        raise _mix("it joins values that hold the samples differently (or joins shared values into the batch)")
+    dim = dims.pop()
+    if stack or dim != k:
+        return PerSample(dim, _merge_layouts(f.layout for f in per_sample))
+    # along the batch dimension: blocks of samples one after another (a layout with a larger outer factor)
+    inner = {f.layout[1] for f in per_sample if f.layout is not None}
+    if None in (f.layout for f in per_sample) or len(inner) != 1:
+        raise _mix("it joins values along the batch dimension in a way no sample layout describes", _FIX_DIM)
+    return PerSample(dim, (sum(f.layout[0] for f in per_sample), inner.pop()))
+
+
+def _slice_scatter(an: Analysis, node: fx.Node) -> Fact:
+    kw = _kwargs(node)
+    base, src = an.fact(node.args[0]), an.fact(node.args[1])
+    _no_sample_index([base, src])
+    rank = _rank(node.args[0])
+    k = _norm_dim(kw.get("dim", 0), rank)
+    select = node.target.overloadpacket.__name__ == "select_scatter"
+    if isinstance(src, PerSample):
+        src = PerSample(src.dim + (select and src.dim >= k), src.layout)
+    if isinstance(base, PerSample) and base.dim == k and not (not select and _whole_slice(node, kw, an)):
+        raise _mix("it writes into some samples only, or into other samples' positions", _FIX_DIM)
+    if isinstance(src, PerSample) and src.dim == k and not isinstance(base, PerSample):
+        raise _mix("it writes per-sample values into a value that is not per sample", _FIX_DIM)
+    return _aligned([(base, rank), (src, rank)], rank) if not isinstance(base, Pooled) else base
+
+
+@_handles(ops.REDUCTIONS)
+def _reduction(an: Analysis, node: fx.Node) -> Fact:
+    fact = an.fact(node.args[0])
+    _no_sample_index([fact])
+    if not isinstance(fact, PerSample):
+        return fact
+    dim_name, keep_name = ops.REDUCTIONS[node.target]
+    kw = _kwargs(node) if dim_name else {}
+    rank = _rank(node.args[0])
+    dims = kw.get(dim_name) if dim_name else None
+    reduced = list(range(rank)) if dims is None or dims == [] else [_norm_dim(d, rank) for d in _as_list(dims)]
+    if fact.dim in reduced:
+        return Pooled(node)
+    keep = bool(kw.get(keep_name)) if keep_name else False
+    moved = PerSample(fact.dim if keep else fact.dim - sum(r < fact.dim for r in reduced), fact.layout)
+    out = value_of(node)
+    return tuple(moved for _ in out) if isinstance(out, (tuple, list)) else moved
+
+
+@_handles(ops.ALONG_DIM)
+def _along_dim(an: Analysis, node: fx.Node) -> Fact:
+    facts = _tensor_facts(an, node)
+    _no_sample_index(facts.values())
+    kw = _kwargs(node)
+    first = node.args[0]
+    rank = _rank(first)
+    k = _norm_dim(kw.get("dim", -1), rank)
+    result = _aligned([(f, _rank(a)) for a, f in facts.items()], rank)
+    if isinstance(result, PerSample) and result.dim == k:
+        raise _mix("it works along the batch dimension, so each sample's output depends on the others", _FIX_DIM)
+    if isinstance(result, Shared):
+        return _pooled(facts.values()) or SHARED
+    out = value_of(node)
+    return tuple(result for _ in out) if isinstance(out, (tuple, list)) else result
+
+
+@_handles(ops.SPATIAL)
+def _spatial(an: Analysis, node: fx.Node) -> Fact:
+    facts = _tensor_facts(an, node)
+    _no_sample_index(facts.values())
+    x = node.args[0]
+    fact = an.fact(x)
+    rank = _rank(x)
+    mixed = ops.SPATIAL[node.target] + (1 if node.target in ops.MIXES_CHANNELS else 0)
+    others = [f for a, f in facts.items() if a is not x]
+    if any(not isinstance(f, Shared) for f in others):
+        raise _unknown(_op_name(node), " with per-sample auxiliary inputs")
+    if isinstance(fact, PerSample) and fact.dim >= rank - mixed:
+        raise _mix("it mixes the dimension that holds the batch (pooling, padding, upsampling or a triangle "
+                   "mask over the samples)", _FIX_DIM)
+    out = value_of(node)
+    return tuple(fact for _ in out) if isinstance(out, (tuple, list)) else fact
+
+
+@_handles(ops.MATMULS)
+def _matmul(an: Analysis, node: fx.Node) -> Fact:
+    letters, out_letters, names, bias_name = ops.MATMULS[node.target]
+    kw = _kwargs(node)
+    operands = [kw[n] for n in names]
+    facts = [an.fact(o) for o in operands]
+    _no_sample_index(facts)
+    bias = kw.get(bias_name) if bias_name else None
+    pooled = _pooled(facts + ([an.fact(bias)] if bias is not None else []))
+    found: dict[str, list] = {}
+    for spec, fact in zip(letters, facts, strict=True):
+        if isinstance(fact, PerSample):
+            found.setdefault(spec[fact.dim], []).append(fact.layout)
+    if len(found) > 1:
+        raise _mix("its result pairs every sample with every other sample (a product of two per-sample values "
+                   "over different dimensions)", "compute per-sample quantities only; similarity matrices "
+                   "across the batch have no per-sample gradient")
+    if not found:
+        product: Fact = pooled or SHARED
+    else:
+        letter, layouts = next(iter(found.items()))
+        layout = _merge_layouts(layouts)
+        if letter not in out_letters:
+            product = Pooled(node, "it sums over the batch (a matrix product whose inner dimension is the batch)")
+        else:
+            product = PerSample(out_letters.index(letter), layout)
+    if bias is None:
+        return product
+    if isinstance(product, Pooled) and isinstance(an.fact(bias), PerSample):
+        raise _mix("it adds per-sample values to a sum over the batch")
+    return _aligned([(product, len(out_letters)), (an.fact(bias), _rank(bias))], len(out_letters)) \
+        if not isinstance(product, Pooled) else product
+
+
+@_handles(ops._overloads("_trilinear"))
+def _trilinear(an: Analysis, node: fx.Node) -> Fact:
+    i1, i2, i3, e1, e2, e3, sumdim = node.args[:7]
+    tensors, expands = [i1, i2, i3], [e1, e2, e3]
+    rank = _rank(i1) + len(e1)
+    common, layouts = set(), []
+    facts = [an.fact(t) for t in tensors]
+    _no_sample_index(facts)
+    for e, fact in zip(expands, facts, strict=True):
+        if isinstance(fact, PerSample):
+            kept = [d for d in range(rank) if d not in e]
+            common.add(kept[fact.dim])
+            layouts.append(fact.layout)
+    if not common:
+        return _pooled(facts) or SHARED
+    if len(common) > 1:
+        raise _mix("its result pairs every sample with every other sample")
+    c = common.pop()
+    layout = _merge_layouts(layouts)
+    if c in sumdim:
+        return Pooled(node, "it sums over the batch")
+    return PerSample(c - sum(s < c for s in sumdim), layout)
+
+
+@_handles(ops._overloads("convolution", "_convolution", "conv2d", "conv1d", "conv3d"))
+def _convolution(an: Analysis, node: fx.Node) -> Fact:
+    x, weight = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    fact = an.fact(x)
+    _no_sample_index([fact])
+    if any(not isinstance(an.fact(t), Shared) for t in (weight, bias) if isinstance(t, fx.Node)):
+        raise _mix("the convolution's weight or bias depends on the samples")
+    if isinstance(fact, PerSample) and fact.dim != 0:
+        raise _mix("the convolution slides over, or sums over, the dimension that holds the batch",
+                   "keep the batch in dimension 0 of the convolution's input (pass in_dims to name it)")
+    return fact
+
+
+@_handles(ops.LAYER_NORMS)
+def _layer_norm(an: Analysis, node: fx.Node) -> Fact:
+    kw = _kwargs(node)
+    x = node.args[0]
+    fact = an.fact(x)
+    _no_sample_index([fact])
+    for name in ("weight", "bias"):
+        if isinstance(kw.get(name), fx.Node) and not isinstance(an.fact(kw[name]), Shared):
+            raise _unknown(_op_name(node), " with per-sample weights")
+    normalized = len(kw["normalized_shape"])
+    if isinstance(fact, PerSample) and fact.dim >= _rank(x) - normalized:
+        raise _mix("it normalizes over the dimension that holds the batch", _FIX_DIM)
+    out = value_of(node)
+    return tuple(fact if isinstance(v, torch.Tensor) and an.batch.dims(v) else _shared_or(fact)
+                 for v in out)
+
+
+def _shared_or(fact: Fact) -> Fact:
+    return fact if isinstance(fact, Pooled) else SHARED
+
+
+@_handles(ops.GROUP_NORMS)
+def _group_norm(an: Analysis, node: fx.Node) -> Fact:
+    x = node.args[0]
+    fact = an.fact(x)
+    _no_sample_index([fact])
+    if any(not isinstance(an.fact(t), Shared) for t in node.args[1:3] if isinstance(t, fx.Node)):
+        raise _unknown(_op_name(node), " with per-sample weights")
+    if isinstance(fact, PerSample) and fact.dim != 0:
+        raise _mix("GroupNorm normalizes over the dimension that holds the batch", _FIX_DIM)
+    return tuple(fact for _ in value_of(node))
+
+
+@_handles(ops.BATCH_NORMS)
+def _batch_norm(an: Analysis, node: fx.Node) -> Fact:
+    kw = _kwargs(node)
+    x = node.args[0]
+    fact = an.fact(x)
+    _no_sample_index([fact])
+    training = kw.get("training", node.target is not ATEN._native_batch_norm_legit_no_training.default)
+    out = value_of(node)
+    if not isinstance(fact, PerSample):
+        return tuple(fact for _ in out)
+    if training and fact.dim != 1:
+        raise _Refuse("BatchNorm in training mode normalizes each sample with statistics of the whole batch",
+                      "call model.eval() so BatchNorm uses its running statistics, or replace BatchNorm with "
+                      "GroupNorm or LayerNorm")
+    if not training and fact.dim == 1:
+        raise _unknown(_op_name(node), " with the batch in the channel dimension")
+    facts = [fact]
+    for v in out[1:]:  # statistics: per channel, so per sample when the samples are the channels
+        dims = an.batch.dims(v) if isinstance(v, torch.Tensor) else ()
+        facts.append(PerSample(0, fact.layout) if dims == (0,) else SHARED)
+    return tuple(facts)
+
+
+@_handles(ops.ATTENTIONS)
+def _attention(an: Analysis, node: fx.Node) -> Fact:
+    q, k, v = node.args[:3]
+    kw = _kwargs(node)
+    mask = kw.get("attn_mask", kw.get("attn_bias"))
+    facts = [(an.fact(t), _rank(t)) for t in (q, k, v)]
+    if isinstance(mask, fx.Node):
+        facts.append((an.fact(mask), _rank(mask)))
+    _no_sample_index([f for f, _ in facts])
+    rank = _rank(q)
+    result = _aligned(facts, rank)
+    if isinstance(result, PerSample) and result.dim >= rank - 2:
+        raise _mix("attention runs across the dimension that holds the batch (queries attend to other samples)",
+                   "keep the batch in a leading dimension of the queries, keys and values")
+    if not isinstance(result, PerSample):
+        return _pooled([f for f, _ in facts]) or SHARED
+    out = value_of(node)
+    return tuple(result if isinstance(o, torch.Tensor) and an.batch.dims(o) else SHARED for o in out)
+
+
+@_handles(ops.NLL_LOSSES)
+def _nll_loss(an: Analysis, node: fx.Node) -> Fact:
+    kw = _kwargs(node)
+    x, target = kw["input"], kw["target"]
+    fx_, ft = an.fact(x), an.fact(target)
+    _no_sample_index([fx_, ft])
+    if isinstance(kw.get("weight"), fx.Node) and not isinstance(an.fact(kw["weight"]), Shared):
+        raise _unknown(_op_name(node), " with per-sample class weights")
+    if isinstance(fx_, PerSample) and _rank(x) > 1 and fx_.dim == 1:
+        raise _mix("the class dimension of the loss holds the batch", _FIX_DIM)
+    # the target has the input's dimensions without the class dimension (1)
+    x_as_target = None
+    if isinstance(fx_, PerSample):
+        x_as_target = PerSample(fx_.dim if fx_.dim == 0 else fx_.dim - 1, fx_.layout) if _rank(x) > 1 else None
+    elementwise = _aligned([(f, _rank(target)) for f in (x_as_target, ft) if isinstance(f, PerSample)],
+                           _rank(target))
+    if kw["reduction"] == 0:
+        return (elementwise if not isinstance(elementwise, Shared) else _pooled([fx_, ft]) or SHARED,
+                _pooled([fx_, ft]) or SHARED)
+    if isinstance(elementwise, PerSample):
+        return (Pooled(node), Pooled(node))
+    pooled = _pooled([fx_, ft]) or SHARED
+    return (pooled, pooled)
+
+
+@_handles(ops.LOSSES)
+def _loss(an: Analysis, node: fx.Node) -> Fact:
+    kw = _kwargs(node)
+    facts = _tensor_facts(an, node)
+    _no_sample_index(facts.values())
+    out_rank = max(_rank(a) for a in facts)
+    elementwise = _aligned([(f, _rank(a)) for a, f in facts.items()], out_rank)
+    if kw.get("reduction", 1) == 0:
+        return elementwise if not isinstance(elementwise, Shared) else _pooled(facts.values()) or SHARED
+    if isinstance(elementwise, PerSample):
+        return Pooled(node)
+    return _pooled(facts.values()) or SHARED
+
+
+@_handles(ops._overloads("embedding"))
+def _embedding(an: Analysis, node: fx.Node) -> Fact:
+    weight, indices = node.args[:2]
+    if not isinstance(an.fact(weight), Shared):
+        raise _unknown(_op_name(node), " with a per-sample table")
+    fact = an.fact(indices)
+    _no_sample_index([fact])
+    return fact
+
+
+@_handles(ops._overloads("_embedding_bag", "_embedding_bag_forward_only"))
+def _embedding_bag(an: Analysis, node: fx.Node) -> Fact:
+    kw = _kwargs(node)
+    if not isinstance(an.fact(kw["weight"]), Shared):
+        raise _unknown(_op_name(node), " with a per-sample table")
+    indices, offsets = an.fact(kw["indices"]), an.fact(kw["offsets"])
+    weights = kw.get("per_sample_weights")
+    wfact = an.fact(weights) if isinstance(weights, fx.Node) else SHARED
+    if isinstance(indices, Shared) and isinstance(offsets, Shared) and isinstance(wfact, Shared):
+        return SHARED
+    # per-sample bags: 2-D input [n, l] flattened to [n*l] with offsets arange(0, n*l, l)
+    ok = (isinstance(indices, PerSample) and indices.layout is not None and indices.layout[0] == 1
+          and isinstance(offsets, SampleIndex) and offsets.stride == indices.layout[1]
+          and not kw.get("include_last_offset", False)
+          and (isinstance(wfact, Shared) or (isinstance(wfact, PerSample) and wfact.layout == indices.layout)))
+    if not ok:
+        raise _unknown(_op_name(node), " with bags that are not one per sample (pass a 2-D input [n, l])")
+    facts = []
+    for v in value_of(node):
+        factor = an.batch.factor(v.shape[0]) if v.dim() and an.batch.dims(v) == (0,) else None
+        facts.append(PerSample(0, (1, factor)) if factor else SHARED)
+    return tuple(facts)
+
+
+@_handles(ops._overloads("index.Tensor", "_unsafe_index.Tensor"))
+def _index(an: Analysis, node: fx.Node) -> Fact:
+    x, indices = node.args[0], list(node.args[1])
+    rank = _rank(x)
+    indices += [None] * (rank - len(indices))
+    fact = an.fact(x)
+    positions = [p for p, i in enumerate(indices) if i is not None]
+    index_vals = [value_of(indices[p]) for p in positions]
+    if any(v.dtype == torch.bool for v in index_vals):
+        raise _unknown(_op_name(node), " with a boolean mask")
+    s_rank = max(v.dim() for v in index_vals)
+    consecutive = positions == list(range(positions[0], positions[-1] + 1))
+    rest = [d for d in range(rank) if d not in positions]
+    # output dims: where each remaining input dim and each broadcast index dim goes
+    if consecutive:
+        before = [d for d in rest if d < positions[0]]
+        out_of_rest = {d: (i if d < positions[0] else i + s_rank) for i, d in enumerate(rest)}
+        s_offset = len(before)
+    else:
+        out_of_rest = {d: s_rank + i for i, d in enumerate(rest)}
+        s_offset = 0
+    index_dims, layouts, sample_index_dim = set(), [], None
+    for p, v in zip(positions, index_vals, strict=True):
+        f = an.fact(indices[p])
+        if isinstance(f, Pooled):
+            return f if not an.batch.is_batched(node) else _raise_pooled(f)
+        if isinstance(f, PerSample):
+            index_dims.add(s_offset + f.dim + s_rank - v.dim())
+            layouts.append(f.layout)
+        elif isinstance(f, SampleIndex):
+            if not (isinstance(fact, PerSample) and p == fact.dim and fact.layout == (1, 1) and f.stride == 1):
+                _no_sample_index([f])
+            sample_index_dim = s_offset + f.dim + s_rank - v.dim()
+    if isinstance(fact, PerSample):
+        if fact.dim in positions:
+            if sample_index_dim is None:
+                raise _mix("it indexes the batch dimension, so a sample reads other samples' values "
+                           "(x[perm], x[(arange(n) + 1) % n])", "index only the dimensions after the batch, or "
+                           "pair each sample with itself with torch.arange(n)")
+            if index_dims - {sample_index_dim}:
+                raise _mix("its indices pair samples with other samples")
+            return PerSample(sample_index_dim, (1, 1))
+        if index_dims or sample_index_dim is not None:
+            raise _mix("its per-sample indices pick from every sample's values, pairing samples",
+                       "use torch.gather to pick within each sample")
+        return PerSample(out_of_rest[fact.dim], fact.layout)
+    if isinstance(fact, Pooled):
+        if index_dims:
+            _raise_pooled(fact)
+        return fact
+    if sample_index_dim is not None:
+        _no_sample_index([SampleIndex(0)])
+    if not index_dims:
+        return SHARED
+    if len(index_dims) > 1:
+        raise _mix("its indices pair samples with other samples")
+    return PerSample(index_dims.pop(), _merge_layouts(layouts))
+
+
+def _raise_pooled(f: Pooled):
+    raise _Refuse(f"{f.why}, and its result flows back into per-sample values",
+                  "reduce over non-batch dimensions only, or move batch statistics out of the loss function",
+                  node=f.origin)
+
+
+@_handles(ops._overloads("index_select"))
+def _index_select(an: Analysis, node: fx.Node) -> Fact:
+    x, dim, idx = node.args[:3]
+    rank = _rank(x)
+    k = _norm_dim(dim, rank)
+    fx_, fi = an.fact(x), an.fact(idx)
+    if isinstance(fx_, PerSample):
+        if fx_.dim == k:
+            if isinstance(fi, SampleIndex) and fi.stride == 1 and fx_.layout == (1, 1):
+                return fx_
+            raise _mix("it selects along the batch dimension, so a sample reads other samples' values", _FIX_DIM)
+        if not isinstance(fi, Shared):
+            raise _mix("its per-sample indices pick from every sample's values, pairing samples",
+                       "use torch.gather to pick within each sample")
+        return fx_
+    _no_sample_index([fi])
+    if isinstance(fi, PerSample):
+        if isinstance(fx_, Pooled):
+            _raise_pooled(fx_)
+        return PerSample(k, fi.layout)
+    return _pooled([fx_, fi]) or SHARED
+
+
+@_handles(ops._overloads("gather"))
+def _gather(an: Analysis, node: fx.Node) -> Fact:
+    x, dim, idx = node.args[:3]
+    k = _norm_dim(dim, _rank(x))
+    fx_, fi = an.fact(x), an.fact(idx)
+    _no_sample_index([fx_, fi])
+    if isinstance(fx_, PerSample):
+        if fx_.dim == k or not isinstance(fi, PerSample) or fi.dim != fx_.dim:
+            raise _mix("it gathers along (or across) the batch dimension, so a sample reads other samples' "
+                       "values", _FIX_DIM)
+        return PerSample(fx_.dim, _merge_layouts([fx_.layout, fi.layout]))
+    if isinstance(fi, PerSample):
+        if isinstance(fx_, Pooled):
+            _raise_pooled(fx_)
+        return fi
+    return _pooled([fx_, fi]) or SHARED
+
+
+_SCATTERS = ops._overloads("scatter.src", "scatter.value", "scatter_add", "scatter_reduce.two", "index_add",
+                           "index_copy", "index_fill.int_Scalar", "index_fill.int_Tensor")
+
+
+@_handles(_SCATTERS)
+def _scatter(an: Analysis, node: fx.Node) -> Fact:
+    """Writes along ``dim``: per sample when the batch is elsewhere and every operand holds it alike."""
+    x, dim = node.args[:2]
+    k = _norm_dim(dim, _rank(x))
+    facts = _tensor_facts(an, node)
+    _no_sample_index(facts.values())
+    fx_ = facts[x]
+    rest = [(a, f) for a, f in facts.items() if a is not x]
+    name = node.target.overloadpacket.__name__
+    if isinstance(fx_, PerSample):
+        if fx_.dim == k:
+            raise _mix("it writes along the batch dimension, moving values between samples", _FIX_DIM)
+        layouts = [fx_.layout]
+        for a, f in rest:
+            one_d_index = name.startswith("index_") and a is node.args[2]
+            if one_d_index:
+                if not isinstance(f, Shared):
+                    raise _mix("its per-sample indices write into every sample's values")
+                continue
+            if isinstance(f, PerSample) and f.dim == fx_.dim:
+                layouts.append(f.layout)
+            elif not (isinstance(f, Shared) and value_of(a).dim() == 0):
+                raise _mix("it writes values of some samples into others (its operands do not hold the batch "
+                           "alike)", _FIX_DIM)
+        return PerSample(fx_.dim, _merge_layouts(layouts))
+    if any(isinstance(f, PerSample) for _, f in rest):
+        if isinstance(fx_, Pooled):
+            _raise_pooled(fx_)
+        return Pooled(node, "it accumulates several samples' values into one tensor")
+    return _pooled(facts.values()) or SHARED
+
+
+@_handles(ops._overloads("index_put", "_unsafe_index_put"))
+def _index_put(an: Analysis, node: fx.Node) -> Fact:
+    x, indices, values = node.args[:3]
+    fx_ = an.fact(x)
+    index_facts = [an.fact(i) for i in indices if i is not None]
+    fv = an.fact(values)
+    if isinstance(fx_, PerSample):
+        positions = [p for p, i in enumerate(indices) if i is not None]
+        if fx_.dim in positions:
+            at = indices[fx_.dim]
+            if not (isinstance(an.fact(at), SampleIndex) and fx_.layout == (1, 1)):
+                raise _mix("it writes along the batch dimension, moving values between samples", _FIX_DIM)
+            # x[arange(n), j] = v: the other indices and the values must follow the same samples
+            if any(isinstance(f, PerSample) and f.layout not in (None, (1, 1)) for f in index_facts + [fv]):
+                raise _mix("its indices pair samples with other samples")
+            return fx_
+        if any(not isinstance(f, Shared) for f in index_facts):
+            raise _mix("its per-sample indices write into every sample's values")
+        if isinstance(fv, PerSample):
+            # the written block has x's remaining dims after the broadcast index dims: check via shapes
+            return fx_
+        if isinstance(fv, Pooled):
+            _raise_pooled(fv)
+        return fx_
+    _no_sample_index(index_facts + [fv])
+    if any(isinstance(f, PerSample) for f in index_facts + [fv]):
+        if isinstance(fx_, Pooled):
+            _raise_pooled(fx_)
+        return Pooled(node, "it accumulates several samples' values into one tensor")
+    return _pooled([fx_, fv, *index_facts]) or SHARED
+
+
+@_handles(ops._overloads("bucketize.Tensor", "searchsorted.Tensor"))
+def _bucketize(an: Analysis, node: fx.Node) -> Fact:
+    kw = _kwargs(node)
+    boundaries = kw.get("boundaries", kw.get("sorted_sequence"))
+    values = kw.get("input", kw.get("self"))
+    fb, fv = an.fact(boundaries), an.fact(values)
+    _no_sample_index([fb, fv])
+    if isinstance(fb, Shared):
+        return fv
+    if _rank(boundaries) > 1 and isinstance(fb, PerSample) and isinstance(fv, PerSample) and fb.dim == fv.dim \
+            and fb.dim < _rank(boundaries) - 1:
+        return PerSample(fv.dim, _merge_layouts([fb.layout, fv.layout]))
+    raise _mix("it searches boundaries made from several samples")
+
+
+_BATCH_FIRST = ops._overloads("grid_sampler_2d", "grid_sampler_3d", "_prelu_kernel", "_thnn_fused_lstm_cell",
+                              "_thnn_fused_gru_cell", "max_unpool2d", "max_unpool3d")
+
+
+@_handles(_BATCH_FIRST)
+def _batch_first(an: Analysis, node: fx.Node) -> Fact:
+    """Ops whose tensors all hold independent rows in dimension 0 (the batch of the op)."""
+    facts = _tensor_facts(an, node)
+    _no_sample_index(facts.values())
+    layouts = []
+    for f in facts.values():
+        if isinstance(f, PerSample):
+            if f.dim != 0:
+                raise _mix("it mixes the dimension that holds the batch", _FIX_DIM)
+            layouts.append(f.layout)
+        elif isinstance(f, Pooled):
+            _raise_pooled(f)
+    if not layouts:
+        return SHARED
+    fact = PerSample(0, _merge_layouts(layouts))
+    out = value_of(node)
+    if isinstance(out, (tuple, list)):
+        return tuple(fact if isinstance(o, torch.Tensor) and an.batch.dims(o) else SHARED for o in out)
+    return fact
+
+
+@_handles(ops._overloads("_weight_norm_interface", "_weight_norm_interface_backward"))
+def _shared_only(an: Analysis, node: fx.Node) -> Fact:
+    facts = _tensor_facts(an, node)
+    if any(not isinstance(f, Shared) for f in facts.values()):
+        raise _unknown(_op_name(node), " on per-sample values")
+    return SHARED
+
+
+def analyze_facts(graph: fx.Graph, batch: BatchDims) -> tuple[dict[fx.Node, Fact], list[MixingSite]]:
+    """Every node's fact, and the refused sites (for tests and inspection)."""
+    analysis = Analysis(graph, batch)
+    sites = analysis.run()
+    return analysis.facts, sites
+
+
+__all__ = ["MixingSite", "find_mixing", "analyze_facts", "PerSample", "Pooled", "SampleIndex", "SHARED"]

@@ -16,7 +16,7 @@ from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
-from .._errors import CaptureError, SampleMixingError
+from .._errors import CaptureError, SampleMixingError, UnsupportedError
 from .._reduce.context import ReduceContext, collect_param_grads
 from .._reduce.reductions import Reduction
 from .._rewrite.loss_head import per_sample_loss_head
@@ -57,11 +57,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     forward, loss = forward_slice(captured.joint, captured.loss_output)
     mixing = find_mixing(forward.graph, batch)
     if mixing:
-        error = SampleMixingError(
-            "per-sample gradients are undefined for this loss: samples are mixed.\n"
-            + "\n".join(f"  - {site}" for site in mixing))
-        error.report = _partial_report(captured, forward, mixing)
-        raise error
+        raise _refusal(captured, forward, mixing)
     head = per_sample_loss_head(forward, loss, batch)
     _check_still_symbolic(captured, batch, "the loss-head pass")
 
@@ -97,6 +93,22 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters",
              len(backward.contractions) + len(head.contractions), n_fallback, len(names))
     return out
+
+
+def _refusal(captured: Captured, forward: fx.GraphModule, sites: list[MixingSite]) -> Exception:
+    """``SampleMixingError`` when a site mixes samples; ``UnsupportedError`` when the only obstacles are ops whose
+    batch semantics compiled_psg does not know."""
+    mixing = [s for s in sites if s.kind == "mixing"]
+    if mixing:
+        error: Exception = SampleMixingError(
+            "per-sample gradients are undefined for this loss: samples are mixed.\n"
+            + "\n".join(f"  - {site}" for site in sites))
+    else:
+        error = UnsupportedError(
+            "compiled_psg cannot prove that this loss keeps samples apart:\n"
+            + "\n".join(f"  - {site}" for site in sites))
+    error.report = _partial_report(captured, forward, sites)
+    return error
 
 
 def _check_still_symbolic(captured: Captured, batch: BatchDims, stage: str) -> None:

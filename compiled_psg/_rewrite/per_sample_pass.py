@@ -171,8 +171,7 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
             # depends on the batch only through its size (``torch.full([], n)``): evaluate for a batch of one
             twin = substitute_batch_values(graph, node, batch)
             source, dim = batch_size_source(graph, batch)
-            ps[node] = emit(graph, lambda ref, v, _d=dim: v.unsqueeze(0).expand([ref.shape[_d]] + list(v.shape)),
-                            [source, twin], tag="constant_per_sample", before=after)
+            ps[node] = emit(graph, _broadcast_over_batch(dim), [source, twin], tag="constant_per_sample", before=after)
             result.records.append(RewriteRecord(node.name, str(op_node.target), "constant_per_sample", "lift",
                                                 tuple(value_of(ps[node]).shape), source_line(node)))
             continue
@@ -222,8 +221,14 @@ def batch_size_source(graph: fx.Graph, batch: BatchDims) -> tuple[fx.Node, int]:
     raise AssertionError("no input has the batch as a whole dimension")
 
 
+def _broadcast_over_batch(dim: int):
+    """``(ref, v) -> [n, *v.shape]`` with ``n = ref.shape[dim]`` (two arguments only: ``emit`` traces them all)."""
+    def run(ref, v):
+        return v.unsqueeze(0).expand([ref.shape[dim]] + list(v.shape))
+    return run
+
+
 def broadcast_per_sample(graph: fx.Graph, shared: fx.Node, batch: BatchDims) -> fx.Node:
     """A shared value every sample receives whole (a regularizer's gradient): ``[n, *shape]``."""
     source, dim = batch_size_source(graph, batch)
-    return emit(graph, lambda ref, v: v.unsqueeze(0).expand([ref.shape[dim]] + list(v.shape)),
-                [source, shared], tag="shared_per_sample")
+    return emit(graph, _broadcast_over_batch(dim), [source, shared], tag="shared_per_sample")

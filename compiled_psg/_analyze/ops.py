@@ -1,0 +1,189 @@
+"""Facts about ATen ops, in one place: how each op treats the dimensions of its tensors.
+
+The mixing analysis (``mixing.py``), the batch-layout walk (``layout.py``), the lift rules and the reductions all
+read these tables; nothing else in the package lists ops by kind. An op that is in no table has *unknown* batch
+semantics: the mixing analysis refuses it wherever it touches a value that depends on the samples.
+
+Each entry says which argument holds what (by schema name, after ``normalize_function``), never how to rewrite:
+
+- ``is_pointwise``: element ``k`` of the output reads element ``k`` of each (broadcast) input.
+- ``IDENTITY``: the output is the input (copies, dtype casts, detach).
+- ``VIEWS``: reshapes; ``DIM_OPS``: ops that move, drop, tile or slice whole dimensions.
+- ``REDUCTIONS``: reduce over ``dim`` (all dims when empty), ``keepdim`` or not.
+- ``ALONG_DIM``: every output element along ``dim`` reads the whole input along ``dim`` (softmax, cumsum, sort).
+- ``SPATIAL``: ops that mix the last ``k`` dimensions only (pooling, padding, upsampling, ``triu``); the leading
+  dimensions are independent.
+- ``MATMULS``: index strings of matrix products (letters shared by operands; a letter missing from the output is
+  summed over).
+- ``FACTORIES``: ops that make a tensor from sizes and constants; ``RANDOM``: factories and ops drawing random
+  numbers.
+- ``LOSSES``: loss ops with a ``reduction`` argument (0 none, 1 mean, 2 sum) over their leading dimensions.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+ATEN = torch.ops.aten
+
+
+def _overloads(*names: str) -> set:
+    """``"sum.dim_IntList"`` -> ``aten.sum.dim_IntList``, skipping overloads this torch build lacks."""
+    found = set()
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(ATEN, packet, None), overload or "default", None)
+        if op is not None:
+            found.add(op)
+    return found
+
+
+# Beyond the ops tagged ``torch.Tag.pointwise``: elementwise ops (with broadcasting) that lack the tag.
+ELEMENTWISE = _overloads(
+    "masked_fill.Tensor", "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward",
+    "log_sigmoid_forward", "log_sigmoid_backward", "fill.Scalar", "fill.Tensor", "copy", "native_dropout",
+    "bernoulli.p", "bernoulli", "hardsigmoid_backward", "hardswish_backward", "rrelu_with_noise",
+    "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "gelu_backward", "silu_backward",
+    "native_dropout_backward", "threshold_backward", "mish_backward", "_conj", "lift_fresh_copy",
+)
+
+IDENTITY = _overloads("clone", "alias", "detach", "contiguous", "_to_copy", "lift_fresh_copy", "view_as",
+                      "_assert_tensor_metadata")
+VIEWS = _overloads("view", "_unsafe_view", "reshape", "view_copy")
+
+# Ops that move, drop, tile or slice whole dimensions; each has its own handler in mixing.py.
+DIM_OPS = _overloads(
+    "t", "transpose.int", "permute", "unsqueeze", "squeeze.dim", "squeeze.dims", "squeeze", "expand", "select.int",
+    "slice.Tensor", "narrow", "flip", "roll", "repeat", "split.Tensor", "split_with_sizes", "unbind.int",
+    "chunk", "unsafe_split.Tensor", "unsafe_split_with_sizes", "unsafe_chunk", "diagonal", "unfold",
+    "cat", "stack", "constant_pad_nd", "slice_scatter", "select_scatter", "one_hot", "tensor_split.sections",
+)
+
+# op -> (dim argument name or None for a full reduction, keepdim argument name or None)
+REDUCTIONS: dict = {}
+for _names, _spec in [
+    (("sum.dim_IntList", "mean.dim", "amax", "amin", "logsumexp", "nansum", "any.dims", "all.dims",
+      "count_nonzero.dim_IntList", "var.correction", "std.correction", "var_mean.correction", "std_mean.correction",
+      "var.dim", "std.dim", "linalg_vector_norm", "norm.ScalarOpt_dim", "prod.dim_int", "max.dim", "min.dim",
+      "any.dim", "all.dim", "argmax", "argmin", "median.dim", "nanmedian.dim", "mode", "aminmax", "mean.dtype_out",
+      "kthvalue", "norm.ScalarOpt_dim_dtype", "logsumexp.default"), ("dim", "keepdim")),
+    (("sum.default", "mean.default", "prod.default", "max.default", "min.default", "any.default", "all.default",
+      "norm.Scalar", "norm.ScalarOpt_dtype", "count_nonzero.default", "median.default", "nanmedian.default"),
+     (None, None)),
+]:
+    for _op in _overloads(*_names):
+        REDUCTIONS[_op] = _spec
+
+# op -> name of its dim argument (default when absent: -1 for sort/topk)
+ALONG_DIM = {op: "dim" for op in _overloads(
+    "_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "sort", "sort.stable",
+    "topk", "_softmax_backward_data", "_log_softmax_backward_data", "argsort", "argsort.stable", "glu",
+    "glu_backward", "cumulative_trapezoid", "renorm",
+)}
+
+# op -> number of trailing dims it mixes (the leading dims are independent, batch or channels)
+SPATIAL: dict = {}
+for _k, _names in [
+    (1, ("max_pool1d_with_indices", "avg_pool1d", "adaptive_avg_pool1d", "adaptive_max_pool1d",
+         "reflection_pad1d", "replication_pad1d", "upsample_nearest1d", "upsample_nearest1d.vec",
+         "upsample_linear1d", "upsample_linear1d.vec", "_upsample_nearest_exact1d", "_upsample_nearest_exact1d.vec",
+         "max_pool1d")),
+    (2, ("max_pool2d_with_indices", "avg_pool2d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
+         "adaptive_max_pool2d", "reflection_pad2d", "replication_pad2d", "upsample_nearest2d",
+         "upsample_nearest2d.vec", "upsample_bilinear2d", "upsample_bilinear2d.vec", "upsample_bicubic2d",
+         "upsample_bicubic2d.vec", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+         "_upsample_nearest_exact2d", "_upsample_nearest_exact2d.vec", "triu", "tril", "fractional_max_pool2d",
+         "max_pool2d", "im2col", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d")),
+    (3, ("max_pool3d_with_indices", "avg_pool3d", "adaptive_avg_pool3d", "_adaptive_avg_pool3d",
+         "adaptive_max_pool3d", "reflection_pad3d", "replication_pad3d", "upsample_nearest3d",
+         "upsample_nearest3d.vec", "upsample_trilinear3d", "upsample_trilinear3d.vec",
+         "_upsample_nearest_exact3d", "_upsample_nearest_exact3d.vec", "max_pool3d")),
+]:
+    for _op in _overloads(*_names):
+        SPATIAL[_op] = _k
+# pixel_shuffle moves channels into space: the channel dim is mixed too
+MIXES_CHANNELS = _overloads("pixel_shuffle", "pixel_unshuffle", "im2col", "channel_shuffle", "native_channel_shuffle")
+
+# op -> (operand index strings, output index string, names of the operands, name of an added bias or None)
+MATMULS: dict = {}
+for _names, _spec in [
+    (("mm",), (("mk", "kn"), "mn", ("input", "mat2"), None)),
+    (("addmm",), (("mk", "kn"), "mn", ("mat1", "mat2"), "input")),
+    (("bmm",), (("hmk", "hkn"), "hmn", ("input", "mat2"), None)),
+    (("baddbmm",), (("hmk", "hkn"), "hmn", ("batch1", "batch2"), "input")),
+    (("mv",), (("mk", "k"), "m", ("input", "vec"), None)),
+    (("addmv",), (("mk", "k"), "m", ("mat", "vec"), "input")),
+    (("dot", "vdot"), (("k", "k"), "", ("input", "tensor"), None)),
+    (("outer",), (("m", "n"), "mn", ("input", "vec2"), None)),
+]:
+    for _op in _overloads(*_names):
+        MATMULS[_op] = _spec
+
+FACTORIES = _overloads(
+    "zeros", "ones", "full", "empty.memory_format", "empty_strided", "scalar_tensor", "new_zeros", "new_ones",
+    "new_full", "new_empty", "new_empty_strided", "zeros_like", "ones_like", "full_like", "empty_like",
+    "rand", "randn", "rand_like", "randn_like", "randint", "randint.low", "randint_like", "randint_like.low_dtype",
+    "normal.float_float", "normal_functional", "uniform", "empty_permuted",
+)
+# factories whose value does not depend on a tensor input's values, only on its shape (``*_like``, ``new_*``)
+SHAPE_ONLY = _overloads("ones_like", "zeros_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+                        "new_full", "rand_like", "randn_like", "randint_like", "randint_like.low_dtype",
+                        "new_empty_strided")
+ARANGES = _overloads("arange", "arange.start", "arange.start_step")
+# factories whose value depends on the batch size beyond the shape (refused when the size involves the batch)
+POSITIONAL_FACTORIES = _overloads("randperm", "linspace", "logspace", "eye", "eye.m", "tril_indices", "triu_indices")
+
+
+def is_random(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def is_pointwise(target) -> bool:
+    """Element ``k`` of the output reads element ``k`` of each input (with broadcasting)."""
+    if target in ELEMENTWISE:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+# op -> names of (input, target) and the argument names of extra elementwise tensors; reduction in "reduction"
+LOSSES: dict = {}
+for _names, _extra in [
+    (("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss"), ()),
+    (("binary_cross_entropy",), ("weight",)),
+    (("binary_cross_entropy_with_logits",), ("weight", "pos_weight")),
+]:
+    for _op in _overloads(*_names):
+        LOSSES[_op] = _extra
+NLL_LOSSES = _overloads("nll_loss_forward", "nll_loss2d_forward")
+
+# Normalization layers: op -> (number of trailing normalized dims source, kind)
+LAYER_NORMS = _overloads("native_layer_norm", "_fused_rms_norm")
+GROUP_NORMS = _overloads("native_group_norm")
+BATCH_NORMS = {op: "training" for op in _overloads(
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit.no_stats",
+    "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training", "batch_norm_stats",
+)}
+ATTENTIONS = _overloads(
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable",
+)
+INDEXING = _overloads("index.Tensor", "_unsafe_index.Tensor", "index_select", "gather", "embedding",
+                      "_embedding_bag", "_embedding_bag_forward_only", "index_put", "_unsafe_index_put",
+                      "index_add", "index_copy", "scatter.src", "scatter.value", "scatter_add", "scatter_reduce.two",
+                      "index_fill.int_Scalar", "index_fill.int_Tensor", "take_along_dim", "bucketize.Tensor",
+                      "searchsorted.Tensor")
+
+# Nodes that check sizes or assert, with no value of interest.
+CHECKS = _overloads("_assert_scalar", "_assert_async", "_assert_async.msg", "sym_constrain_range",
+                    "sym_constrain_range_for_size", "_functional_sym_constrain_range",
+                    "_functional_sym_constrain_range_for_size", "_functional_assert_async.msg")
+SIZE_QUERIES = _overloads("sym_size.int", "sym_stride.int", "sym_numel", "sym_storage_offset")
+SCALAR_READS = _overloads("_local_scalar_dense", "item")
+# Python-level operators on sizes (SymInt arithmetic) that Dynamo leaves in graphs.
+SYMBOLIC_PYTHON = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv, operator.mod,
+                   operator.pow, operator.neg, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+                   operator.ge, operator.and_, operator.or_, operator.not_, torch.sym_float, torch.sym_int,
+                   torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_sum, abs}

@@ -1,0 +1,277 @@
+"""The mixing analysis is an allow-list: every program is exact or refused.
+
+Each adversarial program of issue 10 is refused with ``SampleMixingError`` (or ``UnsupportedError`` for an op
+of unknown batch semantics), naming the op and this file's line. Programs that keep samples apart in ways the
+analysis must prove (indexing with ``arange(n)``, gathering within a sample, concatenating along the batch) stay
+exact against the naive loop. ``test_mixing_property.py`` generates programs at random.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import reference_per_sample
+
+import compiled_psg as psg
+
+THIS = Path(__file__)
+F64 = torch.float64
+B, D, C = 4, 5, 3
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+def line_of(marker: str) -> int:
+    hits = [i + 1 for i, text in enumerate(THIS.read_text().splitlines()) if text.rstrip().endswith(f"# <{marker}>")]
+    assert len(hits) == 1, f"marker {marker!r} found on lines {hits}"
+    return hits[0]
+
+
+def setup(seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(D, C).double()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, D, generator=g, dtype=F64)
+    y = torch.randint(0, C, (B,), generator=g)
+    return lin, x, y
+
+
+# --------------------------------------------------------------- refused: the examples of issue 10 and more
+
+
+def mixup(lin, x, y):
+    mixed = 0.7 * x + 0.3 * x[torch.randperm(x.shape[0])]  # <mixup>
+    return F.cross_entropy(lin(mixed), y)
+
+
+def shift_by_index(lin, x, y):
+    n = x.shape[0]
+    shifted = x[(torch.arange(n) + 1) % n]  # <shift_index>
+    return F.cross_entropy(lin(x + shifted), y)
+
+
+def index_add_batched(lin, x, y, idx):
+    moved = torch.zeros_like(x).index_add(0, idx, x)  # <index_add>
+    return F.cross_entropy(lin(moved), y)
+
+
+def scatter_batched(lin, x, y, idx):
+    moved = torch.zeros_like(x).scatter(0, idx.unsqueeze(1).expand(-1, x.shape[1]), x)  # <scatter>
+    return F.cross_entropy(lin(moved), y)
+
+
+def conv_over_batch(lin, x, y, conv):
+    h = conv(x.t().unsqueeze(0))  # <conv_batch>
+    return F.cross_entropy(lin(x + h[0].t()), y)
+
+
+def view_halves(lin, x, y):
+    h = x.view(2, -1, x.shape[1])  # <halves>
+    swapped = torch.cat([h[1], h[0]], 0)
+    return F.cross_entropy(lin(swapped), y)
+
+
+def finite_difference(lin, x, y):
+    h = lin(x)
+    diff = h[1:] - h[:-1]  # <difference>
+    return diff.pow(2).sum() + F.cross_entropy(h, y)
+
+
+def reinterpret_view(lin, x, y):
+    h = x.t().flatten().view(x.shape[0], -1)  # <reinterpret>
+    return F.cross_entropy(lin(h), y)
+
+
+def roll_batch(lin, x, y):
+    return F.cross_entropy(lin(torch.roll(x, 1, 0)), y)  # <roll>
+
+
+def flip_batch(lin, x, y):
+    return F.cross_entropy(lin(x + x.flip(0)), y)  # <flip>
+
+
+def cumsum_batch(lin, x, y):
+    return F.cross_entropy(lin(x.cumsum(0)), y)  # <cumsum>
+
+
+def sort_batch(lin, x, y):
+    return F.cross_entropy(lin(x.sort(0).values), y)  # <sort>
+
+
+def gram_batch(lin, x, y):
+    return F.cross_entropy(lin(x @ x.T @ x), y)  # <gram>
+
+
+def mean_back(lin, x, y):
+    return F.cross_entropy(lin(x - x.mean(0, keepdim=True)), y)  # <center>
+
+
+def first_sample(lin, x, y):
+    return F.cross_entropy(lin(x + x[0]), y)  # <first>
+
+
+def cat_rotate(lin, x, y):
+    rotated = torch.cat([x[1:], x[:1]], 0)  # <rotate>
+    return F.cross_entropy(lin(rotated), y)
+
+
+def batch_size_value(lin, x, y):
+    n = torch.full((D,), x.shape[0], dtype=x.dtype)  # <size_value>
+    return F.cross_entropy(lin(x * n), y)
+
+
+def index_select_batch(lin, x, y, idx):
+    return F.cross_entropy(lin(x.index_select(0, idx)), y)  # <index_select>
+
+
+def gather_batch(lin, x, y, idx):
+    picked = x.gather(0, idx.unsqueeze(1).expand(-1, x.shape[1]))  # <gather0>
+    return F.cross_entropy(lin(picked), y)
+
+
+def pairs_index(lin, x, y, idx):
+    h = x[:, idx % D]  # <pairs_index>
+    return F.cross_entropy(lin(x) + h.sum(1, keepdim=True), y)
+
+
+def item_back(lin, x, y):
+    scale = x.abs().max()  # <item_max>
+    return F.cross_entropy(lin(x / scale), y)
+
+
+REFUSED = {  # name -> (program, extra batched args, marker)
+    "mixup_randperm": (mixup, (), "mixup"),
+    "shift_by_arange_index": (shift_by_index, (), "shift_index"),
+    "index_add_batched_index": (index_add_batched, ("idx",), "index_add"),
+    "scatter_batched_index": (scatter_batched, ("idx",), "scatter"),
+    "conv_over_batch_axis": (conv_over_batch, ("conv",), "conv_batch"),
+    "view_halves_swapped": (view_halves, (), "halves"),
+    "finite_difference_over_batch": (finite_difference, (), "difference"),
+    "reinterpreting_view": (reinterpret_view, (), "reinterpret"),
+    "roll_over_batch": (roll_batch, (), "roll"),
+    "flip_over_batch": (flip_batch, (), "flip"),
+    "cumsum_over_batch": (cumsum_batch, (), "cumsum"),
+    "sort_over_batch": (sort_batch, (), "sort"),
+    "gram_over_batch": (gram_batch, (), "gram"),
+    "center_by_batch_mean": (mean_back, (), "center"),
+    "add_first_sample": (first_sample, (), "first"),
+    "cat_rotated_batch": (cat_rotate, (), "rotate"),
+    "batch_size_as_value": (batch_size_value, (), "size_value"),
+    "index_select_over_batch": (index_select_batch, ("idx",), "index_select"),
+    "gather_over_batch": (gather_batch, ("idx",), "gather0"),
+    "per_sample_index_into_features": (pairs_index, ("idx",), "pairs_index"),
+    "batch_max_flows_back": (item_back, (), "item_max"),
+}
+
+
+def _call(program, extras, backend="eager"):
+    lin, x, y = setup()
+    idx = torch.tensor([1, 2, 3, 0])
+    conv = nn.Conv1d(D, D, 3, padding=1).double()
+    values = {"idx": idx, "conv": conv}
+    extra = tuple(values[e] for e in extras)
+    batched_extra = tuple(e == "idx" for e in extras)
+    in_dims = (0, 0) + tuple(0 if b else None for b in batched_extra)
+    params = nn.ModuleDict({"lin": lin, "conv": conv})
+    fn = psg.per_sample(params, in_dims=in_dims, backend=backend)(lambda x, y, *e: program(lin, x, y, *e))
+    return fn, (x, y, *extra)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused(name):
+    program, extras, marker = REFUSED[name]
+    fn, args = _call(program, extras)
+    with pytest.raises((psg.SampleMixingError, psg.UnsupportedError)) as info:
+        fn(*args)
+    message = str(info.value)
+    line = line_of(marker)
+    assert re.search(rf"{re.escape(THIS.name)}\D{{1,12}}{line}\b", message), (
+        f"{name}: the refusal should name {THIS.name}:{line}:\n{message}")
+    assert "Fix:" in message
+
+
+def test_refusal_changes_nothing():
+    """A refused capture leaves the module's parameters and the caller's tensors as they were."""
+    program, extras, _ = REFUSED["mixup_randperm"]
+    fn, args = _call(program, extras)
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+    with pytest.raises(psg.SampleMixingError):
+        fn(*args)
+    for a, b in zip([a for a in args if isinstance(a, torch.Tensor)], before, strict=True):
+        assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------- accepted: exact against the naive loop
+
+
+def pick_own_target(lin, x, y):
+    logp = F.log_softmax(lin(x), 1)
+    return -logp[torch.arange(x.shape[0]), y].mean()
+
+
+def gather_within_sample(lin, x, y):
+    logp = F.log_softmax(lin(x), 1)
+    return -logp.gather(1, y.unsqueeze(1)).sum()
+
+
+def shared_feature_index(lin, x, y):
+    perm = torch.tensor([4, 2, 0, 1, 3])
+    return F.cross_entropy(lin(x[:, perm] * 0.5 + x), y)
+
+
+def cat_batch_twice(lin, x, y):
+    both = torch.cat([x, 2 * x], 0)
+    return F.cross_entropy(lin(both), torch.cat([y, y]))
+
+
+def stack_and_mean(lin, x, y):
+    h = torch.stack([lin(x), lin(x.flip(1))], 1)  # [n, 2, c]
+    return F.cross_entropy(h.mean(1), y)
+
+
+def cumsum_features(lin, x, y):
+    return F.cross_entropy(lin(x.cumsum(1)), y) + lin(x).softmax(1).pow(2).sum()
+
+
+def reshape_per_sample(lin, x, y):
+    z = torch.cat([x, x], 1).view(x.shape[0], 2, D).transpose(1, 2).reshape(x.shape[0], -1)
+    return F.cross_entropy(lin(z[:, :D] + z[:, D:]), y)
+
+
+def masked_write(lin, x, y):
+    h = x.clone()
+    h[:, 0] = 0.0
+    h[torch.arange(x.shape[0]), 1] = 2.0
+    return F.cross_entropy(lin(h), y)
+
+
+def batch_size_scalar(lin, x, y):
+    return F.cross_entropy(lin(x), y, reduction="sum") / x.shape[0] + lin(x).sum() * (1.0 / x.shape[0])
+
+
+ACCEPTED = {
+    "logits_at_arange": pick_own_target,
+    "gather_within_sample": gather_within_sample,
+    "shared_feature_index": shared_feature_index,
+    "cat_along_batch": cat_batch_twice,
+    "stack_and_mean": stack_and_mean,
+    "cumsum_and_softmax_over_features": cumsum_features,
+    "reshape_within_sample": reshape_per_sample,
+    "masked_write": masked_write,
+    "batch_size_as_scalar": batch_size_scalar,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_accepted_exact(name):
+    program = ACCEPTED[name]
+    fn, args = _call(program, ())
+    lin = fn.params_source["lin"]
+    got = fn(*args)
+    ref = reference_per_sample(lambda x, y: program(lin, x, y), dict(fn.params_source.named_parameters()), args)
+    for key, r in ref.items():
+        torch.testing.assert_close(got[key], r, **TOL, msg=lambda m, k=key: f"{name} {k}: {m}")
