@@ -140,6 +140,11 @@ def is_random(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
+def has_pointwise_tag(target) -> bool:
+    """Tagged ``torch.Tag.pointwise``: one output, computed element by element (what the pointwise lift needs)."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
 def is_pointwise(target) -> bool:
     """Element ``k`` of the output reads element ``k`` of each input (with broadcasting)."""
     if target in ELEMENTWISE:

@@ -16,7 +16,7 @@ from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
-from .._errors import CaptureError, SampleMixingError, UnsupportedError
+from .._errors import CaptureError, InternalError, SampleMixingError, UnsupportedError
 from .._reduce.context import ReduceContext, collect_param_grads
 from .._reduce.reductions import Reduction
 from .._rewrite.loss_head import per_sample_loss_head
@@ -51,7 +51,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     batched_fakes = [f for f, r in zip(captured.fake_inputs, roles, strict=True) if r.batched]
     symbol = find_batch_symbol(batched_fakes)
     if symbol is None:
-        raise AssertionError("internal: no symbolic batch dimension in the captured graph")
+        raise InternalError("no symbolic batch dimension in the captured graph")
     batch = BatchDims(symbol)
 
     forward, loss = forward_slice(captured.joint, captured.loss_output)
@@ -116,7 +116,7 @@ def _check_still_symbolic(captured: Captured, batch: BatchDims, stage: str) -> N
     mode = detect_fake_mode(captured.fake_inputs)
     env = getattr(mode, "shape_env", None)
     if env is not None and batch.symbol in env.replacements:
-        raise AssertionError(f"internal: {stage} fixed the batch size to {env.replacements[batch.symbol]}; "
+        raise InternalError(f"{stage} fixed the batch size to {env.replacements[batch.symbol]}; "
                              "the compiled graph would not serve other batch sizes (a custom reduction must not "
                              "use the batch size as a Python number, e.g. len(g))")
 

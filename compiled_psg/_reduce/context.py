@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .._analyze import ops
 from .._analyze.batch_dims import BatchDims
 from .._analyze.layout import scale_batch
 from .._rewrite.contraction import Contraction, factored_gram, factored_sum_squares, ghost_is_cheaper
@@ -25,9 +26,9 @@ from .._rewrite.emit import emit
 from .._rewrite.per_sample_pass import LiftResult, broadcast_per_sample
 
 ATEN = torch.ops.aten
-_ISOMETRIC = {ATEN.t.default, ATEN.transpose.int, ATEN.permute.default, ATEN.view.default,
-              ATEN._unsafe_view.default, ATEN.reshape.default, ATEN.clone.default, ATEN.alias.default,
-              ATEN.detach.default, ATEN.contiguous.default}
+# ops that only rearrange the elements (norms and Gram matrices pass through them unchanged)
+_ISOMETRIC = ops.VIEWS | (ops.IDENTITY - {ATEN._to_copy.default}) | {ATEN.t.default, ATEN.transpose.int,
+                                                                     ATEN.permute.default}
 
 
 @dataclass

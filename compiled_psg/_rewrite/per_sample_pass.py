@@ -20,9 +20,10 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from .._analyze import ops
 from .._analyze.batch_dims import BatchDims, value_of
 from .._analyze.source import source_line
-from .._errors import UnsupportedError
+from .._errors import InternalError, UnsupportedError
 from .contraction import Contraction
 from .emit import emit
 from .fallback import fallback_contraction, fallback_lift
@@ -57,16 +58,10 @@ class LiftResult:
         return [r for r in self.records if r.rule.startswith("fallback")]
 
 
-# Ops whose values do not depend on their tensor inputs' values, only on their shapes.
-_SHAPE_ONLY = {torch.ops.aten.ones_like.default, torch.ops.aten.zeros_like.default, torch.ops.aten.empty_like.default,
-               torch.ops.aten.full_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default,
-               torch.ops.aten.new_empty.default, torch.ops.aten.new_full.default}
-
-
 def _depends_on_batch(graph: fx.Graph, batch: BatchDims) -> dict[fx.Node, bool]:
     depends: dict[fx.Node, bool] = {}
     for node in graph.nodes:
-        if node.target in _SHAPE_ONLY and not batch.is_batched(node):
+        if node.target in ops.SHAPE_ONLY and not batch.is_batched(node):
             depends[node] = False
             continue
         value = value_of(node)
@@ -136,7 +131,7 @@ def substitute_batch_values(graph: fx.Graph, node: fx.Node, batch: BatchDims) ->
 def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims) -> LiftResult:
     for t in targets:
         if batch.is_batched(t):
-            raise AssertionError(f"pre-condition: target {t.name} must not carry the batch")
+            raise InternalError(f"pre-condition: target {t.name} must not carry the batch")
     result = LiftResult(region=find_region(graph, targets, batch))
     ps = result.per_sample
     for node in result.region:
@@ -197,7 +192,7 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
             expected = tuple(value_of(t).shape)
             got = tuple(value_of(ps[t]).shape)[1:]
             if got != expected:
-                raise AssertionError(f"post-condition: per-sample {t.name} has shape {got}, expected {expected}")
+                raise InternalError(f"post-condition: per-sample {t.name} has shape {got}, expected {expected}")
     graph.lint()
     return result
 
@@ -218,7 +213,7 @@ def batch_size_source(graph: fx.Graph, batch: BatchDims) -> tuple[fx.Node, int]:
             for d in batch.dims(node):
                 if batch.is_whole(value_of(node), d):
                     return node, d
-    raise AssertionError("no input has the batch as a whole dimension")
+    raise InternalError("no input has the batch as a whole dimension")
 
 
 def _broadcast_over_batch(dim: int):

@@ -16,7 +16,9 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from ..._analyze import ops
 from ..._analyze.batch_dims import value_of
+from ..._errors import InternalError
 from .embedding import embedding_dense_backward_lift
 
 ATEN = torch.ops.aten
@@ -116,7 +118,7 @@ def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
             return x
         if target is ATEN._to_copy.default:
             return x.to(node.kwargs.get("dtype") or x.dtype)
-        raise AssertionError(target)
+        raise InternalError(target)
 
     return run
 
@@ -204,6 +206,6 @@ def lift_rule_for(node: fx.Node):
         target = node.args[0].target
     if target in LIFT_RULES:
         return LIFT_RULES[target]
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+    if ops.has_pointwise_tag(target):
         return pointwise
     return None

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
+from ..._errors import InternalError
 from ..contraction import Contraction
 
 ATEN = torch.ops.aten
@@ -97,7 +98,7 @@ def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
         if reduction == 2:  # sum
             return losses.sum(1)
         if reduction == 0:
-            raise AssertionError("unreduced nll_loss cannot contract the batch")
+            raise InternalError("unreduced nll_loss cannot contract the batch")
         valid = (tgt != ignore_index).to(logp.dtype)
         weights = valid if wt is None else wt[tgt.clamp(min=0)] * valid
         weights = split_batch(weights.reshape(tgt.shape), 0, layout).flatten(1).sum(1)
