@@ -25,6 +25,7 @@ from ._reduce.reductions import gram as gram
 from ._reduce.reductions import norms as norms
 from ._reduce.reductions import sum_squares as sum_squares
 from ._reduce.reductions import variance as variance
+from ._rewrite.registry import register_rule as register_rule
 from ._rewrite.table import supported_ops as supported_ops
 from ._train.accounting import Accountant as Accountant
 from ._train.accounting import calibrate_noise as calibrate_noise

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
 from ..contraction import Contraction, factored_sq_norms
+from ..registry import contraction_rule
 
 ATEN = torch.ops.aten
 
@@ -39,6 +40,7 @@ def _(gs, xs, weight_shape, stride, padding, dilation, transposed, output_paddin
     return gs.new_empty([gs.shape[0]] + list(weight_shape))
 
 
+@contraction_rule(ATEN.convolution_backward.default)
 def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """Output 1 (weight) or 2 (bias) of ``convolution_backward(g, x, w, ...)``; n batch, o out, c in.
 

@@ -8,6 +8,7 @@ import torch.fx as fx
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
 from ..contraction import Contraction
+from ..registry import contraction_rule, lift_rule
 
 ATEN = torch.ops.aten
 
@@ -26,6 +27,7 @@ def per_sample_table(grads: torch.Tensor, ids: torch.Tensor, num_weights: int, p
     return table.view(n, num_weights, dim_d)
 
 
+@contraction_rule(ATEN.embedding_dense_backward.default)
 def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``embedding_dense_backward(g [*idx, d], idx, v, padding_idx, scale)``; n batch, t tokens, v vocab.
 
@@ -76,6 +78,7 @@ def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | N
                        linear_arg=linear, linear_layout=(bdim, layout), rebuild=rebuild, sq_norms=sq_norms)
 
 
+@lift_rule(ATEN.embedding_dense_backward.default, linear=True)
 def embedding_dense_backward_lift(node: fx.Node, lifted: list[bool]):
     """``embedding_dense_backward`` of a per-sample gradient with shared indices (a position embedding:
     ``pos_emb(arange(t))`` is added to every sample, so its gradient sums the samples first, then scatters).

@@ -4,8 +4,8 @@ A parameter gradient rarely ends at its contraction: ``t`` and ``view`` shape it
 tied weight, ``_weight_norm_interface_backward`` maps it back to a parametrization's leaves; in a loss head,
 ``div`` and ``mul`` follow the batch sum. A lift rule receives the node and which of its graph arguments are
 per-sample (``[n, *shape]``) rather than shared, and returns tensor code computing the per-sample output, or
-None to decline. ``LINEAR_LIFTS`` lists the ops that are linear in their per-sample arguments: through them, a
-weighted sum over samples can be taken before the op (the book-keeping form of ``clip_sum``).
+None to decline. Each rule registers with ``@lift_rule(op, linear=...)``: through ops linear in their per-sample
+arguments, a weighted sum over samples can be taken before the op (the book-keeping form of ``clip_sum``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..._analyze import ops
 from ..._analyze.batch_dims import value_of
 from ..._errors import InternalError
-from .embedding import embedding_dense_backward_lift
+from ..registry import LIFT_RULES, is_linear, lift_rule, linear_op
 
 ATEN = torch.ops.aten
 LiftFn = Callable[..., torch.Tensor]
@@ -70,6 +70,15 @@ def _only_first_lifted(lifted: list[bool]) -> bool:
     return lifted[0] and not any(lifted[1:])
 
 
+_SHAPE_OPS = [
+    ATEN.t.default, ATEN.transpose.int, ATEN.permute.default, ATEN.view.default, ATEN._unsafe_view.default,
+    ATEN.reshape.default, ATEN.expand.default, ATEN.unsqueeze.default, ATEN.squeeze.dim, ATEN.squeeze.dims,
+    ATEN.sum.dim_IntList, ATEN.mean.dim, ATEN.sum.default, ATEN.mean.default, ATEN.clone.default,
+    ATEN.alias.default, ATEN.detach.default, ATEN.contiguous.default, ATEN._to_copy.default,
+]
+
+
+@lift_rule(*_SHAPE_OPS, linear=True)
 def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     """Views, transposes and reductions of one per-sample tensor: shift every dimension argument by one.
 
@@ -123,6 +132,7 @@ def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     return run
 
 
+@lift_rule(ATEN._weight_norm_interface_backward.default, linear=True)
 def weight_norm_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     """``_weight_norm_interface_backward(grad_w, v, g, norms, dim)`` with a per-sample ``grad_w``.
 
@@ -149,6 +159,12 @@ def weight_norm_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     return run
 
 
+def _cat_linear(node: fx.Node, lifted: list[bool]) -> bool:
+    tensors = [isinstance(value_of(n), torch.Tensor) for n in flat_nodes(node)]
+    return all(is_ps for is_ps, is_t in zip(lifted, tensors, strict=True) if is_t)
+
+
+@lift_rule(ATEN.cat.default, linear=_cat_linear)
 def cat(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     """``cat`` of per-sample and shared tensors: expand the shared ones, concatenate at ``dim + 1``."""
     dim = node.args[1] if len(node.args) > 1 else 0
@@ -163,24 +179,19 @@ def cat(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     return run
 
 
-_SHAPE_OPS = [
-    ATEN.t.default, ATEN.transpose.int, ATEN.permute.default, ATEN.view.default, ATEN._unsafe_view.default,
-    ATEN.reshape.default, ATEN.expand.default, ATEN.unsqueeze.default, ATEN.squeeze.dim, ATEN.squeeze.dims,
-    ATEN.sum.dim_IntList, ATEN.mean.dim, ATEN.sum.default, ATEN.mean.default, ATEN.clone.default,
-    ATEN.alias.default, ATEN.detach.default, ATEN.contiguous.default, ATEN._to_copy.default,
-]
+def _add_linear(node: fx.Node, lifted: list[bool]) -> bool:
+    """``a + b`` is linear in per-sample values only when both operands are per-sample (else affine)."""
+    return len(node.args) >= 2 and all(isinstance(a, fx.Node) for a in node.args[:2]) and all(lifted)
 
-LIFT_RULES: dict[object, Callable[[fx.Node, list[bool]], LiftFn | None]] = {op: shape_op for op in _SHAPE_OPS}
-LIFT_RULES[ATEN._weight_norm_interface_backward.default] = weight_norm_backward
-LIFT_RULES[ATEN.cat.default] = cat
-LIFT_RULES[ATEN.embedding_dense_backward.default] = embedding_dense_backward_lift  # beside its contraction rule
 
-# Linear in their per-sample arguments (when all tensor arguments of add/sub are per-sample, or only one
-# argument of mul/div is): a weighted sum over samples commutes with them.
-LINEAR_LIFTS = set(_SHAPE_OPS) | {ATEN.embedding_dense_backward.default,
-    ATEN._weight_norm_interface_backward.default, ATEN.cat.default, ATEN.add.Tensor, ATEN.sub.Tensor,
-    ATEN.mul.Tensor, ATEN.div.Tensor, ATEN.neg.default, ATEN.mul.Scalar, ATEN.div.Scalar,
-}
+def _product_linear(node: fx.Node, lifted: list[bool]) -> bool:
+    """``a * b`` with one per-sample operand; ``a / b`` with a per-sample numerator only."""
+    return sum(lifted) == 1 and (node.target is ATEN.mul.Tensor or lifted[0])
+
+
+linear_op(ATEN.add.Tensor, ATEN.sub.Tensor, linear=_add_linear)
+linear_op(ATEN.mul.Tensor, ATEN.div.Tensor, linear=_product_linear)
+linear_op(ATEN.neg.default, ATEN.mul.Scalar, ATEN.div.Scalar)
 
 
 def is_linear_lift(node: fx.Node, lifted: list[bool]) -> bool:
@@ -188,16 +199,7 @@ def is_linear_lift(node: fx.Node, lifted: list[bool]) -> bool:
     target = node.target
     if target is operator.getitem:
         target = node.args[0].target
-    if target not in LINEAR_LIFTS:
-        return False
-    if target in (ATEN.add.Tensor, ATEN.sub.Tensor):  # affine unless both operands are per-sample
-        return len(node.args) >= 2 and all(isinstance(a, fx.Node) for a in node.args[:2]) and all(lifted)
-    if target is ATEN.cat.default:
-        tensors = [isinstance(value_of(n), torch.Tensor) for n in flat_nodes(node)]
-        return all(is_ps for is_ps, is_t in zip(lifted, tensors, strict=True) if is_t)
-    if target in (ATEN.mul.Tensor, ATEN.div.Tensor):
-        return sum(lifted) == 1 and (target is ATEN.mul.Tensor or lifted[0])
-    return True
+    return is_linear(target, node, lifted)
 
 
 def lift_rule_for(node: fx.Node):

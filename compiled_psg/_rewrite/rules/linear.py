@@ -8,8 +8,12 @@ import torch.fx as fx
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
 from ..contraction import Contraction, factored_per_sample, factored_sq_norms
+from ..registry import contraction_rule
+
+ATEN = torch.ops.aten
 
 
+@contraction_rule(ATEN.mm.default)
 def mm(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``mm(a [o, k], x [k, i])`` where ``k`` carries the batch (``n`` or ``n*t`` in either order).
 
@@ -47,6 +51,7 @@ def mm(node: fx.Node, batch: BatchDims) -> Contraction | None:
     )
 
 
+@contraction_rule(ATEN.bmm.default)
 def bmm(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``bmm(a [h, o, k], x [h, k, i])`` with the batch in ``k``: per head ``h``, as ``mm``.
 
@@ -69,6 +74,7 @@ def bmm(node: fx.Node, batch: BatchDims) -> Contraction | None:
                        linear_arg=1, linear_layout=(1, layout), rebuild=torch.bmm)
 
 
+@contraction_rule(ATEN._trilinear.default)
 def trilinear(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``_trilinear`` (nn.Bilinear) whose summed dimensions include the batch.
 

@@ -10,6 +10,7 @@ import torch.fx as fx
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
 from ..contraction import Contraction
+from ..registry import contraction_rule
 
 ATEN = torch.ops.aten
 
@@ -40,6 +41,7 @@ def _rebuild(op_node: fx.Node, index: int):
     return rebuild
 
 
+@contraction_rule(ATEN.native_layer_norm_backward.default)
 def native_layer_norm_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """Outputs 1 (weight) and 2 (bias) of ``native_layer_norm_backward``; n batch, d normalized dims.
 
@@ -71,6 +73,7 @@ def native_layer_norm_backward(node: fx.Node, batch: BatchDims) -> Contraction |
                        rebuild=_rebuild(op, index))
 
 
+@contraction_rule(ATEN.native_group_norm_backward.default)
 def native_group_norm_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """Outputs 1 and 2 of ``native_group_norm_backward(g, x, mean [n, G], rstd [n, G], w, N, C, HxW, G)``.
 
@@ -105,6 +108,7 @@ def native_group_norm_backward(node: fx.Node, batch: BatchDims) -> Contraction |
                        rebuild=_rebuild(op, index))
 
 
+@contraction_rule(ATEN.native_batch_norm_backward.default)
 def native_batch_norm_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """Outputs 1 and 2 of ``native_batch_norm_backward`` in eval mode (running statistics).
 

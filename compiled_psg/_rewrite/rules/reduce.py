@@ -10,6 +10,7 @@ from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
 from ..._errors import InternalError
 from ..contraction import Contraction
+from ..registry import contraction_rule
 
 ATEN = torch.ops.aten
 
@@ -31,6 +32,7 @@ def _dims_arg(node: fx.Node, rank: int) -> list[int]:
     return [d % rank for d in dims]
 
 
+@contraction_rule(ATEN.sum.dim_IntList, ATEN.sum.default, ATEN.mean.dim, ATEN.mean.default)
 def sum_or_mean(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``sum``/``mean`` over dimensions that include the batch: the same reduction on each sample's slice.
 
@@ -67,6 +69,7 @@ def sum_or_mean(node: fx.Node, batch: BatchDims) -> Contraction | None:
                        linear_layout=(bdim, layout), rebuild=rebuild)
 
 
+@contraction_rule(ATEN.nll_loss_forward.default, ATEN.nll_loss2d_forward.default)
 def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``nll_loss_forward``/``nll_loss2d_forward`` over a batch: each sample's own (weighted) mean or sum.
 
@@ -108,6 +111,7 @@ def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
     return Contraction(rule="nll_loss_forward", node=node, inputs=inputs, per_sample=per_sample)
 
 
+@contraction_rule(ATEN.mse_loss.default)
 def mse_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``mse_loss`` with ``reduction`` mean or sum: each sample's own mean (or sum) of squared errors.
 
