@@ -275,3 +275,24 @@ def test_accepted_exact(name):
     ref = reference_per_sample(lambda x, y: program(lin, x, y), dict(fn.params_source.named_parameters()), args)
     for key, r in ref.items():
         torch.testing.assert_close(got[key], r, **TOL, msg=lambda m, k=key: f"{name} {k}: {m}")
+
+
+# --------------------------------------------------------------- gradients inside the loss
+
+
+def jacobian_penalty(lin, x, y):
+    h = lin(x)
+    out = torch.tanh(h)
+    (g,) = torch.autograd.grad(out.sum(), h, create_graph=True)  # <inner_grad>
+    return F.cross_entropy(out, y) + 0.1 * g.pow(2).sum()
+
+
+def test_loss_with_inner_gradient_is_refused_not_wrong():
+    """The captured graph detaches the inner backward's saved tensors; re-tracing it would drop gradient terms
+    (0.25 absolute error on this example before the refusal), so it is refused by name."""
+    fn, args = _call(jacobian_penalty, ())
+    with pytest.raises(psg.UnsupportedError) as info:
+        fn(*args)
+    message = str(info.value)
+    assert "torch.autograd.grad" in message and f"{THIS.name}:{line_of('inner_grad')}" in message
+    assert not isinstance(info.value, psg.SampleMixingError)

@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
+from .._analyze.source import where
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
 from .._errors import CaptureError, InternalError, SampleMixingError, UnsupportedError
@@ -55,6 +56,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     batch = BatchDims(symbol)
 
     forward, loss = forward_slice(captured.joint, captured.loss_output)
+    _refuse_inner_gradients(forward)
     mixing = find_mixing(forward.graph, batch)
     if mixing:
         raise _refusal(captured, forward, mixing)
@@ -93,6 +95,20 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters",
              len(backward.contractions) + len(head.contractions), n_fallback, len(names))
     return out
+
+
+def _refuse_inner_gradients(forward: fx.GraphModule) -> None:
+    """A loss that differentiates inside itself (``torch.autograd.grad(..., create_graph=True)``: gradient
+    penalties, Jacobian or Laplacian regularizers) is captured with the inner backward's saved tensors detached,
+    so re-tracing its gradient would silently drop terms. Refused until the capture keeps them differentiable."""
+    inner = [n for n in forward.graph.nodes if n.meta.get("autograd_backward")]
+    if inner:
+        raise UnsupportedError(
+            f"the loss calls torch.autograd.grad (or .backward) inside itself, at {where(inner[0])}: per-sample "
+            "gradients of losses built from gradients (gradient penalties, Jacobian or Laplacian regularizers) "
+            "are not supported yet, and compiled_psg refuses them rather than return wrong numbers. Fix: compute "
+            "this loss's per-sample gradients with torch.func (vmap over grad of the per-sample loss), or drop "
+            "the gradient term from the loss given to compiled_psg")
 
 
 def _refusal(captured: Captured, forward: fx.GraphModule, sites: list[MixingSite]) -> Exception:
