@@ -45,8 +45,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
              "with --quick: one per core)")  # fmt: skip
     add("--headline-only", action="store_true",
         help="time each model at its headline batch size only (plus the changing-size sequence)")
+    add("--sizes", nargs="+", type=int, metavar="B",
+        help="batch sizes to time (default: 16, 64, 256 and the model's headline size; with --quick: tiny)")
+    add("--no-sequence", action="store_true",
+        help="skip the changing batch-size sequence (its recompiles cost minutes per model on a GPU)")
     add("--scratch", help="keep each model's raw results in this folder and reuse those already there "
                           "(resume a long run; default: a temporary folder)")
+    add("--command-note", help="record this as the command (a page assembled with --scratch from the raw "
+                                "results of earlier runs, e.g. on a lent GPU, names the commands that measured)")
     add("--worker", choices=list(MODELS), help=argparse.SUPPRESS)  # internal: measure this model here
     add("--results", help=argparse.SUPPRESS)  # internal: the worker's JSON-lines file
     args = p.parse_args(argv)
@@ -73,6 +79,8 @@ def run_model(model: str, args: argparse.Namespace, scratch: Path) -> dict:
     while remaining:
         cmd = [sys.executable, "-m", "benchmarks", "--worker", model, "--results", str(path)]
         cmd += ["--headline-only"] if args.headline_only else []
+        cmd += ["--sizes", *map(str, args.sizes)] if args.sizes else []
+        cmd += ["--no-sequence"] if args.no_sequence else []
         cmd += ["--device", args.device, "--methods", *remaining]
         cmd += ["--quick"] if args.quick else []
         cmd += ["--threads", str(args.threads)] if args.threads else []
@@ -121,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.worker:
         run_worker(args.worker, args.methods, args.quick, args.device, args.results, args.threads,
-                   headline_only=args.headline_only)
+                   headline_only=args.headline_only, sizes=tuple(args.sizes or ()) or None,
+                   sequence=not args.no_sequence)
         return
     argv = sys.argv[1:] if argv is None else argv
     start = time.perf_counter()
@@ -135,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     if environment is None:
         sys.exit("every worker failed before measuring anything")
     results = {
-        "command": shlex.join(["python", "-m", "benchmarks", *argv]),
+        "command": args.command_note or shlex.join(["python", "-m", "benchmarks", *argv]),
+        "assembled": bool(args.command_note),
         "quick": args.quick,
         "jobs": args.jobs,
         "date": datetime.date.today().isoformat(),
@@ -147,8 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "benchmarks.json").write_text(json.dumps(results, indent=1))
-    written = [out / "benchmarks.json", *report.write(results, out)]
+    raw = out / f"{report.page_stem(results)}.json"
+    raw.write_text(json.dumps(results, indent=1))
+    written = [raw, *report.write(results, out)]
     print(f"wrote {', '.join(map(str, written))} in {results['wall_s']:.0f} s")
 
 

@@ -9,6 +9,7 @@ changing batch-size sequence (each call timed, compiles counted); then a check o
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -65,12 +66,35 @@ def predicted_skip(kind: str, done: dict, size: int, plan: Plan) -> str | None:
     return None
 
 
+def out_of_time() -> str | None:
+    """``BENCH_DEADLINE`` (seconds since the epoch), when set: past it, no method or batch size starts (a lent
+    GPU's session has a hard end; what was measured by then is kept)."""
+    deadline = os.environ.get("BENCH_DEADLINE")
+    if deadline and time.time() > float(deadline):
+        return "skipped: out of time (BENCH_DEADLINE passed before this started)"
+    return None
+
+
 FULL_SIZES = (16, 64, 256)
 FULL_SEQUENCE = (64, 57, 64, 33)
 QUICK_SEQUENCE = (8, 6, 8)
 
 
-def plan_for(model: str, quick: bool, headline_only: bool = False) -> Plan:
+def plan_for(model: str, quick: bool, headline_only: bool = False, sizes: tuple[int, ...] | None = None,
+             sequence: bool = True) -> Plan:
+    """``sizes`` replaces the batch sizes (the headline size then is the model's own if among them, else the
+    first); ``sequence=False`` drops the changing batch-size sequence (its recompiles cost minutes on a GPU)."""
+    plan = _plan_for(model, quick, headline_only)
+    if sizes:
+        sizes = tuple(sorted(set(sizes)))
+        check = plan.check_size if plan.check_size in sizes else sizes[0]
+        plan = dataclasses.replace(plan, sizes=sizes, check_size=check)
+    if not sequence:
+        plan = dataclasses.replace(plan, sequence=())
+    return plan
+
+
+def _plan_for(model: str, quick: bool, headline_only: bool = False) -> Plan:
     spec = MODELS[model]
     if quick:
         return Plan(
@@ -116,6 +140,7 @@ class Device:
         self.device = device
         self.cuda = device.type == "cuda"
         self._libc = None
+        self.last_total: int | None = None
         if not self.cuda:
             try:
                 self._libc = ctypes.CDLL("libc.so.6")
@@ -152,7 +177,8 @@ class Device:
             torch.cuda.reset_peak_memory_stats(self.device)
             out = fn(*batch)
             self.sync()
-            peak = torch.cuda.max_memory_allocated(self.device) - before
+            self.last_total = torch.cuda.max_memory_allocated(self.device)  # model, optimizer state, inputs too
+            peak = self.last_total - before
             del out
             return peak
         if self._libc is not None:
@@ -251,6 +277,11 @@ def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | 
         "sequence": None,
         "check": None,
     }
+    late = out_of_time()
+    if late:
+        record["error"] = late
+        log(f"{key}: {late}")
+        return record
     start = time.perf_counter()
     try:
         prepared = method.setup(wl)
@@ -263,7 +294,7 @@ def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | 
         record["note"] = prepared.note
 
     for size in plan.sizes:
-        skip = predicted_skip(method.kind, record["sizes"], size, plan)
+        skip = out_of_time() or predicted_skip(method.kind, record["sizes"], size, plan)
         if skip:
             record["sizes"][str(size)] = {"error": skip}
             log(f"{key} B={size}: {skip}")
@@ -281,6 +312,8 @@ def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | 
             for _ in range(plan.warmup):
                 dev.timed(prepared.run, batch)
             entry["peak_bytes"] = dev.peak_bytes(prepared.run, batch)
+            if dev.cuda:  # the whole allocation at the peak, not only what the call added
+                entry["peak_total_bytes"] = dev.last_total
             times: list[float] = []
             while len(times) < plan.reps or (sum(times) < plan.min_seconds and len(times) < plan.max_reps):
                 times.append(dev.timed(prepared.run, batch)[0])
@@ -296,9 +329,10 @@ def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | 
             emit({"partial": key, "size": size, "entry": entry})
 
     if any("error" not in e for e in record["sizes"].values()):
-        record["sequence"] = measure_sequence(wl, prepared, plan, dev)
-        seq = record["sequence"]
-        log(f"{key} sizes {plan.sequence}: {seq['total_s']:.2f} s, {seq.get('recompiles', 'no')} recompiles")
+        if plan.sequence:
+            record["sequence"] = measure_sequence(wl, prepared, plan, dev)
+            seq = record["sequence"]
+            log(f"{key} sizes {plan.sequence}: {seq['total_s']:.2f} s, {seq.get('recompiles', 'no')} recompiles")
         record["check"] = check(wl, method.kind, prepared, plan, ref)
     record["counters"] = _counters(prepared)
     if "compiles" in record["counters"]:  # compiles after the first call (which may compile several graphs)
@@ -373,7 +407,7 @@ def warm_up_process(wl: Workload, plan: Plan, dev: Device) -> None:
 
 def run_worker(
     model: str, methods: list[str], quick: bool, device: str, out_path: str, threads: int | None = None,
-    headline_only: bool = False,
+    headline_only: bool = False, sizes: tuple[int, ...] | None = None, sequence: bool = True,
 ) -> None:
     """Measure ``methods`` on ``model``; write one JSON object per line to ``out_path`` as results come."""
     if threads:
@@ -381,7 +415,7 @@ def run_worker(
     for noise in ("Full backward hook is firing", "Secure RNG turned off"):  # said on every call by the peers
         warnings.filterwarnings("ignore", message=noise)
     dev = Device(torch.device(device))
-    plan = plan_for(model, quick, headline_only)
+    plan = plan_for(model, quick, headline_only, sizes, sequence)
     wl = build_workload(model, quick, dev.device)
 
     def log(msg: str) -> None:

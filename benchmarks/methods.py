@@ -114,6 +114,44 @@ def sgd_step(wl: Workload) -> Prepared:
     return Prepared(run)
 
 
+def _compiled_loss(wl: Workload, model: nn.Module, backend: CountingInductor):
+    """forward + loss under ``torch.compile`` with static shapes; ``.backward()`` on its result runs the backward
+    graph AOT autograd compiled with it."""
+    return torch.compile(lambda x, y: wl.criterion(model(x), y), backend=backend, fullgraph=True, dynamic=False)
+
+
+def backward_compile(wl: Workload) -> Prepared:
+    """The ordinary backward, compiled: ``torch.compile`` (Inductor, static shapes) of forward + loss, whose
+    backward is compiled with it."""
+    model, _ = _copy(wl)
+    backend = CountingInductor()
+    loss = _compiled_loss(wl, model, backend)
+
+    def run(x, y):
+        model.zero_grad(set_to_none=True)
+        loss(x, y).backward()
+
+    return Prepared(run, counters=lambda: {"compiles": backend.compiles})
+
+
+def sgd_step_compile(wl: Workload) -> Prepared:
+    """The plain SGD step, compiled: forward + loss + backward as in ``backward_compile``, and
+    ``optimizer.step()`` under its own ``torch.compile`` (the recipe of PyTorch's compiled-optimizer tutorial:
+    Dynamo cannot trace ``loss.backward()`` into the same graph without compiled autograd)."""
+    model, _ = _copy(wl)
+    backend = CountingInductor()
+    loss = _compiled_loss(wl, model, backend)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    step = torch.compile(opt.step, backend=backend, fullgraph=False, dynamic=False)
+
+    def run(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss(x, y).backward()
+        step()
+
+    return Prepared(run, counters=lambda: {"compiles": backend.compiles})
+
+
 # -- torch.func ------------------------------------------------------------------------------------
 
 
@@ -345,19 +383,13 @@ def psg_compile_step(wl: Workload) -> Prepared:
     return Prepared(step, counters=counters)
 
 
-def _has_compile_step() -> bool:
-    try:
-        from compiled_psg._train.step import compile_step  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # -- the table -------------------------------------------------------------------------------------
 
 METHODS: dict[str, Method] = {
     "backward": Method("ordinary backward", "baseline", "backward", backward),
     "sgd_step": Method("plain SGD step", "baseline", "step", sgd_step),
+    "backward_compile": Method("ordinary backward, torch.compile", "baseline", "backward", backward_compile),
+    "sgd_step_compile": Method("plain SGD step, torch.compile", "baseline", "step", sgd_step_compile),
     "func_vmap": Method("vmap(grad) eager", "per-sample grads", "grads", func_vmap),
     "func_compile": Method("torch.compile(vmap(grad))", "per-sample grads", "grads", func_compile),
     "expanded_weights": Method("ExpandedWeights", "per-sample grads", "grads", expanded_weights),
@@ -375,10 +407,16 @@ METHODS: dict[str, Method] = {
     "torchjd_gram": Method("torchjd autogram Gramian", "gram", "gram", torchjd_gram),
     "psg_gram": Method("compiled_psg gram", "gram", "gram", _psg(lambda psg: psg.gram())),
 }
-if _has_compile_step():
-    METHODS["dp_psg_compile_step"] = Method("compiled_psg compile_step DP step", "DP step", "step", psg_compile_step)
+# Always listed: where compiled_psg (or its compile_step) cannot be imported, setup fails and the failure is
+# recorded, with its cause, like any other.
+METHODS["dp_psg_compile_step"] = Method("compiled_psg compile_step DP step", "DP step", "step", psg_compile_step)
 
 
 def baseline_of(method: str) -> str:
-    """DP steps are compared with a plain SGD step, everything else with the ordinary backward pass."""
-    return "sgd_step" if METHODS[method].group == "DP step" else "backward"
+    """DP steps are compared with a plain SGD step, everything else with the ordinary backward pass (each the
+    faster of its eager and its ``torch.compile`` version where both ran: see ``report.base_entry``)."""
+    return "sgd_step" if METHODS[method].group == "DP step" or method.startswith("sgd_step") else "backward"
+
+
+# A baseline's compiled twin: the report's baseline is whichever of the two is faster at each batch size.
+COMPILED_BASELINE = {"backward": "backward_compile", "sgd_step": "sgd_step_compile"}

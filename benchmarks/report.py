@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .measure import TOLERANCE
-from .methods import METHODS, baseline_of
+from .methods import COMPILED_BASELINE, METHODS, baseline_of
 from .models import MODELS
 
 TIME_PLOT = "img/benchmarks_time_ratio.png"
@@ -26,8 +26,23 @@ def _entry(model: dict, method: str, size) -> dict:
     return record.get("sizes", {}).get(str(size), {"error": "not run"})
 
 
+def base_entry(model: dict, name: str, size) -> dict:
+    """``name``'s entry, or for a baseline with a compiled twin (``backward``, ``sgd_step``) the entry of the
+    faster of the two at this batch size: a target against "the plain step" is against the best plain step."""
+    keys = [k for k in (name, COMPILED_BASELINE.get(name)) if k and k in model["methods"]]
+    entries = [_entry(model, k, size) for k in keys] or [_entry(model, name, size)]
+    timed = [e for e in entries if "median_s" in e]
+    return min(timed, key=lambda e: e["median_s"]) if timed else entries[0]
+
+
+def faster_baseline(model: dict, name: str, size) -> str | None:
+    """Which of ``name`` and its compiled twin is the faster at ``size`` (None if neither ran)."""
+    keys = [k for k in (name, COMPILED_BASELINE.get(name)) if k and "median_s" in _entry(model, k, size)]
+    return min(keys, key=lambda k: _entry(model, k, size)["median_s"]) if keys else None
+
+
 def ratio(model: dict, method: str, size, against: str | None = None) -> float | None:
-    base = _entry(model, against or baseline_of(method), size).get("median_s")
+    base = base_entry(model, against or baseline_of(method), size).get("median_s")
     mine = _entry(model, method, size).get("median_s")
     return mine / base if mine is not None and base else None
 
@@ -67,8 +82,8 @@ def headline_table(model: dict, gpu: bool) -> list[str]:
     size = model["plan"]["check_size"]
     header = [
         "method",
-        "× backward",
-        "× SGD step",
+        "× backward (faster of eager, compiled)",
+        "× SGD step (faster of eager, compiled)",
         "peak extra memory (MiB)",
         "first call in the run (s)",
         "recompiles",
@@ -82,7 +97,7 @@ def headline_table(model: dict, gpu: bool) -> list[str]:
         if "error" in entry:
             rows.append([_label(key, record), _failure(entry["error"])] + [""] * (len(header) - 2))
             continue
-        dp = METHODS[key].group == "DP step" or key == "sgd_step"
+        dp = METHODS[key].group == "DP step" or key.startswith("sgd_step")
         row = [
             _label(key, record),
             _fmt_ratio(ratio(model, key, size, "backward")),
@@ -204,6 +219,67 @@ def targets_table(results: dict) -> list[str]:
     return _table(header, rows)
 
 
+# Issue 12's targets, at every batch size measured: (title, mine, against, bound, what). "time": mine's median
+# over against's (a baseline: the faster of eager and compiled) must be <= bound ("<" where strict); "memory":
+# peak extra memory over the LOWER of the two plain steps' peaks; "cold": the first call of the run (capture
+# and cold compile, empty Inductor cache) over the other's first call, at the run's first batch size only.
+TARGETS_12 = [
+    ("DP step / plain step <= 1.25", "dp_psg_compile_step", "sgd_step", 1.25, "time"),
+    ("DP step / torch.compile(vmap(grad)) + clip-sum < 1", "dp_psg_compile_step", "dp_func_compile", 1.0, "strict"),
+    ("norms / backward <= 1.15", "psg_norms", "backward", 1.15, "time"),
+    ("materialized / torch.compile(vmap(grad)) <= 0.9", "psg_grads", "func_compile", 0.9, "time"),
+    ("peak memory DP step / plain step <= 1.25", "dp_psg_compile_step", "sgd_step", 1.25, "memory"),
+    ("cold compile: compile_step / torch.compile(vmap(grad)) <= 1.0", "dp_psg_compile_step", "func_compile", 1.0,
+     "cold"),
+]
+
+
+def target_value(model: dict, size, mine: str, other: str, what: str) -> float | None:
+    if what in ("time", "strict"):
+        return ratio(model, mine, size, other)
+    if what == "memory":  # the whole allocation at the peak where recorded (CUDA), else the extra memory
+        keys = [k for k in (other, COMPILED_BASELINE.get(other)) if k and k in model["methods"]]
+        entries = [_entry(model, k, size) for k in keys] + [_entry(model, mine, size)]
+        field = "peak_total_bytes" if all("peak_total_bytes" in e for e in entries) else "peak_bytes"
+        peaks = [e.get(field) for e in entries[:-1] if e.get(field)]
+        got = entries[-1].get(field)
+        return got / min(peaks) if got is not None and peaks else None
+    first = str(model["plan"]["sizes"][0])
+    if str(size) != first:
+        return None
+    a, b = (_entry(model, k, size).get("first_call_s") for k in (mine, other))
+    return a / b if a is not None and b else None
+
+
+def targets_12_table(results: dict) -> tuple[list[str], dict]:
+    """Issue 12's targets as PASS/FAIL per model and batch size; also the counts."""
+    header = ["model", "B"] + [t[0] for t in TARGETS_12]
+    rows, counts = [], {"PASS": 0, "FAIL": 0, "not run": 0}
+    for name, model in results["models"].items():
+        for size in model["plan"]["sizes"]:
+            row = [name, str(size)]
+            for _, mine, other, bound, what in TARGETS_12:
+                if what == "cold" and str(size) != str(model["plan"]["sizes"][0]):
+                    row.append("")
+                    continue
+                r = target_value(model, size, mine, other, what)
+                if r is None:
+                    error = _entry(model, mine, size).get("error", "")
+                    if error.startswith("unsupported: "):  # compiled_psg could not run it: the target is missed
+                        cause = error.removeprefix("unsupported: ").split(":")[0]
+                        row.append(f"FAIL ({cause})")
+                        counts["FAIL"] += 1
+                    else:  # the baseline or peer is missing, or it was skipped
+                        row.append("not run")
+                        counts["not run"] += 1
+                    continue
+                ok = r < bound if what == "strict" else r <= bound
+                counts["PASS" if ok else "FAIL"] += 1
+                row.append(f"{'PASS' if ok else 'FAIL'} ({r:.2f})")
+            rows.append(row)
+    return _table(header, rows), counts
+
+
 def failures(results: dict) -> list[str]:
     lines = []
     for name, model in results["models"].items():
@@ -275,8 +351,11 @@ HOW = (
 )
 HOW_TIME = {
     "cpu": "Times are ratios against the ordinary backward pass (forward + `loss.backward()`) in the same "
-    "process; a DP step is also compared with a plain SGD step (forward, backward, `optimizer.step()`).",
-    "cuda": "Times in ms are medians after `torch.cuda.synchronize()`; ratios as on CPU.",
+    "process; a DP step is also compared with a plain SGD step (forward, backward, `optimizer.step()`). "
+    "Each baseline is the faster of its eager and its `torch.compile`'d version (both are listed).",
+    "cuda": "Times in ms are medians of at least 7 timed calls (up to 25, until they add up to 1 s), each "
+    "between two `torch.cuda.synchronize()` calls (host clock), after 2 warm-up calls; ratios as on CPU: against "
+    "the faster of the eager and the `torch.compile`'d baseline.",
 }
 HOW_MEMORY = {
     "cpu": "Peak extra memory: the peak resident set during one call (VmHWM, reset through "
@@ -296,11 +375,14 @@ def markdown(results: dict) -> str:
     gpu = env["device"].startswith("cuda")
     kind = "cuda" if gpu else "cpu"
     dp = results["dp"]
+    stem = page_stem(results)
+    plots = plot_paths(results)
+    t12, counts = targets_12_table(results)
     out = [
-        "# Benchmarks",
+        "# Benchmarks" + (f" on a GPU ({env['device_name']})" if gpu else ""),
         "",
         "Generated by `python -m benchmarks`; every number on this page comes from the command below. "
-        "Raw results: [benchmarks.json](benchmarks.json).",
+        f"Raw results: [{stem}.json]({stem}.json).",
         "",
         f"- Command: `{results['command']}`",
         f"- Mode: {QUICK if results['quick'] else 'full'}"
@@ -308,7 +390,8 @@ def markdown(results: dict) -> str:
         f"- Machine: {env['cpu']}, {env['cores']} cores ({env['threads']} torch threads); "
         f"device: {env['device']} ({env['device_name']})",
         f"- torch {env['torch']}, Python {env['python']}; {results['date']}; "
-        f"the run took {results['wall_s'] / 60:.1f} min",
+        + ("assembled from the raw results of the commands above (`--scratch`)" if results.get("assembled")
+           else f"the run took {results['wall_s'] / 60:.1f} min"),
         "",
         " ".join([HOW, HOW_TIME[kind], HOW_MEMORY[kind], HOW_CHECK]),
         "",
@@ -316,13 +399,29 @@ def markdown(results: dict) -> str:
         f"multiplier {dp['noise_multiplier']}), divides by the batch size and steps SGD; Opacus runs with "
         "`poisson_sampling=False` and a fixed batch.",
         "",
-        "## Targets",
+        "## Targets (issue 12)",
+        "",
+        "Per model and batch size. `compile_step` is `compiled_psg.compile_step` (the whole DP step as one "
+        "compiled program); the plain step and the backward are each the FASTER of the eager and the "
+        "`torch.compile`'d (Inductor, static shapes) version at that batch size; peak memory is against the "
+        "LOWER of the two plain steps' peaks (on CUDA the whole allocation at the peak, "
+        "`torch.cuda.max_memory_allocated()`, where recorded; else the extra memory of the tables); the cold "
+        "compile is the run's first call (capture, compile and one "
+        "step, empty Inductor cache) at the first batch size, against the first call of "
+        "`torch.compile(vmap(grad))`. `FAIL (Error)`: compiled_psg's method failed on this model; `not run`: the "
+        "baseline or peer failed or was not measured (see Failures).",
+        "",
+        *t12,
+        "",
+        f"PASS {counts['PASS']}, FAIL {counts['FAIL']}, not run {counts['not run']}.",
+        "",
+        "## Earlier targets",
         "",
         *targets_table(results),
         "",
-        f"![time ratio against the ordinary backward pass]({TIME_PLOT})",
+        f"![time ratio against the ordinary backward pass]({plots[0]})",
         "",
-        f"![peak extra memory against batch size]({MEMORY_PLOT})",
+        f"![peak extra memory against batch size]({plots[1]})",
         "",
     ]
     for name, model in results["models"].items():
@@ -356,7 +455,21 @@ def markdown(results: dict) -> str:
             "passed the check beats compiled_psg's best method for that quantity.", "",
             *not_best(results), ""]
     out += ["## Failures and wrong results", "", *failures(results), ""]
+    notes = Path(__file__).with_name("gpu_notes.md")
+    if gpu and notes.exists():  # hand-written: what the generated code of the GPU run shows
+        out += [notes.read_text().rstrip(), ""]
     return "\n".join(out)
+
+
+def page_stem(results: dict) -> str:
+    """``benchmarks`` for a CPU run, ``benchmarks-gpu`` for a CUDA one (both pages live in docs/)."""
+    return "benchmarks-gpu" if results["environment"]["device"].startswith("cuda") else "benchmarks"
+
+
+def plot_paths(results: dict) -> tuple[str, str]:
+    if page_stem(results) == "benchmarks":
+        return TIME_PLOT, MEMORY_PLOT
+    return TIME_PLOT.replace("benchmarks_", "benchmarks-gpu_"), MEMORY_PLOT.replace("benchmarks_", "benchmarks-gpu_")
 
 
 # -- plots -----------------------------------------------------------------------------------------
@@ -438,8 +551,9 @@ def plot_memory(results: dict, path: Path) -> None:
 
 def write(results: dict, out: Path) -> list[Path]:
     (out / "img").mkdir(parents=True, exist_ok=True)
-    page = out / "benchmarks.md"
+    page = out / f"{page_stem(results)}.md"
     page.write_text(markdown(results))
-    plot_time_ratios(results, out / TIME_PLOT)
-    plot_memory(results, out / MEMORY_PLOT)
-    return [page, out / TIME_PLOT, out / MEMORY_PLOT]
+    time_plot, memory_plot = plot_paths(results)
+    plot_time_ratios(results, out / time_plot)
+    plot_memory(results, out / memory_plot)
+    return [page, out / time_plot, out / memory_plot]
