@@ -7,7 +7,6 @@ rewritten FX graph op by op: the same numbers, no compiler, for telling rewrite 
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
 from .build import Rewritten
+from .prepare import for_inductor
 
 BACKENDS = ("inductor", "eager")
 
@@ -59,7 +59,7 @@ class CompiledPerSample:
             from torch._inductor.compile_fx import compile_fx
 
             start = time.perf_counter()
-            gm = copy.deepcopy(self.graph)
+            gm = for_inductor(self.graph)  # a copy, with views as reshapes (prepare.py)
             if key == "any":
                 fakes = self.rewritten.captured.fake_inputs
                 mode = detect_fake_mode(fakes)

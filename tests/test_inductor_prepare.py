@@ -1,0 +1,60 @@
+"""Graphs that eager PyTorch runs but Inductor's decompositions broke: each compiles and matches the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import reference_per_sample
+
+import compiled_psg as psg
+
+
+class CachedAttention(nn.Module):
+    """``k = cat([empty, k])`` before ``q @ k.T``, as ``transformers``' DynamicCache.update does (T5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        q, k, v = (lin(x).view(n, t, 2, 4).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        k = torch.cat([torch.tensor([]), k], dim=-2)
+        v = torch.cat([torch.tensor([]), v], dim=-2)
+        weights = (q @ k.transpose(-1, -2)).softmax(-1)
+        return self.o((weights @ v).transpose(1, 2).reshape(n, t, 8)).mean(1)
+
+
+@pytest.mark.inductor
+def test_attention_over_an_empty_cache_compiles():
+    torch.manual_seed(0)
+    model = CachedAttention()
+    x, y = torch.randn(4, 6, 8), torch.randint(0, 3, (4,))
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    fn = psg.per_sample(model, backend="inductor")(loss)
+    got = fn(x, y)
+    ref = reference_per_sample(loss, dict(model.named_parameters()), (x, y))
+    for name, r in ref.items():
+        torch.testing.assert_close(got[name], r, rtol=1e-4, atol=1e-5)
+    assert fn.compiles == 1
+
+
+def test_views_become_reshapes():
+    from compiled_psg._compile.prepare import for_inductor
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    v = graph.call_function(torch.ops.aten.view.default, (x, [2, -1]))
+    graph.output(graph.call_function(torch.ops.aten.t.default, (v,)))
+    before = torch.fx.GraphModule(torch.nn.Module(), graph)
+    after = for_inductor(before)
+    assert after.meta["views_as_reshapes"] == 1
+    assert torch.ops.aten.view.default not in {n.target for n in after.graph.nodes}
+    assert torch.ops.aten.view.default in {n.target for n in before.graph.nodes}  # the original is unchanged
+    t = torch.arange(6.0)
+    torch.testing.assert_close(after(t), before(t))
