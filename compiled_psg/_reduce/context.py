@@ -1,13 +1,10 @@
-"""The math of reducing per-sample gradients inside the graph, per parameter, without materializing them.
+"""The context reductions are emitted through: per parameter, its contractions and its tail, and the choice of
+strategy for each quantity.
 
 For each parameter the context knows its contractions (from the per-sample pass) and the ops between them and
-the gradient (the *tail*). It picks the cheapest exact form per layer and records the choice:
-
-- squared norms: the rule's ghost norm (``||g_n|| ||x_n||``, ``<G G^T, X X^T>``) when the tail only reshapes
-  and the cost model prefers it; else materialize ``[n, *shape]`` and reduce at once (Inductor fuses it).
-- weighted sums over samples (``clip_sum``): scale the cotangent rows and redo the contraction, then replay the
-  tail (book-keeping: exact because the gradient is linear in the cotangent); else from the materialized value.
-- sums of squares, Gram matrices: from the low-rank factors where ``t == 1``, else materialize.
+the gradient (the *tail*). Each quantity (squared norms, weighted sums, sums of squares, variance, Gram) is
+computed by the cheapest exact strategy of ``strategies.py`` that applies to the parameter; the choice and its
+estimated FLOPs and bytes are recorded (``psg.explain`` shows them).
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ import torch.fx as fx
 
 from .._analyze import ops
 from .._analyze.batch_dims import BatchDims
-from .._analyze.layout import scale_batch
-from .._rewrite.contraction import Contraction, factored_gram, factored_sum_squares, ghost_is_cheaper
+from .._rewrite.contraction import Contraction
 from .._rewrite.emit import emit
 from .._rewrite.per_sample_pass import LiftResult, broadcast_per_sample
 
@@ -96,81 +92,47 @@ class ReduceContext:
             return self.emit(lambda r: r.new_zeros(shape), [self._batch_ref], "unused_parameter")
         return p.grad
 
+    # ----- the quantities: each picks the cheapest applicable strategy of strategies.py -----
+    def compute(self, quantity: str, p: ParamGrad, *extra: fx.Node) -> fx.Node:
+        """Emit ``quantity`` for ``p`` by the cheapest strategy that applies; record the choice and its cost."""
+        from .strategies import choose
+
+        strategy, cost, rejected = choose(self, quantity, p)
+        details = {"flops": cost.flops, "bytes": cost.bytes}
+        if rejected is not None:
+            details[f"vs {rejected[0]}"] = f"{rejected[1].flops:g} flops, {rejected[1].bytes:g} bytes"
+        self._note(p, quantity, strategy.name, **details)
+        return strategy.emit(self, p, *extra)
+
     def sq_norms(self, p: ParamGrad) -> fx.Node:
         """``[n]`` squared L2 norms of the per-sample gradients of ``p``."""
-        c = self._single_isometric(p)
-        if c is not None and c.sq_norms is not None:
-            t, o, i = c.factor_shape or (1, 1, 1)
-            cost = {"t": t, "ghost_flops": 2 * t * t * (o + i) if t > 1 else o + i, "materialize_flops": t * o * i}
-            if c.factor_shape is None or ghost_is_cheaper(t, o, i):
-                self._note(p, "sq_norm", "ghost", **(cost if c.factor_shape else {}))
-                return self.emit(c.sq_norms, c.inputs, f"ghost_norm[{c.rule}]")
-            self._note(p, "sq_norm", "materialize", **cost)
-        else:
-            self._note(p, "sq_norm", "materialize")
-        ps = self.per_sample(p)
-        return self.emit(lambda g: g.reshape(g.shape[0], -1).pow(2).sum(1), [ps], "sq_norm")
+        return self.compute("sq_norm", p)
 
     def weighted_sum(self, p: ParamGrad, weights: fx.Node) -> fx.Node:
         """``sum_n weights[n] * g_n`` for ``weights`` of shape ``[n]``."""
         if p.grad is None:
             return self.total(p)
-        if p.grad in self.lifted.per_sample and p.linear_tail and all(
-                c.rebuild is not None and c.linear_arg is not None for c in p.contractions):
-            replaced = {}
-            for c in p.contractions:
-                dim, layout = c.linear_layout
-                arg = c.linear_arg
-
-                def scaled(*values, _c=c, _dim=dim, _layout=layout, _arg=arg):
-                    *inputs, w = values
-                    inputs[_arg] = scale_batch(inputs[_arg], w, _dim, _layout)
-                    return _c.rebuild(*inputs)
-
-                replaced[c.node] = self.emit(scaled, [*c.inputs, weights], f"book_keeping[{c.rule}]")
-            self._note(p, "weighted_sum", "book-keeping")
-            return self.replay_tail(p, replaced)
-        self._note(p, "weighted_sum", "materialize")
-        ps = self.per_sample(p)
-        return self.emit(lambda g, w: torch.tensordot(w.to(g.dtype), g, dims=1), [ps, weights], "weighted_sum")
+        return self.compute("weighted_sum", p, weights)
 
     def sum_squares(self, p: ParamGrad) -> fx.Node:
         """``sum_n g_n ** 2`` (elementwise)."""
-        c = self._single_isometric(p)
-        if c is not None and c.factors is not None and (c.factor_shape or (0,))[0] == 1:
-            self._note(p, "sum_squares", "factored")
-            node = self.emit(lambda *v: factored_sum_squares(*c.factors(*v)), c.inputs, f"sum_squares[{c.rule}]")
-            return self.replay_tail(p, {c.node: node})
-        self._note(p, "sum_squares", "materialize")
-        return self.emit(lambda g: g.pow(2).sum(0), [self.per_sample(p)], "sum_squares")
+        return self.compute("sum_squares", p)
 
     def variance(self, p: ParamGrad) -> fx.Node:
-        """Population variance over samples, per coordinate.
-
-        Two passes over the materialized value (no cancellation) unless a factored sum of squares avoids
-        materializing; then ``E[g^2] - E[g]^2``, which loses digits when the samples' gradients nearly agree.
-        """
-        ref = self._batch_ref
-        c = self._single_isometric(p)
-        if c is not None and c.factors is not None and (c.factor_shape or (0,))[0] == 1:
-            total, squares = self.total(p), self.sum_squares(p)
-            self._note(p, "variance", "factored")
-            return self.emit(lambda s, q, r: (q / r.shape[0] - (s / r.shape[0]).pow(2)).clamp_min(0),
-                             [total, squares, ref], "variance")
-        self._note(p, "variance", "materialize")
-        return self.emit(lambda g: g.var(0, unbiased=False), [self.per_sample(p)], "variance")
+        """Population variance over samples, per coordinate."""
+        return self.compute("variance", p)
 
     def gram(self, p: ParamGrad) -> fx.Node:
         """``[n, n]`` inner products of the per-sample gradients of ``p``."""
-        c = self._single_isometric(p)
-        if c is not None and c.factors is not None:
-            t, o, i = c.factor_shape
-            if t == 1 or t * t * (o + i) < o * i:
-                self._note(p, "gram", "factored", t=t)
-                return self.emit(lambda *v: factored_gram(*c.factors(*v)), c.inputs, f"gram[{c.rule}]")
-        self._note(p, "gram", "materialize")
-        return self.emit(lambda g: g.reshape(g.shape[0], -1) @ g.reshape(g.shape[0], -1).T, [self.per_sample(p)],
-                         "gram")
+        return self.compute("gram", p)
+
+    @property
+    def batch_ref(self) -> fx.Node:
+        return self._batch_ref
+
+    def single_isometric(self, p: ParamGrad) -> Contraction | None:
+        """The one contraction of ``p`` when the ops after it only rearrange elements (norms pass through)."""
+        return self._single_isometric(p)
 
     def replay_tail(self, p: ParamGrad, replaced: dict[fx.Node, fx.Node]) -> fx.Node:
         """Copy the tail from the contractions to ``p.grad`` with some contractions replaced."""

@@ -73,8 +73,3 @@ def factored_gram(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def factored_sum_squares(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """sum_n g[n]**2 = (A*A)^T (X*X) summed over n, valid when t = 1."""
     return (a[:, 0].pow(2)).T @ x[:, 0].pow(2)
-
-
-def ghost_is_cheaper(t: int, o: int, i: int) -> bool:
-    """The per-layer cost model: the ghost norm costs 2t^2(o+i) per sample, materializing t*o*i."""
-    return 2 * t * t * (o + i) < t * o * i or t == 1

@@ -1,0 +1,233 @@
+"""The strategy table: for each quantity, the exact ways to compute it from one parameter's contractions.
+
+Each strategy has ``applies(ctx, p) -> Cost | None`` (None: it does not apply to this parameter) and
+``emit(ctx, p, *extra) -> node``. ``choose`` takes the cheapest by ``Cost.total``, the one cost function; a new
+fast path is a new ``@strategy``. Costs are per sample, for a contraction whose per-sample gradient is
+``g[n] = A[n]^T X[n]`` with ``A [n, t, o]`` and ``X [n, t, i]`` (index letters: n batch, t tokens or positions,
+o out, i in); where a rule gives no such factors, ``P`` (the parameter's size) stands for both.
+
+- ``sq_norm``: ``ghost`` (the rule's norm from the factors, ``<A A^T, X X^T>``, ``||a|| ||x||`` for t = 1) or
+  ``materialize``;
+- ``weighted_sum``: ``book-keeping`` (scale the cotangent rows, redo the contraction, replay the tail) or
+  ``materialize``;
+- ``sum_squares``: ``factored`` (``(A*A)^T (X*X)`` for t = 1) or ``materialize``;
+- ``variance``: ``factored`` (from the sum and the factored sum of squares) or ``materialize`` (two passes);
+- ``gram``: ``factored`` (``sum_ts (A_n A_m^T)_ts (X_n X_m^T)_ts``) or ``materialize``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .._analyze.layout import scale_batch
+from .._rewrite.contraction import factored_gram, factored_sum_squares
+from .context import ParamGrad, ReduceContext
+
+ITEMSIZE = 4  # bytes per element in the estimates; only the ratios between strategies matter
+FLOPS_PER_BYTE = 4.0  # machine balance: a byte moved costs about this many FLOPs (2-core CPU: ~100 GF/s, 25 GB/s)
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    bytes: float
+
+    @property
+    def total(self) -> float:
+        """The one cost function: FLOPs plus bytes weighted by the machine balance."""
+        return self.flops + FLOPS_PER_BYTE * self.bytes
+
+
+@dataclass(frozen=True)
+class Strategy:
+    quantity: str
+    name: str
+    applies: Callable[[ReduceContext, ParamGrad], Cost | None]
+    emit: Callable[..., fx.Node]
+
+
+STRATEGIES: dict[str, list[Strategy]] = {}
+
+
+def strategy(quantity: str, name: str, applies: Callable[[ReduceContext, ParamGrad], Cost | None]):
+    """Register ``emit`` as a strategy for ``quantity``, applicable where ``applies`` gives a cost."""
+    def register(emit: Callable[..., fx.Node]) -> Callable[..., fx.Node]:
+        STRATEGIES.setdefault(quantity, []).append(Strategy(quantity, name, applies, emit))
+        return emit
+    return register
+
+
+def choose(ctx: ReduceContext, quantity: str, p: ParamGrad) -> tuple[Strategy, Cost, tuple[str, Cost] | None]:
+    """The cheapest applicable strategy, its cost, and the runner-up (name, cost) if any."""
+    priced = [(s, c) for s in STRATEGIES[quantity] if (c := s.applies(ctx, p)) is not None]
+    if not priced:
+        from .._errors import InternalError
+
+        raise InternalError(f"no strategy computes {quantity} for {p.name}")
+    priced.sort(key=lambda sc: sc[1].total)
+    runner_up = (priced[1][0].name, priced[1][1]) if len(priced) > 1 else None
+    return priced[0][0], priced[0][1], runner_up
+
+
+# ----- shapes and the costs they imply -----
+
+
+def _size(p: ParamGrad) -> int:
+    size = 1
+    for s in p.shape:
+        size *= int(s)
+    return size
+
+
+def _factor_shape(ctx: ReduceContext, p: ParamGrad) -> tuple[int, int, int] | None:
+    c = ctx.single_isometric(p)
+    return None if c is None else c.factor_shape
+
+
+def materialize_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
+    """Writing ``g[n]`` (``P`` values) and reading it back, after computing it; a t = 1 outer product fuses into
+    its consumer, so only its factors move."""
+    shape = _factor_shape(ctx, p)
+    size = _size(p)
+    if shape is None:
+        return Cost(flops=size, bytes=2 * size * ITEMSIZE)
+    t, o, i = shape
+    if t == 1:
+        return Cost(flops=2 * o * i, bytes=(o + i) * ITEMSIZE)
+    return Cost(flops=2 * t * o * i, bytes=(2 * o * i + t * (o + i)) * ITEMSIZE)
+
+
+# ----- squared norms -----
+
+
+def _ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
+    c = ctx.single_isometric(p)
+    if c is None or c.sq_norms is None:
+        return None
+    if c.factor_shape is None:  # a rule's own norm without factors (embeddings): never writes the [n, P] gradient
+        return Cost(flops=_size(p), bytes=_size(p) * ITEMSIZE)
+    t, o, i = c.factor_shape
+    if t == 1:
+        return Cost(flops=2 * (o + i), bytes=(o + i) * ITEMSIZE)
+    return Cost(flops=2 * t * t * (o + i) + t * t, bytes=(t * (o + i) + 2 * t * t) * ITEMSIZE)
+
+
+@strategy("sq_norm", "ghost", _ghost_cost)
+def _sq_norm_ghost(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    c = ctx.single_isometric(p)
+    return ctx.emit(c.sq_norms, c.inputs, f"ghost_norm[{c.rule}]")
+
+
+def _materialize_and_reduce_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
+    """Materialize ``g[n]``, then one pass of pointwise work over it."""
+    cost = materialize_cost(ctx, p)
+    return Cost(cost.flops + 2 * _size(p), cost.bytes)
+
+
+@strategy("sq_norm", "materialize", _materialize_and_reduce_cost)
+def _sq_norm_materialize(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    return ctx.emit(lambda g: g.reshape(g.shape[0], -1).pow(2).sum(1), [ctx.per_sample(p)], "sq_norm")
+
+
+# ----- weighted sums over samples (clip_sum) -----
+
+
+def _book_keeping_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
+    if p.grad not in ctx.lifted.per_sample or not p.linear_tail or not all(
+            c.rebuild is not None and c.linear_arg is not None for c in p.contractions):
+        return None
+    shape = _factor_shape(ctx, p)
+    if shape is None:
+        return Cost(flops=_size(p), bytes=_size(p) * ITEMSIZE)
+    t, o, i = shape
+    return Cost(flops=2 * t * o * i + t * o, bytes=2 * t * o * ITEMSIZE)  # scale the cotangent, redo the GEMM
+
+
+@strategy("weighted_sum", "book-keeping", _book_keeping_cost)
+def _weighted_sum_book_keeping(ctx: ReduceContext, p: ParamGrad, weights: fx.Node) -> fx.Node:
+    replaced = {}
+    for c in p.contractions:
+        dim, layout = c.linear_layout
+        replaced[c.node] = ctx.emit(_scaled_rebuild(c, dim, layout), [*c.inputs, weights], f"book_keeping[{c.rule}]")
+    return ctx.replay_tail(p, replaced)
+
+
+def _scaled_rebuild(c, dim: int, layout):
+    def scaled(*values):
+        *inputs, w = values
+        inputs[c.linear_arg] = scale_batch(inputs[c.linear_arg], w, dim, layout)
+        return c.rebuild(*inputs)
+    return scaled
+
+
+@strategy("weighted_sum", "materialize", _materialize_and_reduce_cost)
+def _weighted_sum_materialize(ctx: ReduceContext, p: ParamGrad, weights: fx.Node) -> fx.Node:
+    return ctx.emit(lambda g, w: torch.tensordot(w.to(g.dtype), g, dims=1), [ctx.per_sample(p), weights],
+                    "weighted_sum")
+
+
+# ----- sums of squares and variance -----
+
+
+def _factored_squares_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
+    c = ctx.single_isometric(p)
+    if c is None or c.factors is None or c.factor_shape is None or c.factor_shape[0] != 1:
+        return None
+    _, o, i = c.factor_shape
+    return Cost(flops=2 * o * i + o + i, bytes=(o + i) * ITEMSIZE)
+
+
+@strategy("sum_squares", "factored", _factored_squares_cost)
+def _sum_squares_factored(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    c = ctx.single_isometric(p)
+    node = ctx.emit(lambda *v: factored_sum_squares(*c.factors(*v)), c.inputs, f"sum_squares[{c.rule}]")
+    return ctx.replay_tail(p, {c.node: node})
+
+
+@strategy("sum_squares", "materialize", _materialize_and_reduce_cost)
+def _sum_squares_materialize(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    return ctx.emit(lambda g: g.pow(2).sum(0), [ctx.per_sample(p)], "sum_squares")
+
+
+@strategy("variance", "factored", _factored_squares_cost)
+def _variance_factored(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    """``E[g^2] - E[g]^2``: one pass, loses digits when the samples' gradients nearly agree."""
+    total, squares = ctx.total(p), _sum_squares_factored(ctx, p)
+    return ctx.emit(lambda s, q, r: (q / r.shape[0] - (s / r.shape[0]).pow(2)).clamp_min(0),
+                    [total, squares, ctx.batch_ref], "variance")
+
+
+@strategy("variance", "materialize", _materialize_and_reduce_cost)
+def _variance_materialize(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    """Two passes over the materialized value: no cancellation."""
+    return ctx.emit(lambda g: g.var(0, unbiased=False), [ctx.per_sample(p)], "variance")
+
+
+# ----- Gram matrices (costs per pair of samples) -----
+
+
+def _factored_gram_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
+    c = ctx.single_isometric(p)
+    if c is None or c.factors is None or c.factor_shape is None:
+        return None
+    t, o, i = c.factor_shape
+    return Cost(flops=2 * t * t * (o + i), bytes=t * (o + i) * ITEMSIZE)
+
+
+def _materialized_gram_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
+    return Cost(flops=2 * _size(p), bytes=_size(p) * ITEMSIZE)
+
+
+@strategy("gram", "factored", _factored_gram_cost)
+def _gram_factored(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    c = ctx.single_isometric(p)
+    return ctx.emit(lambda *v: factored_gram(*c.factors(*v)), c.inputs, f"gram[{c.rule}]")
+
+
+@strategy("gram", "materialize", _materialized_gram_cost)
+def _gram_materialize(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    return ctx.emit(lambda g: g.reshape(g.shape[0], -1) @ g.reshape(g.shape[0], -1).T, [ctx.per_sample(p)], "gram")
