@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from scipy import stats
 
+from compiled_psg._errors import DPConfigError
 from compiled_psg._train.dp import secure_gaussian
 from compiled_psg._train.step import compile_step
 
@@ -296,7 +297,7 @@ def test_reduce_argument():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="contradicts"):
         compile_step(lambda x, y: ce_mean(model, x, y), model, opt, reduce=psg.clip_sum(1.0), max_grad_norm=2.0)
-    with pytest.raises(TypeError, match="reduce must be"):
+    with pytest.raises(DPConfigError, match="reduce must be"):
         compile_step(lambda x, y: ce_mean(model, x, y), model, opt, reduce="clip")
     with pytest.raises(ValueError, match="clipping bound"):
         compile_step(lambda x, y: ce_mean(model, x, y), model, opt, noise_multiplier=1.0,
