@@ -15,6 +15,12 @@ create their state lazily, and the program reads that state. The program is buil
 that first step. Empty batches (Poisson sampling) also take the eager path: a step with noise only. An
 optimizer with step hooks, or one Dynamo cannot trace whole, keeps the eager update after the compiled
 per-sample graph (``step.fused`` is False, ``step.fallback_reason`` says why, and a warning is logged).
+
+``DPStep`` composes small parts: a frozen ``DPConfig`` (C, sigma, the divisor, the loss reduction, the clipping
+mode; ``config.py``), the ``OptimizerBinding`` (the trained parameters and their ``.grad`` buffers;
+``binding.py``), the ``ProgramCache`` (fuse and compile; ``programs.py``) and the eager update with its
+``NoiseSource`` (``eager.py``). The step itself chooses the per-sample graph (one per clipping bound), splits
+micro-batches, and runs either the program or the eager path.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from .._errors import DPConfigError
 from .._reduce.reductions import ClipSum, Gram, Norms, PerSampleGrads, Reduction, clip_sum
 from . import distributed as dist_utils
 from . import update_graph
+from .binding import OptimizerBinding
 from .config import DPConfig
-from .dp import gaussian_like
-from .fuse import StepProgram, fuse_step
+from .eager import NoiseSource, eager_update
+from .fuse import StepProgram
+from .programs import ProgramCache
 
 log = logging.getLogger("compiled_psg")
 
@@ -114,25 +122,17 @@ class DPStep:
         self._per_sample_fns: dict[Reduction, object] = {}
         self.model = model
         self.optimizer = optimizer
-        self.secure_rng = secure_rng
-        self.generator = generator
         self.backend = backend
+        self.noise = NoiseSource(secure_rng, generator)
         self.distributed = dist_utils.is_distributed() if distributed is None else distributed
         self.per_sample  # noqa: B018 -- the per-sample function of the initial config, checked now
-        self.fused = True
-        self.fallback_reason: str | None = None
-        self._update: update_graph.UpdateGraph | None = None
-        # (id(per-sample entry), noisy, divide_by_count, accumulate) -> the fused program
-        self._programs: dict[tuple, tuple[StepProgram, CompiledPerSample]] = {}
-        self._current: StepProgram | None = None
+        self.binding = OptimizerBinding(model, optimizer)
+        self.program_cache = ProgramCache(optimizer, self.binding, self.distributed)
+        self._check_dtypes()
         self._eager_runners: dict[int, CompiledPerSample] = {}
-        self._dot_grads_by_param: dict[int, torch.Tensor] = {}
-        self._bound: tuple = ()
-        self._bind()
         if self.distributed:
-            dist_utils.broadcast_parameters(self.params)
+            dist_utils.broadcast_parameters(self.binding.params)
         self._state_ready = False
-        self.program_builds = 0
         self.compile_seconds = 0.0
         self.steps_taken = 0
         self.last_batch_size = 0
@@ -220,6 +220,16 @@ class DPStep:
         """The ``PerSampleFunction`` of the current settings (``per_sample.captures``)."""
         return self._per_sample_for(self._config)
 
+    # the parts, under the names the step always had
+    secure_rng = property(lambda self: self.noise.secure)
+    generator = property(lambda self: self.noise.generator)
+    params = property(lambda self: self.binding.params)
+    names = property(lambda self: self.binding.names)
+    trained = property(lambda self: self.binding.trained)
+    fused = property(lambda self: self.program_cache.fused)
+    fallback_reason = property(lambda self: self.program_cache.fallback_reason)
+    program_builds = property(lambda self: self.program_cache.builds)
+
     @property
     def programs(self) -> int:
         """Compiled programs per step: 1 (fused) or 2 (compiled per-sample graph, eager update)."""
@@ -228,7 +238,8 @@ class DPStep:
     @property
     def graph(self) -> torch.fx.GraphModule | None:
         """The fused step program last used (after the first step), for inspection: ``print(step.graph.code)``."""
-        return None if self._current is None else self._current.gm
+        current = self.program_cache.current
+        return None if current is None else current.gm
 
     @property
     def captures(self) -> int:
@@ -239,82 +250,26 @@ class DPStep:
     def compiles(self) -> int:
         """Graphs compiled so far: the step program (any batch size, and a batch of one), plus the per-sample
         graph when the update runs eagerly or a logical batch is split into micro-batches."""
-        return (sum(fn.compiles for fn in self._per_sample_fns.values())
-                + sum(c.compiles for _, c in self._programs.values()))
+        return sum(fn.compiles for fn in self._per_sample_fns.values()) + self.program_cache.compiles
+
+    def _check_dtypes(self) -> None:
+        if self.distributed and len({p.dtype for p in self.binding.params}) > 1:
+            self.program_cache.fall_back("parameters of several dtypes do not share one all-reduce buffer")
 
     def _bind(self) -> None:
-        """Which of the optimizer's parameters the step trains (those that require grad), and their names; redone
-        when the optimizer's parameters or their ``requires_grad`` change (``add_param_group``, freezing)."""
-        flat = update_graph.flat_params(self.optimizer)
-        bound = tuple((id(p), p.requires_grad) for p in flat)
-        if bound == self._bound:
-            return
-        trainable = {id(p): n for n, p in self.model.named_parameters() if p.requires_grad}
-        self.trained = [j for j, p in enumerate(flat) if p.requires_grad]
-        self.params = [flat[j] for j in self.trained]
-        strangers = [tuple(p.shape) for p in self.params if id(p) not in trainable]
-        if strangers:
-            raise DPConfigError(f"the optimizer updates tensors of shapes {strangers} that are not parameters of "
-                                "the model. Fix: build the optimizer on model.parameters()")
-        self.names = [trainable[id(p)] for p in self.params]
-        for p in flat:  # a parameter frozen since: drop the .grad the step left, as zero_grad() would
-            if not p.requires_grad and p.grad is not None and p.grad is self._dot_grads_by_param.get(id(p)):
-                p.grad = None
-        # what p.grad holds after a step; kept per parameter across rebinds
-        self._dot_grads = [self._dot_grads_by_param.setdefault(id(p), torch.zeros_like(p)) for p in self.params]
-        if self.distributed and len({p.dtype for p in self.params}) > 1:
-            self._fall_back("parameters of several dtypes do not share one all-reduce buffer")
-        self._bound = bound
-        self._update = None
-        self._programs.clear()
-        self._current = None
-
-    def _fall_back(self, reason: str) -> None:
-        self.fused, self.fallback_reason = False, reason
-        log.warning("compiled_psg: compile_step runs the optimizer update eagerly after the compiled per-sample "
-                    "graph (two programs): %s", reason)
-
-    def _install_dot_grads(self) -> None:
-        for p, buffer in zip(self.params, self._dot_grads, strict=True):
-            if p.grad is not buffer:
-                p.grad = buffer
+        """Follow changes to the optimizer's parameters (``add_param_group``, freezing): new programs."""
+        if self.binding.refresh():
+            self.program_cache.clear()
+            self._check_dtypes()
 
     # --- the fused program ---------------------------------------------------------------------------------
     def _program_for(self, entry: CompiledPerSample, config: DPConfig,
                      accumulate: bool) -> tuple[StepProgram, CompiledPerSample] | None:
-        """The program for this per-sample graph and settings; rebuilt when the optimizer changed."""
-        if update_graph.has_step_hooks(self.optimizer):
-            self._fall_back("the optimizer has step hooks, which run in Python")
+        try:
+            return self.program_cache.get(entry, config, accumulate)
+        except update_graph.StateMissing:  # e.g. the state was cleared: one eager step creates it again
+            self._state_ready = False
             return None
-        if self._update is not None and self._update.signature != update_graph.signature(self.optimizer,
-                                                                                          self.trained):
-            log.warning("compiled_psg: the optimizer's hyperparameters or state tensors changed; recompiling the "
-                        "step (use tensor hyperparameters, lr=torch.tensor(0.1), to change them without this)")
-            self._update = None
-            self._programs.clear()
-        if self._update is None:
-            self._install_dot_grads()
-            try:
-                self._update = update_graph.capture_update(self.optimizer, self.trained, self.params[0].dtype)
-            except update_graph.StateMissing:  # e.g. the state was cleared: one eager step creates it again
-                self._state_ready = False
-                return None
-            except Exception as e:  # noqa: BLE001 -- any failure to trace the step: keep it eager, and say so
-                self._fall_back(f"{type(self.optimizer).__name__}.step could not be captured whole "
-                                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
-                return None
-        # noise is an input only where it is added: on rank 0, and when sigma > 0 (sigma is read at run time)
-        noisy = config.noise_std > 0 and dist_utils.rank() == 0
-        key = (id(entry), noisy, config.divide_by_count, accumulate)
-        if key not in self._programs:
-            program = fuse_step(entry.rewritten, self._update, self.params, self.names, noisy=noisy,
-                                group_name=dist_utils.group_name() if self.distributed else None,
-                                divide_by_count=config.divide_by_count, accumulate=accumulate)
-            compiled = CompiledPerSample(entry.rewritten, entry.backend, graph=program.gm)
-            self._programs[key] = (program, compiled)
-            self.program_builds += 1
-        self._current = self._programs[key][0]
-        return self._programs[key]
 
     def _extra_inputs(self, config: DPConfig, program: StepProgram, batch_size: int, draw_noise: bool = True,
                       partial: list[torch.Tensor] | None = None) -> list:
@@ -322,7 +277,7 @@ class DPStep:
         extra = []
         for kind, key in program.inputs:
             if kind == "noise":
-                extra.append(self._noise(config, self.params[key]) if draw_noise
+                extra.append(self.noise.draw(config, self.params[key]) if draw_noise
                              else torch.zeros_like(self.params[key]))
             elif kind == "partial":
                 extra.append(partial[key] if partial is not None else torch.zeros_like(self.params[key]))
@@ -331,7 +286,7 @@ class DPStep:
             elif kind == "scale":
                 extra.append(torch.tensor(config.scale(batch_size), dtype=ref.dtype, device=ref.device))
             elif kind == "dot_grad":
-                extra.append(self._dot_grads[key])
+                extra.append(self.binding.dot_grads[key])
             else:
                 extra.append(key)
         return extra
@@ -340,7 +295,7 @@ class DPStep:
                    args: tuple, physical_size: int, logical_size: int,
                    partial: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the program on the last micro-batch (``physical_size`` samples of ``logical_size``)."""
-        self._install_dot_grads()
+        self.binding.install()
         extra = self._extra_inputs(config, program, logical_size, partial=partial)
         outputs = dict(zip(program.outputs, compiled.run(params, args, physical_size, extra), strict=True))
         count = outputs.get("global_count")
@@ -348,23 +303,8 @@ class DPStep:
         return outputs["loss"], outputs.get("norms")
 
     # --- the eager path: first step, empty batches, fallbacks ----------------------------------------------
-    def _noise(self, config: DPConfig, like: torch.Tensor) -> torch.Tensor:
-        return gaussian_like(like, config.noise_std, secure=self.secure_rng, generator=self.generator)
-
     def _run_eager_update(self, config: DPConfig, grads: list[torch.Tensor], batch_size: int) -> None:
-        if config.noise_std > 0 and dist_utils.rank() == 0:
-            grads = [g + self._noise(config, g) for g in grads]
-        if self.distributed:
-            count = torch.tensor(float(batch_size), dtype=grads[0].dtype, device=grads[0].device)
-            grads, count = dist_utils.all_reduce_flat(grads, count)
-            batch_size = int(round(count.item()))
-        self.last_batch_size = batch_size
-        scale = config.scale(batch_size)
-        self._install_dot_grads()
-        with torch.no_grad():
-            for buffer, g in zip(self._dot_grads, grads, strict=True):
-                buffer.copy_(g * scale)
-            self.optimizer.step()
+        self.last_batch_size = eager_update(config, grads, batch_size, self.binding, self.noise, self.distributed)
         self._state_ready = True
 
     def _eager_runner(self, entry: CompiledPerSample) -> CompiledPerSample:
