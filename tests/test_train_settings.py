@@ -199,6 +199,10 @@ def test_accountant_records_the_noise_each_step_used():
     assert private.epsilon() == pytest.approx(_direct_epsilon([(s, 1 / 6) for s in used]), rel=1e-9)
     with pytest.raises(DPConfigError, match="noise_multiplier > 0"):
         private.noise_multiplier = 0.0
+    with pytest.raises(DPConfigError, match="clipping bound"):
+        private.max_grad_norm = None
+    private.max_grad_norm = 0.25
+    assert private.dp_step.config == DPConfig(0.25, 1.5, 10.0)  # used from the next step on
 
 
 @pytest.mark.parametrize("make", [

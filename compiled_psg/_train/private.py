@@ -53,7 +53,14 @@ class PrivateTraining:
 
     @property
     def max_grad_norm(self) -> float:
+        """The clipping bound of the next step; assignable (sigma is relative to it: the accounting holds)."""
         return self.dp_step.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        if value is None:
+            raise DPConfigError("a private training needs a clipping bound, got max_grad_norm=None")
+        self.dp_step.max_grad_norm = value
 
     @property
     def expected_batch_size(self) -> float:

@@ -77,11 +77,12 @@ class ProgramCache:
                 return None
         # noise is an input only where it is added: on rank 0, and when sigma > 0 (sigma is read at run time)
         noisy = config.noise_std > 0 and dist_utils.rank() == 0
-        key = (id(entry), noisy, config.divide_by_count, accumulate)
+        divide_by_count = config.divide_by_count and self.distributed  # else the scale input holds 1 / count
+        key = (id(entry), noisy, divide_by_count, accumulate)
         if key not in self._programs:
             program = fuse_step(entry.rewritten, self._update, binding.params, binding.names, noisy=noisy,
                                 group_name=dist_utils.group_name() if self.distributed else None,
-                                divide_by_count=config.divide_by_count, accumulate=accumulate)
+                                divide_by_count=divide_by_count, accumulate=accumulate)
             self._programs[key] = (program, CompiledPerSample(entry.rewritten, entry.backend, graph=program.gm))
             self.builds += 1
         self.current = self._programs[key][0]
