@@ -37,3 +37,8 @@ class InternalError(PerSampleError, AssertionError):
 
     def __init__(self, message: str):
         super().__init__(f"{message}\nThis is a bug in compiled_psg; please report it with this message.")
+
+
+class DPConfigError(PerSampleError, ValueError):
+    """A training or DP-SGD setting is invalid or contradicts another (``compile_step``, ``make_private``, the
+    accountant, the Poisson sampler, a noise scheduler)."""

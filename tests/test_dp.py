@@ -11,6 +11,7 @@ from dp_accounting import pld, rdp
 from torch.utils.data import DataLoader, TensorDataset
 
 import compiled_psg as psg
+from compiled_psg._errors import DPConfigError
 from compiled_psg._train.accounting import Accountant, calibrate_noise, epsilon
 from compiled_psg._train.private import make_private
 from compiled_psg._train.sampling import PoissonBatchSampler, poisson_loader
@@ -57,7 +58,7 @@ def test_epsilon_limits():
     assert Accountant().epsilon(DELTA) == 0.0
     assert epsilon(0.0, Q, 10, DELTA) == float("inf")
     assert epsilon(SIGMA, Q, 100, DELTA) < epsilon(SIGMA, Q, 200, DELTA)
-    with pytest.raises(ValueError, match="accountant"):
+    with pytest.raises(DPConfigError, match="accountant"):
         Accountant("moments")
 
 
@@ -144,9 +145,9 @@ def test_make_private_refuses_models_that_mix_samples():
 
 def test_make_private_argument_errors():
     model, optimizer, loader, loss_fn = _setup()
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(DPConfigError, match="exactly one"):
         make_private(model, optimizer, loader, loss_fn)
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(DPConfigError, match="exactly one"):
         make_private(model, optimizer, loader, loss_fn, noise_multiplier=1.0, target_epsilon=1.0, epochs=1)
-    with pytest.raises(ValueError, match="epochs"):
+    with pytest.raises(DPConfigError, match="epochs"):
         make_private(model, optimizer, loader, loss_fn, target_epsilon=1.0)

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from scipy import stats
 
+from compiled_psg._errors import DPConfigError
 from compiled_psg._train.dp import secure_gaussian
 from compiled_psg._train.step import compile_step
 
@@ -220,11 +221,11 @@ def test_argument_errors():
     model = small_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss = lambda x, y: ce_mean(model, x, y)
-    with pytest.raises(ValueError, match="clipping bound"):
+    with pytest.raises(DPConfigError, match="clipping bound"):
         compile_step(loss, model, opt, noise_multiplier=1.0)
-    with pytest.raises(ValueError, match="loss_reduction"):
+    with pytest.raises(DPConfigError, match="loss_reduction"):
         compile_step(loss, model, opt, loss_reduction="none")
-    with pytest.raises(ValueError, match="max_grad_norm"):
+    with pytest.raises(DPConfigError, match="max_grad_norm"):
         compile_step(loss, model, opt, max_grad_norm=0.0)
 
 
@@ -294,11 +295,11 @@ def test_reduce_argument():
     assert max_diff(c, half_lr) < 1e-7
     model = small_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="contradicts"):
+    with pytest.raises(DPConfigError, match="contradicts"):
         compile_step(lambda x, y: ce_mean(model, x, y), model, opt, reduce=psg.clip_sum(1.0), max_grad_norm=2.0)
-    with pytest.raises(TypeError, match="reduce must be"):
+    with pytest.raises(DPConfigError, match="reduce must be"):
         compile_step(lambda x, y: ce_mean(model, x, y), model, opt, reduce="clip")
-    with pytest.raises(ValueError, match="clipping bound"):
+    with pytest.raises(DPConfigError, match="clipping bound"):
         compile_step(lambda x, y: ce_mean(model, x, y), model, opt, noise_multiplier=1.0,
                      reduce=psg.custom(lambda name, g: g.sum(0)))
 
@@ -339,7 +340,7 @@ def test_zero_grad_between_steps_is_harmless():
 def test_optimizer_over_foreign_tensors_is_refused():
     model = small_cnn()
     opt = torch.optim.SGD([*model.parameters(), torch.zeros(3, requires_grad=True)], lr=0.1)
-    with pytest.raises(ValueError, match=r"not parameters of the model.*Fix"):
+    with pytest.raises(DPConfigError, match=r"not parameters of the model.*Fix"):
         compile_step(lambda x, y: ce_mean(model, x, y), model, opt)
 
 

@@ -13,13 +13,15 @@ import logging
 import math
 import warnings
 
+from .._errors import DPConfigError
+
 MECHANISMS = ("rdp", "pld", "prv", "opacus-rdp")
 _OPACUS = {"prv": "prv", "opacus-rdp": "rdp"}
 
 
 def _check(mechanism: str) -> None:
     if mechanism not in MECHANISMS:
-        raise ValueError(f"accountant must be one of {MECHANISMS}, got {mechanism!r}")
+        raise DPConfigError(f"accountant must be one of {MECHANISMS}, got {mechanism!r}")
 
 
 def dp_event(history: list[tuple[float, float, int]]):
@@ -87,7 +89,7 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
     """
     _check(mechanism)
     if not target_epsilon > 0:
-        raise ValueError(f"target_epsilon must be positive, got {target_epsilon}")
+        raise DPConfigError(f"target_epsilon must be positive, got {target_epsilon}")
     if mechanism in _OPACUS:
         from opacus.accountants.utils import get_noise_multiplier
 

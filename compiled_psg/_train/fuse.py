@@ -7,8 +7,9 @@ Before, two graphs (index letters: n batch, j parameter)::
 
 After, one graph::
 
-    (params, batch, [noise_j], [count], [scale], .grad, state) -> (loss, losses[n], [norms[n]], [global count])
-        G_j = S_j + noise_j                     # noise placeholders only on the process that adds the noise
+    (params, batch, [partial_j], [noise_j], [count], [scale], .grad, state) -> (loss, losses[n], [norms[n]], [count])
+        G_j = S_j + partial_j                   # micro-batching: the clipped sums of the earlier micro-batches
+        G_j = G_j + noise_j                     # noise placeholders only on the process that adds the noise
         G, count = all_reduce(cat(G_j, count))  # one collective, only under torch.distributed
         scale = 1 / max(count, 1)               # in the graph only when dividing by the global batch size
         <update graph on G_j and scale>
@@ -29,6 +30,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .._compile.build import Rewritten
+from .._errors import InternalError
 from .update_graph import UpdateGraph
 
 aten = torch.ops.aten
@@ -37,9 +39,9 @@ c10d = torch.ops._c10d_functional
 
 @dataclass
 class StepProgram:
-    """The fused graph. ``inputs``: one entry per placeholder after the per-sample graph's own, ``("noise", j)``,
-    ``("count", None)``, ``("scale", None)``, ``("dot_grad", j)`` or ``("tensor", t)``; ``outputs``: names of
-    the flat outputs."""
+    """The fused graph. ``inputs``: one entry per placeholder after the per-sample graph's own,
+    ``("partial", j)``, ``("noise", j)``, ``("count", None)``, ``("scale", None)``, ``("dot_grad", j)`` or
+    ``("tensor", t)``; ``outputs``: names of the flat outputs."""
 
     gm: fx.GraphModule
     inputs: list[tuple[str, object]]
@@ -47,9 +49,11 @@ class StepProgram:
 
 
 def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tensor], names: list[str], *,
-              noisy: bool, group_name: str | None, divide_by_count: bool) -> StepProgram:
+              noisy: bool, group_name: str | None, divide_by_count: bool, accumulate: bool = False) -> StepProgram:
     """``params[j]``/``names[j]``: the optimizer's ``j``-th parameter; ``group_name``: the process group to
-    all-reduce over (None: one process); ``divide_by_count``: the scale is 1 / the global batch size."""
+    all-reduce over (None: one process); ``divide_by_count``: the scale is 1 / the global batch size;
+    ``accumulate``: inputs ``partial_j`` are added to the clipped sums (the earlier micro-batches of a logical
+    batch), before the noise."""
     per_sample_gm = rewritten.rewritten
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -58,7 +62,7 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     sums, norms = result if isinstance(result, tuple) else (result, None)
     missing = [n for n in names if n not in sums]
     if missing:
-        raise AssertionError(f"internal: the per-sample graph has no gradient for {missing}")
+        raise InternalError(f"the per-sample graph has no gradient for {missing}")
     roles = zip(rewritten.roles, _placeholders(per_sample_gm.graph), strict=True)
     param_placeholder = {r.key: env[n] for r, n in roles if r.kind == "param"}
     first_compute = next(n for n in graph.nodes if n.op != "placeholder")
@@ -72,6 +76,8 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
 
     call = graph.call_function
     grads = [sums[n] for n in names]
+    if accumulate:
+        grads = [call(aten.add.Tensor, (g, placeholder("partial", j, f"partial_{j}"))) for j, g in enumerate(grads)]
     if noisy:
         grads = [call(aten.add.Tensor, (g, placeholder("noise", j, f"noise_{j}"))) for j, g in enumerate(grads)]
     outputs, output_names = [loss, losses], ["loss", "per_sample_losses"]

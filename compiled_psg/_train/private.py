@@ -5,24 +5,32 @@ dp-accounting or opacus (``accounting.py``)."""
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
+from .._errors import DPConfigError
 from . import distributed as dist_utils
 from .accounting import Accountant, calibrate_noise
-from .sampling import poisson_loader
+from .sampling import PoissonBatchSampler, poisson_loader
 from .step import DPStep, compile_step
 
 
 class PrivateTraining:
     """What ``make_private`` returns: ``step(*batch) -> loss`` (one DP-SGD step, counted by the accountant),
-    ``data_loader`` (Poisson-sampled), ``epsilon(delta)`` and the parameters of the mechanism."""
+    ``data_loader`` (Poisson-sampled), ``epsilon(delta)`` and the parameters of the mechanism.
+
+    ``noise_multiplier`` may be assigned between steps (or by a noise scheduler, ``StepNoise``, ...): the next
+    step uses it and the accountant records, for every step, the noise multiplier that step actually used.
+    ``state_dict()``/``load_state_dict()`` save and resume the whole training state.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                 dp_step: DPStep, accountant: Accountant, sample_rate: float, target_delta: float):
+                 dp_step: DPStep, accountant: Accountant, sample_rate: float, target_delta: float,
+                 poisson_sampling: bool = True):
         self.model = model
         self.optimizer = optimizer
         self.data_loader = data_loader
@@ -30,14 +38,29 @@ class PrivateTraining:
         self.accountant = accountant
         self.sample_rate = sample_rate
         self.target_delta = target_delta
+        self.poisson_sampling = poisson_sampling
 
     @property
     def noise_multiplier(self) -> float:
+        """The noise multiplier of the next step; assignable (validated by the step)."""
         return self.dp_step.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        if not value > 0:
+            raise DPConfigError(f"a private training needs noise_multiplier > 0, got {value}")
+        self.dp_step.noise_multiplier = value
 
     @property
     def max_grad_norm(self) -> float:
+        """The clipping bound of the next step; assignable (sigma is relative to it: the accounting holds)."""
         return self.dp_step.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        if value is None:
+            raise DPConfigError("a private training needs a clipping bound, got max_grad_norm=None")
+        self.dp_step.max_grad_norm = value
 
     @property
     def expected_batch_size(self) -> float:
@@ -47,14 +70,58 @@ class PrivateTraining:
     def compile_seconds(self) -> float:
         return self.dp_step.compile_seconds
 
+    @property
+    def steps(self) -> int:
+        """Logical steps taken (the accountant's count)."""
+        return self.accountant.steps
+
     def step(self, *batch) -> torch.Tensor:
+        """One DP-SGD step on a (logical) batch; the accountant records the noise multiplier it used."""
         loss = self.dp_step(*batch)
-        self.accountant.step(self.noise_multiplier, self.sample_rate)
+        self.accountant.step(self.dp_step.last_noise_multiplier, self.sample_rate)
         return loss
 
     def epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent so far at ``delta`` (default: ``target_delta``)."""
+        """Epsilon spent so far at ``delta`` (default: ``target_delta``). The accountant's analysis assumes
+        Poisson sampling: with ``poisson_sampling=False`` a warning says the number is not a guarantee."""
+        if not self.poisson_sampling:
+            warnings.warn("epsilon() assumes Poisson sampling, but make_private(poisson_sampling=False) kept the "
+                          "original loader: the number is not a privacy guarantee for this training",
+                          UserWarning, stacklevel=2)
         return self.accountant.epsilon(self.target_delta if delta is None else delta)
+
+    def _sampler(self) -> PoissonBatchSampler | None:
+        sampler = getattr(self.data_loader, "batch_sampler", None)
+        return sampler if isinstance(sampler, PoissonBatchSampler) else None
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, for ``torch.save``: the step's state (the model's and the optimizer's
+        ``state_dict``, the settings, the noise generator's state: see ``DPStep.state_dict``), the accountant's
+        history and the Poisson sampler's position (its generator's state at the start of the epoch and the
+        batches drawn since). Noise from ``secure_rng=True`` (``os.urandom``) is not reproducible by design: a
+        resumed secure run is a valid continuation, not a replay. A noise scheduler has its own ``state_dict``."""
+        sampler = self._sampler()
+        if sampler is not None and self.data_loader.num_workers > 0 and 0 < sampler.state_dict()["drawn"]:
+            warnings.warn("a loader with worker processes draws batches ahead of the training: a state saved in "
+                          "the middle of an epoch may skip batches on resume; save between epochs",
+                          UserWarning, stacklevel=2)
+        return {"step": self.dp_step.state_dict(),
+                "accountant": {"mechanism": self.accountant.mechanism, "history": list(self.accountant.history)},
+                "sampler": None if sampler is None else sampler.state_dict(),
+                "sample_rate": self.sample_rate}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict`` into a ``PrivateTraining`` built the same way (same model class, optimizer,
+        loader and ``make_private`` arguments, a fresh seeded generator where the saved run had one). The next
+        ``for batch in private.data_loader`` continues the interrupted epoch."""
+        if state["accountant"]["mechanism"] != self.accountant.mechanism or state["sample_rate"] != self.sample_rate:
+            raise DPConfigError("the saved training used another accountant or sampling rate: build the "
+                                "PrivateTraining with the same make_private arguments")
+        self.dp_step.load_state_dict(state["step"])
+        self.accountant.history = [tuple(entry) for entry in state["accountant"]["history"]]
+        sampler = self._sampler()
+        if sampler is not None and state["sampler"] is not None:
+            sampler.load_state_dict(state["sampler"])
 
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
@@ -64,7 +131,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                  accountant: str = "rdp", secure_rng: bool = False, poisson_sampling: bool = True,
                  loss_reduction: str = "mean", backend: str = "inductor",
                  generator: torch.Generator | None = None,
-                 sample_rate: float | None = None) -> PrivateTraining:
+                 sample_rate: float | None = None,
+                 max_physical_batch_size: int | None = None) -> PrivateTraining:
     """Make a training loop differentially private (DP-SGD, Abadi et al. 2016).
 
     ``loss_fn(*batch)`` is the batched loss of ``model`` on one batch as ``data_loader`` yields it. Give
@@ -75,20 +143,26 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     analysis does not cover). The gradient is divided by the expected batch size ``q * N`` (``N`` summed over
     the ranks under ``torch.distributed``, where every rank passes a loader over its own shard).
 
+    ``max_physical_batch_size=N`` processes each Poisson-sampled (logical) batch in micro-batches of at most
+    ``N`` samples: one noisy optimizer step, and one accounted step, per logical batch.
+
+    The Poisson sampler draws from its own generator, seeded from ``generator`` (or from torch's global one),
+    so that it can be saved and resumed (``PrivateTraining.state_dict``) independently of the noise.
+
     The per-sample graph is captured on the loader's first batch, so a model that mixes samples (BatchNorm in
     training mode, ...) is refused here with ``compiled_psg.SampleMixingError``.
     """
     if (noise_multiplier is None) == (target_epsilon is None):
-        raise ValueError("give exactly one of noise_multiplier and target_epsilon")
+        raise DPConfigError("give exactly one of noise_multiplier and target_epsilon")
     if target_epsilon is not None and epochs is None:
-        raise ValueError("target_epsilon needs epochs (the number of passes the noise is calibrated for)")
+        raise DPConfigError("target_epsilon needs epochs (the number of passes the noise is calibrated for)")
     if sample_rate is None:
         sample_rate = 1 / len(data_loader)
     if dist_utils.is_distributed():
         low = -dist_utils.all_reduce_scalar(-sample_rate, op=torch.distributed.ReduceOp.MAX)
         high = dist_utils.all_reduce_scalar(sample_rate, op=torch.distributed.ReduceOp.MAX)
         if abs(high - low) > 1e-12:
-            raise ValueError(f"ranks disagree on the sampling rate ({low} .. {high}): give every rank a "
+            raise DPConfigError(f"ranks disagree on the sampling rate ({low} .. {high}): give every rank a "
                              "shard of the same size and the same batch size, or pass sample_rate=")
     steps_per_epoch = max(1, round(1 / sample_rate))
     if target_epsilon is not None:
@@ -105,14 +179,17 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     dp_step = compile_step(loss_fn, model, optimizer, max_grad_norm=max_grad_norm,
                            noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                            loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend,
-                           generator=generator)
+                           generator=generator, max_physical_batch_size=max_physical_batch_size)
     start = time.perf_counter()
     dp_step.per_sample.compiled_for(*first)
     dp_step.compile_seconds += time.perf_counter() - start
 
     loader = data_loader
     if poisson_sampling:
-        loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch, generator=generator,
-                                secure=secure_rng)
+        # its own generator (seeded reproducibly): resuming it must not rewind the noise, nor the other way
+        seed = int(torch.randint(0, 2**62, (), generator=generator,
+                                 device="cpu" if generator is None else generator.device))
+        loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch,
+                                generator=torch.Generator().manual_seed(seed), secure=secure_rng)
     return PrivateTraining(model, optimizer, loader, dp_step, Accountant(accountant), sample_rate,
-                           target_delta)
+                           target_delta, poisson_sampling)

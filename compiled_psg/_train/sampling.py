@@ -13,34 +13,79 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from .._errors import DPConfigError
 from .dp import secure_uniform
 
 
 class PoissonBatchSampler:
     """Yields ``steps`` batches of indices into ``range(num_samples)``, each index kept with probability
     ``sample_rate``. ``steps`` defaults to ``round(1 / sample_rate)`` (one epoch in expectation). With
-    ``secure=True`` the coin flips use ``os.urandom`` instead of ``generator``."""
+    ``secure=True`` the coin flips use ``os.urandom`` instead of ``generator``.
+
+    Resumable: ``state_dict()`` records the generator's state at the start of the current epoch and how many
+    batches of it were drawn; after ``load_state_dict`` the next epoch replays those draws and yields the rest,
+    so a resumed run samples exactly the batches the interrupted one would have. The count is of batches drawn:
+    a ``DataLoader`` with worker processes draws a few ahead of the training, so save between epochs there.
+    ``os.urandom`` cannot be replayed: a secure sampler resumes with the remaining batches of the epoch, fresh.
+    """
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None, secure: bool = False):
         if not 0 < sample_rate <= 1:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+            raise DPConfigError(f"sample_rate must be in (0, 1], got {sample_rate}")
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.steps = max(1, round(1 / sample_rate)) if steps is None else steps
         self.generator = generator
         self.secure = secure
+        self._epoch_state: torch.Tensor | None = None  # the generator's state when the current epoch began
+        self._drawn = 0  # batches drawn in the current epoch
+        self._resume: tuple[torch.Tensor | None, int] | None = None
 
     def __len__(self) -> int:
         return self.steps
 
+    def _draw(self) -> list[int]:
+        if self.secure:
+            u = secure_uniform(self.num_samples)
+        else:
+            u = torch.rand(self.num_samples, generator=self.generator, dtype=torch.float64)
+        return torch.nonzero(u < self.sample_rate).flatten().tolist()
+
+    def _state(self) -> torch.Tensor | None:
+        if self.secure:
+            return None
+        return self.generator.get_state() if self.generator is not None else torch.get_rng_state()
+
+    def _set_state(self, state: torch.Tensor) -> None:
+        if self.generator is not None:
+            self.generator.set_state(state)
+        else:
+            torch.set_rng_state(state)
+
     def __iter__(self) -> Iterator[list[int]]:
-        for _ in range(self.steps):
-            if self.secure:
-                u = secure_uniform(self.num_samples)
-            else:
-                u = torch.rand(self.num_samples, generator=self.generator, dtype=torch.float64)
-            yield torch.nonzero(u < self.sample_rate).flatten().tolist()
+        skip = 0
+        if self._resume is not None:
+            state, skip = self._resume
+            self._resume = None
+            if state is not None and not self.secure:
+                self._set_state(state)
+        self._epoch_state, self._drawn = self._state(), 0
+        for k in range(self.steps):
+            batch = self._draw() if not (self.secure and k < skip) else []
+            self._drawn = k + 1
+            if k >= skip:
+                yield batch
+
+    def state_dict(self) -> dict:
+        """The position in the current epoch (an epoch drawn whole counts as none begun)."""
+        if self._epoch_state is None or self._drawn >= self.steps:
+            return {"epoch_state": self._state(), "drawn": 0}
+        return {"epoch_state": self._epoch_state, "drawn": self._drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The next iteration resumes the saved epoch (see the class docstring)."""
+        self._resume = (state["epoch_state"], int(state["drawn"]))
 
 
 class _CollateWithEmpty:
@@ -75,7 +120,7 @@ def poisson_loader(data: Dataset | DataLoader, sample_rate: float | None = None,
     else:
         dataset, collate, options = data, None, {}
         if sample_rate is None:
-            raise ValueError("sample_rate is required when building a Poisson loader from a dataset")
+            raise DPConfigError("sample_rate is required when building a Poisson loader from a dataset")
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator=generator, secure=secure)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=_CollateWithEmpty(dataset, collate),
                       **options)

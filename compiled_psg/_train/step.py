@@ -15,12 +15,17 @@ create their state lazily, and the program reads that state. The program is buil
 that first step. Empty batches (Poisson sampling) also take the eager path: a step with noise only. An
 optimizer with step hooks, or one Dynamo cannot trace whole, keeps the eager update after the compiled
 per-sample graph (``step.fused`` is False, ``step.fallback_reason`` says why, and a warning is logged).
+
+``DPStep`` composes small parts: a frozen ``DPConfig`` (C, sigma, the divisor, the loss reduction, the clipping
+mode; ``config.py``), the ``OptimizerBinding`` (the trained parameters and their ``.grad`` buffers;
+``binding.py``), the ``ProgramCache`` (fuse and compile; ``programs.py``) and the eager update with its
+``NoiseSource`` (``eager.py``). The step itself chooses the per-sample graph (one per clipping bound), splits
+micro-batches, and runs either the program or the eager path.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 
@@ -28,84 +33,202 @@ import torch
 import torch.nn as nn
 
 from .._compile.run import CompiledPerSample
-from .._reduce.reductions import ClipSum, Reduction, clip_sum
+from .._errors import DPConfigError
+from .._reduce.reductions import ClipSum, Gram, Norms, PerSampleGrads, Reduction, clip_sum
 from . import distributed as dist_utils
 from . import update_graph
-from .dp import gaussian_like
-from .fuse import StepProgram, fuse_step
+from .binding import OptimizerBinding
+from .config import DPConfig
+from .eager import NoiseSource, eager_update
+from .fuse import StepProgram
+from .programs import ProgramCache
 
 log = logging.getLogger("compiled_psg")
 
 
-def _resolve_reduction(reduce: Reduction | None, max_grad_norm: float | None) -> tuple[Reduction, float | None]:
-    """The reduction the step runs (with the per-sample norms when it clips) and the clipping bound."""
+def _resolve_reduction(reduce: Reduction | None, max_grad_norm: float | None) -> tuple[Reduction | None, float | None]:
+    """The user's custom reduction (None: the default clip_sum) and the clipping bound."""
     if isinstance(reduce, ClipSum):
         if max_grad_norm is not None and float(max_grad_norm) != float(reduce.max_norm):
-            raise ValueError(f"max_grad_norm={max_grad_norm} contradicts reduce=clip_sum({reduce.max_norm}); "
-                             "give the bound once")
-        return clip_sum(reduce.max_norm, return_norms=True), float(reduce.max_norm)
+            raise DPConfigError(f"max_grad_norm={max_grad_norm} contradicts reduce=clip_sum({reduce.max_norm}); "
+                                "give the bound once")
+        return None, float(reduce.max_norm)
     if reduce is None:
-        bound = math.inf if max_grad_norm is None else float(max_grad_norm)
-        return clip_sum(bound, return_norms=True), max_grad_norm
+        return None, max_grad_norm
     if not isinstance(reduce, Reduction):
-        raise TypeError(f"reduce must be a compiled_psg reduction (psg.clip_sum(C), psg.custom(...)) or None, "
-                        f"got {type(reduce).__name__}")
-    if max_grad_norm is not None:
-        raise ValueError("max_grad_norm applies to the default clip_sum reduction; with a custom reduce, clip "
-                         "inside it")
+        raise DPConfigError(f"reduce must be a compiled_psg reduction (psg.clip_sum(C), psg.custom(...)) or None, "
+                            f"got {type(reduce).__name__}")
+    if isinstance(reduce, Norms | Gram | PerSampleGrads):
+        raise DPConfigError(f"reduce={type(reduce).__name__.lower()}() gives no gradient per parameter for the "
+                            "optimizer. Fix: reduce=psg.clip_sum(C), or psg.custom(...) returning {name: tensor "
+                            "shaped like the parameter}")
     return reduce, None
 
 
+def _split_result(result, names: list[str], params: list[torch.Tensor]) -> tuple[dict, torch.Tensor | None]:
+    """``(sums, norms)`` from a reduction's result, checked: the optimizer needs one tensor per parameter."""
+    sums, norms = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
+    bad = (not isinstance(sums, dict) or any(not isinstance(sums.get(n), torch.Tensor) or sums[n].shape != p.shape
+                                             for n, p in zip(names, params, strict=True)))
+    if bad:
+        raise DPConfigError("the reduction must give {name: tensor shaped like the parameter} for every trained "
+                            f"parameter ({names}), got {type(sums).__name__}. Fix: reduce=psg.clip_sum(C) or a "
+                            "psg.custom(...) reduction of that form")
+    return sums, norms
+
+
+def _add_into(total: list[torch.Tensor] | None, sums: dict, names: list[str]) -> list[torch.Tensor]:
+    if total is None:
+        return [sums[n].clone() for n in names]
+    for t, n in zip(total, names, strict=True):
+        t.add_(sums[n])
+    return total
+
+
+def _combine_losses(losses: list[torch.Tensor], sizes: list[int], loss_reduction: str) -> torch.Tensor:
+    """The loss of a logical batch from its micro-batches' losses (means weighted by size, or sums)."""
+    if len(losses) == 1:
+        return losses[0]
+    if loss_reduction == "sum":
+        return torch.stack(losses).sum()
+    weights = torch.tensor(sizes, dtype=losses[0].dtype, device=losses[0].device)
+    return (torch.stack(losses) * weights).sum() / weights.sum()
+
+
 class DPStep:
-    """The callable ``compile_step`` returns: ``step(*batch) -> loss``. See ``compile_step``."""
+    """The callable ``compile_step`` returns: ``step(*batch) -> loss``. See ``compile_step``.
+
+    ``max_grad_norm``, ``noise_multiplier`` and ``expected_batch_size`` (the fields of ``config``, a frozen
+    ``DPConfig``) may be assigned between steps: they are validated, and the next step uses them (a new ``C``
+    recaptures the per-sample graph once per bound, since ``C`` is a constant of that graph; switching noise on
+    or off selects the program with or without the noise input). ``last_config`` is what the last step used.
+    """
 
     def __init__(self, loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  reduce: Reduction | None = None, max_grad_norm: float | None = None,
                  noise_multiplier: float = 0.0, expected_batch_size: float | None = None,
                  loss_reduction: str = "mean", secure_rng: bool = False, backend: str = "inductor",
-                 generator: torch.Generator | None = None, in_dims=0, distributed: bool | None = None):
+                 generator: torch.Generator | None = None, in_dims=0, distributed: bool | None = None,
+                 max_physical_batch_size: int | None = None):
         from .._api import per_sample
 
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if noise_multiplier < 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
-        reduction, bound = _resolve_reduction(reduce, max_grad_norm)
-        if (bound is None or math.isinf(bound)) and noise_multiplier > 0:
-            raise ValueError("noise needs a clipping bound: pass max_grad_norm or reduce=psg.clip_sum(C) (the "
-                             "noise std is noise_multiplier * C)")
-        if expected_batch_size is not None and not expected_batch_size > 0:
-            raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size}")
+        custom, bound = _resolve_reduction(reduce, max_grad_norm)
+        self._config = DPConfig(bound, noise_multiplier, expected_batch_size, loss_reduction,
+                                "custom" if custom is not None else "flat")
+        self._custom_reduce = custom
+        self.max_physical_batch_size = max_physical_batch_size
+        self._new_per_sample = lambda reduction: per_sample(model, in_dims=in_dims, reduce=reduction,
+                                                            backend=backend)(loss_fn)
+        self._per_sample_fns: dict[Reduction, object] = {}
         self.model = model
         self.optimizer = optimizer
-        self.max_grad_norm = bound
-        self.noise_multiplier = float(noise_multiplier)
-        self.expected_batch_size = expected_batch_size
-        self.loss_reduction = loss_reduction
-        self.secure_rng = secure_rng
-        self.generator = generator
+        self.backend = backend
+        self.noise = NoiseSource(secure_rng, generator)
         self.distributed = dist_utils.is_distributed() if distributed is None else distributed
-        self.per_sample = per_sample(model, in_dims=in_dims, reduce=reduction, backend=backend)(loss_fn)
-        self.fused = True
-        self.fallback_reason: str | None = None
-        self._update: update_graph.UpdateGraph | None = None
-        self._programs: dict[int, tuple[StepProgram, CompiledPerSample]] = {}
-        self._dot_grads_by_param: dict[int, torch.Tensor] = {}
-        self._bound: tuple = ()
-        self._bind()
+        self.per_sample  # noqa: B018 -- the per-sample function of the initial config, checked now
+        self.binding = OptimizerBinding(model, optimizer)
+        self.program_cache = ProgramCache(optimizer, self.binding, self.distributed)
+        self._check_dtypes()
+        self._eager_runners: dict[int, CompiledPerSample] = {}
         if self.distributed:
-            dist_utils.broadcast_parameters(self.params)
+            dist_utils.broadcast_parameters(self.binding.params)
         self._state_ready = False
-        self.program_builds = 0
         self.compile_seconds = 0.0
+        self.steps_taken = 0
         self.last_batch_size = 0
         self.last_norms: torch.Tensor | None = None
+        self.last_config: DPConfig | None = None
+
+    # --- settings: validated on assignment, used from the next step on --------------------------------------
+    @property
+    def config(self) -> DPConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: DPConfig) -> None:
+        if not isinstance(value, DPConfig):
+            raise DPConfigError(f"config must be a DPConfig, got {type(value).__name__}")
+        if value.clipping != self._config.clipping:
+            raise DPConfigError(f"the clipping mode is fixed when the step is built ({self._config.clipping!r}), "
+                                f"got {value.clipping!r}")
+        self._config = value
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self._config.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self.config = self._config.replace(max_grad_norm=value)
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._config.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self.config = self._config.replace(noise_multiplier=value)
+
+    @property
+    def expected_batch_size(self) -> float | None:
+        return self._config.expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value: float | None) -> None:
+        self.config = self._config.replace(expected_batch_size=value)
+
+    @property
+    def loss_reduction(self) -> str:
+        return self._config.loss_reduction
 
     @property
     def noise_std(self) -> float:
-        return self.noise_multiplier * (self.max_grad_norm or 0.0)
+        """The noise std the next step adds, ``noise_multiplier * max_grad_norm``."""
+        return self._config.noise_std
+
+    @property
+    def last_noise_multiplier(self) -> float | None:
+        """The noise multiplier the last step used (None before the first step): what the accountant records."""
+        return None if self.last_config is None else self.last_config.noise_multiplier
+
+    @property
+    def max_physical_batch_size(self) -> int | None:
+        """Micro-batch size: a larger (logical) batch is processed in pieces of at most this many samples."""
+        return self._max_physical_batch_size
+
+    @max_physical_batch_size.setter
+    def max_physical_batch_size(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise DPConfigError(f"max_physical_batch_size must be a positive int or None, got {value!r}")
+        self._max_physical_batch_size = value
+
+    # --- what was built ---------------------------------------------------------------------------------------
+    def _per_sample_for(self, config: DPConfig):
+        """The per-sample function of ``config``: one per clipping bound (``C`` is a constant of its graph)."""
+        reduction = (self._custom_reduce if config.clipping == "custom"
+                     else clip_sum(config.bound, return_norms=True))
+        fn = self._per_sample_fns.get(reduction)
+        if fn is None:
+            if self._per_sample_fns:
+                log.warning("compiled_psg: max_grad_norm changed to %s, a constant of the per-sample graph: "
+                            "capturing and compiling the step for it (once per bound)", config.max_grad_norm)
+            fn = self._per_sample_fns[reduction] = self._new_per_sample(reduction)
+        return fn
+
+    @property
+    def per_sample(self):
+        """The ``PerSampleFunction`` of the current settings (``per_sample.captures``)."""
+        return self._per_sample_for(self._config)
+
+    # the parts, under the names the step always had
+    secure_rng = property(lambda self: self.noise.secure)
+    generator = property(lambda self: self.noise.generator)
+    params = property(lambda self: self.binding.params)
+    names = property(lambda self: self.binding.names)
+    trained = property(lambda self: self.binding.trained)
+    fused = property(lambda self: self.program_cache.fused)
+    fallback_reason = property(lambda self: self.program_cache.fallback_reason)
+    program_builds = property(lambda self: self.program_cache.builds)
 
     @property
     def programs(self) -> int:
@@ -114,179 +237,184 @@ class DPStep:
 
     @property
     def graph(self) -> torch.fx.GraphModule | None:
-        """The fused step program (after the first step), for inspection: ``print(step.graph.code)``."""
-        return next(reversed(self._programs.values()))[0].gm if self._programs else None
+        """The fused step program last used (after the first step), for inspection: ``print(step.graph.code)``."""
+        current = self.program_cache.current
+        return None if current is None else current.gm
+
+    @property
+    def captures(self) -> int:
+        """Captures of the loss so far, over every clipping bound used."""
+        return sum(fn.captures for fn in self._per_sample_fns.values())
 
     @property
     def compiles(self) -> int:
         """Graphs compiled so far: the step program (any batch size, and a batch of one), plus the per-sample
-        graph when the update runs eagerly."""
-        return self.per_sample.compiles + sum(c.compiles for _, c in self._programs.values())
+        graph when the update runs eagerly or a logical batch is split into micro-batches."""
+        return sum(fn.compiles for fn in self._per_sample_fns.values()) + self.program_cache.compiles
+
+    def _check_dtypes(self) -> None:
+        if self.distributed and len({p.dtype for p in self.binding.params}) > 1:
+            self.program_cache.fall_back("parameters of several dtypes do not share one all-reduce buffer")
 
     def _bind(self) -> None:
-        """Which of the optimizer's parameters the step trains (those that require grad), and their names; redone
-        when the optimizer's parameters or their ``requires_grad`` change (``add_param_group``, freezing)."""
-        flat = update_graph.flat_params(self.optimizer)
-        bound = tuple((id(p), p.requires_grad) for p in flat)
-        if bound == self._bound:
-            return
-        trainable = {id(p): n for n, p in self.model.named_parameters() if p.requires_grad}
-        self.trained = [j for j, p in enumerate(flat) if p.requires_grad]
-        self.params = [flat[j] for j in self.trained]
-        strangers = [tuple(p.shape) for p in self.params if id(p) not in trainable]
-        if strangers:
-            raise ValueError(f"the optimizer updates tensors of shapes {strangers} that are not parameters of "
-                             "the model. Fix: build the optimizer on model.parameters()")
-        self.names = [trainable[id(p)] for p in self.params]
-        for p in flat:  # a parameter frozen since: drop the .grad the step left, as zero_grad() would
-            if not p.requires_grad and p.grad is not None and p.grad is self._dot_grads_by_param.get(id(p)):
-                p.grad = None
-        # what p.grad holds after a step; kept per parameter across rebinds
-        self._dot_grads = [self._dot_grads_by_param.setdefault(id(p), torch.zeros_like(p)) for p in self.params]
-        if self.distributed and len({p.dtype for p in self.params}) > 1:
-            self._fall_back("parameters of several dtypes do not share one all-reduce buffer")
-        self._bound = bound
-        self._update = None
-        self._programs.clear()
-
-    def _fall_back(self, reason: str) -> None:
-        self.fused, self.fallback_reason = False, reason
-        log.warning("compiled_psg: compile_step runs the optimizer update eagerly after the compiled per-sample "
-                    "graph (two programs): %s", reason)
-
-    def _scale(self, batch_size: int) -> float:
-        if self.loss_reduction == "sum":
-            return 1.0
-        if self.expected_batch_size is not None:
-            return 1.0 / self.expected_batch_size
-        return 1.0 / max(batch_size, 1)
-
-    def _install_dot_grads(self) -> None:
-        for p, buffer in zip(self.params, self._dot_grads, strict=True):
-            if p.grad is not buffer:
-                p.grad = buffer
+        """Follow changes to the optimizer's parameters (``add_param_group``, freezing): new programs."""
+        if self.binding.refresh():
+            self.program_cache.clear()
+            self._check_dtypes()
 
     # --- the fused program ---------------------------------------------------------------------------------
-    def _program_for(self, entry: CompiledPerSample) -> tuple[StepProgram, CompiledPerSample] | None:
-        """The program for this per-sample graph; rebuilt when the optimizer changed (see update_graph)."""
-        if update_graph.has_step_hooks(self.optimizer):
-            self._fall_back("the optimizer has step hooks, which run in Python")
+    def _program_for(self, entry: CompiledPerSample, config: DPConfig,
+                     accumulate: bool) -> tuple[StepProgram, CompiledPerSample] | None:
+        try:
+            return self.program_cache.get(entry, config, accumulate)
+        except update_graph.StateMissing:  # e.g. the state was cleared: one eager step creates it again
+            self._state_ready = False
             return None
-        if self._update is not None and self._update.signature != update_graph.signature(self.optimizer,
-                                                                                          self.trained):
-            log.warning("compiled_psg: the optimizer's hyperparameters or state tensors changed; recompiling the "
-                        "step (use tensor hyperparameters, lr=torch.tensor(0.1), to change them without this)")
-            self._update = None
-            self._programs.clear()
-        if self._update is None:
-            self._install_dot_grads()
-            try:
-                self._update = update_graph.capture_update(self.optimizer, self.trained, self.params[0].dtype)
-            except update_graph.StateMissing:  # e.g. the state was cleared: one eager step creates it again
-                self._state_ready = False
-                return None
-            except Exception as e:  # noqa: BLE001 -- any failure to trace the step: keep it eager, and say so
-                self._fall_back(f"{type(self.optimizer).__name__}.step could not be captured whole "
-                                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
-                return None
-        if id(entry) not in self._programs:
-            divide_by_count = self.loss_reduction == "mean" and self.expected_batch_size is None
-            program = fuse_step(entry.rewritten, self._update, self.params, self.names,
-                                noisy=self.noise_std > 0 and dist_utils.rank() == 0,
-                                group_name=dist_utils.group_name() if self.distributed else None,
-                                divide_by_count=divide_by_count)
-            compiled = CompiledPerSample(entry.rewritten, entry.backend, graph=program.gm)
-            self._programs[id(entry)] = (program, compiled)
-            self.program_builds += 1
-        return self._programs[id(entry)]
 
-    def _extra_inputs(self, program: StepProgram, batch_size: int, draw_noise: bool = True) -> list:
+    def _extra_inputs(self, config: DPConfig, program: StepProgram, batch_size: int, draw_noise: bool = True,
+                      partial: list[torch.Tensor] | None = None) -> list:
         ref = self.params[0]
         extra = []
         for kind, key in program.inputs:
             if kind == "noise":
-                extra.append(self._noise(self.params[key]) if draw_noise else torch.zeros_like(self.params[key]))
+                extra.append(self.noise.draw(config, self.params[key]) if draw_noise
+                             else torch.zeros_like(self.params[key]))
+            elif kind == "partial":
+                extra.append(partial[key] if partial is not None else torch.zeros_like(self.params[key]))
             elif kind == "count":
                 extra.append(torch.tensor(float(batch_size), dtype=ref.dtype, device=ref.device))
             elif kind == "scale":
-                extra.append(torch.tensor(self._scale(batch_size), dtype=ref.dtype, device=ref.device))
+                extra.append(torch.tensor(config.scale(batch_size), dtype=ref.dtype, device=ref.device))
             elif kind == "dot_grad":
-                extra.append(self._dot_grads[key])
+                extra.append(self.binding.dot_grads[key])
             else:
                 extra.append(key)
         return extra
 
-    def _run_fused(self, program: StepProgram, compiled: CompiledPerSample, params: dict, args: tuple,
-                   batch_size: int) -> torch.Tensor:
-        self._install_dot_grads()
-        outputs = dict(zip(program.outputs, compiled.run(params, args, batch_size,
-                                                         self._extra_inputs(program, batch_size)), strict=True))
-        self.last_norms = outputs.get("norms")
+    def _run_fused(self, config: DPConfig, program: StepProgram, compiled: CompiledPerSample, params: dict,
+                   args: tuple, physical_size: int, logical_size: int,
+                   partial: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the program on the last micro-batch (``physical_size`` samples of ``logical_size``)."""
+        self.binding.install()
+        extra = self._extra_inputs(config, program, logical_size, partial=partial)
+        outputs = dict(zip(program.outputs, compiled.run(params, args, physical_size, extra), strict=True))
         count = outputs.get("global_count")
-        self.last_batch_size = batch_size if count is None else int(round(count.item()))
-        return outputs["loss"]
+        self.last_batch_size = logical_size if count is None else int(round(count.item()))
+        return outputs["loss"], outputs.get("norms")
 
     # --- the eager path: first step, empty batches, fallbacks ----------------------------------------------
-    def _noise(self, like: torch.Tensor) -> torch.Tensor:
-        return gaussian_like(like, self.noise_std, secure=self.secure_rng, generator=self.generator)
-
-    def _run_eager_update(self, sums: dict, batch_size: int) -> None:
-        grads = [sums[n] for n in self.names]
-        if self.noise_std > 0 and dist_utils.rank() == 0:
-            grads = [g + self._noise(g) for g in grads]
-        if self.distributed:
-            count = torch.tensor(float(batch_size), dtype=grads[0].dtype, device=grads[0].device)
-            grads, count = dist_utils.all_reduce_flat(grads, count)
-            batch_size = int(round(count.item()))
-        self.last_batch_size = batch_size
-        scale = self._scale(batch_size)
-        self._install_dot_grads()
-        with torch.no_grad():
-            for buffer, g in zip(self._dot_grads, grads, strict=True):
-                buffer.copy_(g * scale)
-            self.optimizer.step()
+    def _run_eager_update(self, config: DPConfig, grads: list[torch.Tensor], batch_size: int) -> None:
+        self.last_batch_size = eager_update(config, grads, batch_size, self.binding, self.noise, self.distributed)
         self._state_ready = True
+
+    def _eager_runner(self, entry: CompiledPerSample) -> CompiledPerSample:
+        """The rewritten graph op by op for the first step (the program compiles at its end: no double
+        compile); the compiled per-sample graph itself when the update runs eagerly anyway."""
+        if not self.fused:
+            return entry
+        if id(entry) not in self._eager_runners:
+            self._eager_runners[id(entry)] = CompiledPerSample(entry.rewritten, "eager")
+        return self._eager_runners[id(entry)]
 
     # --- one step ------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
-        f = self.per_sample
         # contiguous copies of strided views (x[rank::world]): the capture assumes dense batch inputs
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
-        before = (f.captures, self.program_builds, self.compiles)
+        before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
-        loss = self._step(batch)
-        if (f.captures, self.program_builds, self.compiles) != before:  # the call's time is compile time
+        config = self._config  # one snapshot for the whole step: clipping, noise, scaling and accounting agree
+        loss = self._step(config, batch)
+        self.last_config = config
+        self.steps_taken += 1
+        if (self.captures, self.program_builds, self.compiles) != before:  # the call's time is compile time
             self.compile_seconds += time.perf_counter() - start
         return loss
 
-
-    def _step(self, batch: tuple) -> torch.Tensor:
+    def _micro_batches(self, batch: tuple, in_dims, batch_size: int) -> list[tuple]:
         from .._api import batch_dims_of
 
-        _, batch_size = batch_dims_of(batch, self.per_sample.in_dims)
+        size = self._max_physical_batch_size
+        if size is None or batch_size <= size:
+            return [batch]
+        dims, _ = batch_dims_of(batch, in_dims)
+        return [tuple(a.narrow(dims[i], start, min(size, batch_size - start)).contiguous() if i in dims else a
+                      for i, a in enumerate(batch))
+                for start in range(0, batch_size, size)]
+
+    def _step(self, config: DPConfig, batch: tuple) -> torch.Tensor:
+        from .._api import batch_dims_of
+
+        f = self._per_sample_for(config)
+        _, batch_size = batch_dims_of(batch, f.in_dims)
         self._bind()
         if batch_size == 0:  # a step of noise alone (Poisson sampling draws empty batches)
-            loss, _, result = self.per_sample.with_losses(*batch)
-            self.last_norms = result[1] if isinstance(result, tuple) else None
-            self._run_eager_update(result[0] if isinstance(result, tuple) else result, 0)
+            loss, _, result = f.with_losses(*batch)
+            sums, self.last_norms = _split_result(result, self.names, self.params)
+            self._run_eager_update(config, [sums[n] for n in self.names], 0)
             return loss
-        entry, params, args, batch_size = self.per_sample.compiled_for(*batch)
-        if self.fused and self._state_ready:
-            built = self._program_for(entry)
-            if built is not None:
-                return self._run_fused(*built, params, args, batch_size)
-        # the first step (optimizer state does not exist yet) runs the rewritten graph without compiling it
-        runner = entry if not self.fused else CompiledPerSample(entry.rewritten, "eager")  # no double compile
-        loss, _, result = runner(params, args, batch_size)
-        sums, self.last_norms = result if isinstance(result, tuple) else (result, None)
-        self._run_eager_update(sums, batch_size)
+        pieces = [f.compiled_for(*piece) for piece in self._micro_batches(batch, f.in_dims, batch_size)]
+        sizes = [n for *_, n in pieces]
+        losses, norms, partial = [], [], None
+        *head, (entry, params, args, size) = pieces
+        accumulate = self._max_physical_batch_size is not None
+        built = self._program_for(entry, config, accumulate) if self.fused and self._state_ready else None
+        if built is not None:
+            for e, p, a, n in head:  # the earlier micro-batches: the compiled per-sample graph, summed here
+                loss, _, result = e(p, a, n)
+                sums, piece_norms = _split_result(result, self.names, self.params)
+                partial = _add_into(partial, sums, self.names)
+                losses.append(loss)
+                norms.append(piece_norms)
+            loss, piece_norms = self._run_fused(config, *built, params, args, size, batch_size, partial)
+            self.last_norms = None if piece_norms is None else torch.cat([*norms, piece_norms])
+            return _combine_losses([*losses, loss], sizes, config.loss_reduction)
+        # the first step (optimizer state does not exist yet), and the eager update when the program cannot be
+        # built: the per-sample graph on every micro-batch, then optimizer.step()
+        for e, p, a, n in pieces:
+            loss, _, result = self._eager_runner(e)(p, a, n)
+            sums, piece_norms = _split_result(result, self.names, self.params)
+            partial = _add_into(partial, sums, self.names)
+            losses.append(loss)
+            norms.append(piece_norms)
+        self.last_norms = None if norms[0] is None else torch.cat(norms)
+        self._run_eager_update(config, partial, batch_size)
         if self.fused:  # build and compile the program now, so that the first call carries the compile time
-            built = self._program_for(entry)
+            built = self._program_for(entry, config, accumulate)
             if built is not None:
                 program, compiled = built
-                compiled.prepare(params, args, max(batch_size, 2),
-                                 self._extra_inputs(program, batch_size, draw_noise=False))
-        return loss
+                compiled.prepare(params, args, max(size, 2),
+                                 self._extra_inputs(config, program, size, draw_noise=False))
+        return _combine_losses(losses, sizes, config.loss_reduction)
+
+    # --- save and resume -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What resuming the training needs: the settings (``max_grad_norm``, ``noise_multiplier``,
+        ``expected_batch_size``), ``steps_taken``, the model's and the optimizer's ``state_dict`` and the noise
+        generator's state (when ``generator=`` was given). Tensors are shared with the live objects, as in
+        ``nn.Module.state_dict``: ``torch.save`` it. Torch's global generator is the user's to save
+        (``torch.get_rng_state``), and ``secure_rng=True`` (``os.urandom``) cannot be resumed by design: its
+        draws are not reproducible."""
+        return {"config": {"max_grad_norm": self.max_grad_norm, "noise_multiplier": self.noise_multiplier,
+                           "expected_batch_size": self.expected_batch_size},
+                "steps_taken": self.steps_taken,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "generator": None if self.generator is None else self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved, into a step built the same way (same model class, optimizer and
+        arguments). The next step continues exactly where the saved run stopped (same noise with a seeded
+        ``generator``)."""
+        if (state["generator"] is not None) != (self.generator is not None):
+            raise DPConfigError("the saved step and this one disagree on generator=: build the step with a "
+                                "torch.Generator exactly when the saved one had one")
+        self.config = self._config.replace(**state["config"])
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.generator is not None:
+            self.generator.set_state(state["generator"])
+        self.steps_taken = int(state["steps_taken"])
+        self._state_ready = bool(self.optimizer.state)  # the program reads the state: no eager step needed
 
 
 def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -294,7 +422,7 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                  noise_multiplier: float = 0.0, expected_batch_size: float | None = None,
                  loss_reduction: str = "mean", secure_rng: bool = False, backend: str = "inductor",
                  generator: torch.Generator | None = None, in_dims=0,
-                 distributed: bool | None = None) -> DPStep:
+                 distributed: bool | None = None, max_physical_batch_size: int | None = None) -> DPStep:
     """Build ``step(*batch) -> loss``: one (DP-)SGD step of ``optimizer`` on ``model``'s parameters, compiled as
     one program (forward, rewritten backward, reduction, noise, all-reduce, optimizer update).
 
@@ -312,12 +440,22 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     Under an initialized ``torch.distributed`` process group (``distributed=None`` detects it) the program
     all-reduces the clipped sums and rank 0 alone adds the noise; see ``compiled_psg._train.distributed``.
 
+    ``max_physical_batch_size=N`` splits a larger (logical) batch into micro-batches of at most ``N`` samples:
+    each micro-batch's clipped sum is accumulated, the noise is added once and the optimizer steps once, the
+    same step as the whole batch at once with less memory (the batch size is symbolic: no recompiles).
+
+    ``step.max_grad_norm``, ``step.noise_multiplier`` and ``step.expected_batch_size`` may be assigned between
+    steps (validated; used from the next step on; a new ``C`` recaptures the per-sample graph once per bound).
+    ``step.last_config`` / ``step.last_noise_multiplier`` say what the last step used. ``state_dict()`` /
+    ``load_state_dict()`` save and resume (see ``DPStep.state_dict``).
+
     The returned object also has ``per_sample`` (``per_sample.captures``), ``fused``/``programs``/
-    ``fallback_reason``, ``program_builds``, ``compile_seconds``, ``last_batch_size`` and ``last_norms`` (the
-    unclipped per-sample norms). Python-number hyperparameters are constants of the program: changing one
-    (a scheduler on ``lr=0.1``) rebuilds it; ``lr=torch.tensor(0.1)`` changes without rebuilding.
+    ``fallback_reason``, ``program_builds``, ``compiles``, ``compile_seconds``, ``steps_taken``,
+    ``last_batch_size`` and ``last_norms`` (the unclipped per-sample norms). Python-number hyperparameters are
+    constants of the program: changing one (a scheduler on ``lr=0.1``) rebuilds it; ``lr=torch.tensor(0.1)``
+    changes without rebuilding. Invalid settings raise ``compiled_psg.DPConfigError``.
     """
     return DPStep(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
                   noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                   loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,
-                  in_dims=in_dims, distributed=distributed)
+                  in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size)

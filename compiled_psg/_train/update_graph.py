@@ -23,6 +23,8 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils import _pytree as pytree
 
+from .._errors import InternalError
+
 
 class StateMissing(Exception):
     """The traced step created optimizer state (momentum buffers, moments): run one eager step first."""
@@ -122,7 +124,7 @@ def capture_update(optimizer: torch.optim.Optimizer, trained: list[int], dtype: 
     real_tensors, _ = _tensors_and_values(optimizer, trained)
     shadow_tensors, shadow_values = _tensors_and_values(shadow, trained)
     if [k for k, _ in real_tensors] != [k for k, _ in shadow_tensors]:
-        raise AssertionError("internal: the optimizer's copy holds different tensors")
+        raise InternalError("The optimizer's copy holds different tensors")
     original = {id(s): (key, r) for (key, s), (_, r) in zip(shadow_tensors, real_tensors, strict=True)}
     params = flat_params(shadow)
     trained_params = [params[j] for j in trained]
@@ -164,7 +166,7 @@ def capture_update(optimizer: torch.optim.Optimizer, trained: list[int], dtype: 
         raise StateMissing(f"{type(optimizer).__name__}.step creates state")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
-        raise AssertionError(f"internal: {len(placeholders)} update placeholders for {len(inputs)} inputs")
+        raise InternalError(f"{len(placeholders)} update placeholders for {len(inputs)} inputs")
     grad_index = {id(g): i for i, g in enumerate(new_grads)}
     sources: list[tuple[str, object]] = []
     for value in inputs:
@@ -176,5 +178,5 @@ def capture_update(optimizer: torch.optim.Optimizer, trained: list[int], dtype: 
             key, real = original[id(value)]
             sources.append(key if key[0] == "dot_grad" else ("tensor", real))
         else:
-            raise AssertionError(f"internal: the optimizer step reads an unknown input of type {type(value)}")
+            raise InternalError(f"The optimizer step reads an unknown input of type {type(value)}")
     return UpdateGraph(gm, sources, signature(optimizer, trained))

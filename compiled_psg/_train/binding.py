@@ -1,0 +1,61 @@
+"""``OptimizerBinding``: which tensors a step trains, their names in the model, and what it leaves in ``p.grad``.
+
+The optimizer's parameters that require grad are the trained ones; each must be a parameter of the model (the
+per-sample graph names its gradients by the model's parameter names). The binding is refreshed before every
+step and changes when the optimizer's parameters or their ``requires_grad`` do (``add_param_group``, freezing):
+the step then drops its programs, which were built for the old set.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .._errors import DPConfigError
+from . import update_graph
+
+
+class OptimizerBinding:
+    """``params[j]`` (the optimizer's ``trained[j]``-th flat parameter) is the model's ``names[j]``;
+    ``dot_grads[j]`` is the tensor installed as its ``.grad`` (written with the applied gradient, as
+    ``optimizer.step()`` leaves it)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self._dot_grads_by_param: dict[int, torch.Tensor] = {}
+        self._key: tuple = ()
+        self.trained: list[int] = []
+        self.params: list[torch.Tensor] = []
+        self.names: list[str] = []
+        self.dot_grads: list[torch.Tensor] = []
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Re-read the optimizer's parameters; True when the trained set changed since the last call."""
+        flat = update_graph.flat_params(self.optimizer)
+        key = tuple((id(p), p.requires_grad) for p in flat)
+        if key == self._key:
+            return False
+        trainable = {id(p): n for n, p in self.model.named_parameters() if p.requires_grad}
+        trained = [j for j, p in enumerate(flat) if p.requires_grad]
+        params = [flat[j] for j in trained]
+        strangers = [tuple(p.shape) for p in params if id(p) not in trainable]
+        if strangers:
+            raise DPConfigError(f"the optimizer updates tensors of shapes {strangers} that are not parameters of "
+                                "the model. Fix: build the optimizer on model.parameters()")
+        self.trained, self.params = trained, params
+        self.names = [trainable[id(p)] for p in params]
+        for p in flat:  # a parameter frozen since: drop the .grad the step left, as zero_grad() would
+            if not p.requires_grad and p.grad is not None and p.grad is self._dot_grads_by_param.get(id(p)):
+                p.grad = None
+        # kept per parameter across refreshes: a parameter frozen and unfrozen gets its buffer back
+        self.dot_grads = [self._dot_grads_by_param.setdefault(id(p), torch.zeros_like(p)) for p in params]
+        self._key = key
+        return True
+
+    def install(self) -> None:
+        """Make every trained parameter's ``.grad`` the step's buffer (``zero_grad`` may have set it to None)."""
+        for p, buffer in zip(self.params, self.dot_grads, strict=True):
+            if p.grad is not buffer:
+                p.grad = buffer

@@ -1,0 +1,46 @@
+"""The eager update of a step: noise, all-reduce, scaling and ``optimizer.step()`` in Python.
+
+It runs on the first step (optimizers create their state lazily, and the fused program reads that state), on
+an empty batch (a step of noise alone) and when the optimizer update could not be captured into the program.
+Its all-reduce uses the fused program's layout (``distributed.all_reduce_flat``), so a rank running eagerly meets
+the others in the same collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import distributed as dist_utils
+from .binding import OptimizerBinding
+from .config import DPConfig
+from .dp import gaussian_like
+
+
+class NoiseSource:
+    """N(0, (sigma C)^2) noise: ``os.urandom`` with ``secure``, else torch's ``generator`` (default: global)."""
+
+    def __init__(self, secure: bool = False, generator: torch.Generator | None = None):
+        self.secure = secure
+        self.generator = generator
+
+    def draw(self, config: DPConfig, like: torch.Tensor) -> torch.Tensor:
+        return gaussian_like(like, config.noise_std, secure=self.secure, generator=self.generator)
+
+
+def eager_update(config: DPConfig, grads: list[torch.Tensor], batch_size: int, binding: OptimizerBinding,
+                 noise: NoiseSource, distributed: bool) -> int:
+    """Add the noise (rank 0), all-reduce, scale into ``p.grad`` and step the optimizer; returns the global
+    batch size."""
+    if config.noise_std > 0 and dist_utils.rank() == 0:
+        grads = [g + noise.draw(config, g) for g in grads]
+    if distributed:
+        count = torch.tensor(float(batch_size), dtype=grads[0].dtype, device=grads[0].device)
+        grads, count = dist_utils.all_reduce_flat(grads, count)
+        batch_size = int(round(count.item()))
+    scale = config.scale(batch_size)
+    binding.install()
+    with torch.no_grad():
+        for buffer, g in zip(binding.dot_grads, grads, strict=True):
+            buffer.copy_(g * scale)
+        binding.optimizer.step()
+    return batch_size

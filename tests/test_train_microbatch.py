@@ -1,0 +1,88 @@
+"""Logical batches split into physical micro-batches: the same step as the whole batch (float64, seeded noise),
+no recompiles across micro-batch sizes, one accounted step per logical batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from compiled_psg._train.private import make_private
+from compiled_psg._train.step import compile_step
+
+SIZES = (23, 9, 2)  # with micro-batches of 8: remainders 7, 1, none (2 <= 8)
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 36, 4)).double()
+
+
+def batch(n: int):
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (n,), generator=g)
+
+
+def two_steps(backend: str, model: nn.Module, **kw):
+    steps = []
+    for physical in (None, 8):
+        m = copy.deepcopy(model)
+        steps.append((m, compile_step(lambda x, y, m=m: F.cross_entropy(m(x), y), m,
+                                      torch.optim.Adam(m.parameters(), lr=0.05), max_grad_norm=0.3,
+                                      noise_multiplier=0.7, expected_batch_size=20, backend=backend,
+                                      generator=torch.Generator().manual_seed(3),
+                                      max_physical_batch_size=physical, **kw)))
+    return steps
+
+
+def test_micro_batches_equal_the_whole_batch():
+    (whole, step_whole), (split, step_split) = two_steps("eager", cnn())
+    for n in SIZES:
+        loss_whole, loss_split = step_whole(*batch(n)), step_split(*batch(n))
+        torch.testing.assert_close(loss_split, loss_whole, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(step_split.last_norms, step_whole.last_norms, rtol=1e-13, atol=1e-13)
+        assert step_split.last_batch_size == n
+        for p, q in zip(whole.parameters(), split.parameters(), strict=True):
+            torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-13)
+    moved = max((p - q).abs().max().item() for p, q in zip(whole.parameters(), cnn().parameters(), strict=True))
+    assert moved > 1e-2  # the steps did move the parameters (with clipping and noise)
+    assert (step_whole.last_norms > 0.3).any()  # and some samples were clipped
+    assert step_split.captures == 1 and step_split.program_builds == 1
+
+
+@pytest.mark.inductor
+def test_micro_batches_do_not_recompile():
+    """Inductor: the per-sample graph (earlier micro-batches) and the step program (the last one) compile once
+    each for every size from 2 up; new logical and micro-batch sizes add nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        max_grad_norm=0.3, noise_multiplier=0.7, expected_batch_size=20,
+                        max_physical_batch_size=8)
+    data = lambda n: (torch.randn(n, 5), torch.randint(0, 2, (n,)))  # noqa: E731
+    step(*data(12))  # eager first step; the program compiles at its end
+    step(*data(12))  # micro-batches 8 + 4: the per-sample graph compiles for the first
+    assert step.compiles == 2
+    for n in (21, 30, 3, 18):  # micro-batches (8, 8, 5), (8, 8, 8, 6), (3), (8, 8, 2)
+        step(*data(n))
+        assert step.last_batch_size == n
+    assert step.compiles == 2 and step.captures == 1 and step.program_builds == 1
+
+
+def test_make_private_accounts_logical_steps():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    data = TensorDataset(torch.randn(90, 4), torch.randint(0, 3, (90,)))
+    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=30),
+                           lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager",
+                           max_physical_batch_size=4, generator=torch.Generator().manual_seed(0))
+    sizes = []
+    for x, y in private.data_loader:
+        private.step(x, y)
+        sizes.append(len(y))
+    assert max(sizes) > 4  # really split
+    assert private.accountant.steps == len(sizes) == 3 and private.dp_step.steps_taken == 3
