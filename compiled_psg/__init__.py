@@ -12,6 +12,7 @@ from ._api import per_sample_grad as per_sample_grad
 from ._errors import BatchInputError as BatchInputError
 from ._errors import CaptureError as CaptureError
 from ._errors import CompileError as CompileError
+from ._errors import DPConfigError as DPConfigError
 from ._errors import InternalError as InternalError
 from ._errors import PerSampleError as PerSampleError
 from ._errors import SampleMixingError as SampleMixingError
@@ -29,9 +30,14 @@ from ._rewrite.registry import register_rule as register_rule
 from ._rewrite.table import supported_ops as supported_ops
 from ._train.accounting import Accountant as Accountant
 from ._train.accounting import calibrate_noise as calibrate_noise
+from ._train.config import DPConfig as DPConfig
 from ._train.private import PrivateTraining as PrivateTraining
 from ._train.private import make_private as make_private
 from ._train.sampling import poisson_loader as poisson_loader
+from ._train.schedulers import ExponentialNoise as ExponentialNoise
+from ._train.schedulers import LambdaNoise as LambdaNoise
+from ._train.schedulers import NoiseScheduler as NoiseScheduler
+from ._train.schedulers import StepNoise as StepNoise
 from ._train.step import compile_step as compile_step
 
 __version__ = "0.1.0"
