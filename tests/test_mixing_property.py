@@ -5,7 +5,7 @@ For every program exactly one of these holds:
 - it keeps samples apart, and compiled_psg accepts it: its per-sample gradients match the naive loop, and removing
   any one sample (one of them an outlier scaled by 1e3) moves ``clip_sum(C)`` by at most ``C``.
 
-The grammar is seeded with every example of issue 10. ``pytest -m slow`` runs it deeper.
+The grammar is seeded with every example of issue 10. ``pytest -m deep`` runs it deeper (200 programs).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def test_random_programs(program, outlier):
     check(program, outlier)
 
 
-@pytest.mark.slow
+@pytest.mark.deep
 @DEEP
 @given(programs, st.integers(0, B - 1))
 def test_random_programs_deep(program, outlier):
