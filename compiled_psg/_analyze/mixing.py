@@ -152,10 +152,32 @@ class Analysis:
         try:
             fact = self._fact(node)
             fact = self._checked(node, fact)
+            self._check_batch_size_args(node, fact)
         except _Refuse as refusal:
             self._report(refusal.node or node, refusal)
             fact = None
         self.facts[node] = fact
+
+    def _check_batch_size_args(self, node: fx.Node, fact: Fact) -> None:
+        """The batch size may size a value (``x.view(n, -1)``) but not be a value: a batch of one sees 1 where the
+        batch sees ``n`` (``x[:, n % 3]``, ``layer_norm(eps=n)``, ``roll(x, n)``). Pointwise ops and factories'
+        fill values are read as 1 by the loss-head pass; every other use is refused."""
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or ops.has_pointwise_tag(target) or target in (
+                ops.ARANGES | ops.FACTORIES | ops.SIZE_QUERIES | ops.CHECKS | ops.SCALAR_READS):
+            return
+        try:
+            kwargs = _kwargs(node)
+        except _Refuse:
+            kwargs = {str(i): a for i, a in enumerate(node.args)} | dict(node.kwargs)
+        exempt = set(ops.SIZE_ARGS.get(target, ()))
+        if target.overloadpacket.__name__ in ("slice", "narrow") and isinstance(self.fact(node.args[0]), PerSample) \
+                and _norm_dim(kwargs.get("dim", 0), _rank(node.args[0])) == self.fact(node.args[0]).dim:
+            exempt |= {"start", "end", "length"}  # the whole batch dimension, checked by the slice handler
+        for name, value in kwargs.items():
+            if name not in exempt and _reads_batch_size(value, self.batch):
+                raise _mix(f"it uses the batch size as a value (argument {name!r}), which a batch of one would "
+                           "see as 1", "use a constant, or a per-sample quantity, instead of x.shape[0]")
 
     def _report(self, node: fx.Node, refusal: _Refuse) -> None:
         if node in self._reported:
@@ -450,7 +472,7 @@ def _view(an: Analysis, node: fx.Node) -> Fact:
     if isinstance(fact, SampleIndex) or fact.layout is None:
         dims = an.batch.dims(out)
         whole = len(dims) == 1 and an.batch.factor(out.shape[dims[0]]) == an.batch.factor(src.shape[fact.dim])
-        if whole and (fact.layout is None or an.batch.is_whole(out, dims[0])):
+        if whole and (isinstance(fact, PerSample) or an.batch.is_whole(out, dims[0])):
             return type(fact)(dims[0], fact.stride) if isinstance(fact, SampleIndex) else PerSample(dims[0], None)
         raise _mix("the reshape moves values between samples")
     found = view_layout(src.shape, fact.dim, fact.layout, out.shape, an.batch.symbol)
@@ -657,6 +679,18 @@ def _along_dim(an: Analysis, node: fx.Node) -> Fact:
         return _pooled(facts.values()) or SHARED
     out = value_of(node)
     return tuple(result for _ in out) if isinstance(out, (tuple, list)) else result
+
+
+@_handles(ops._overloads("renorm"))
+def _renorm(an: Analysis, node: fx.Node) -> Fact:
+    """``renorm(x, p, dim, maxnorm)`` rescales each slice ``x.select(dim, k)`` by its norm over the other dims:
+    per sample only when those slices are the samples."""
+    fact = an.fact(node.args[0])
+    _no_sample_index([fact])
+    if isinstance(fact, PerSample) and _norm_dim(node.args[2], _rank(node.args[0])) != fact.dim:
+        raise _mix("it normalizes slices that cut across the samples (renorm over a dimension other than the "
+                   "batch)", "renorm along the batch dimension, or normalize each sample explicitly")
+    return fact
 
 
 @_handles(ops.SPATIAL)
@@ -900,7 +934,11 @@ def _embedding_bag(an: Analysis, node: fx.Node) -> Fact:
 
 @_handles(ops._overloads("index.Tensor", "_unsafe_index.Tensor"))
 def _index(an: Analysis, node: fx.Node) -> Fact:
-    x, indices = node.args[0], list(node.args[1])
+    return _index_read(an, node, node.args[0], list(node.args[1]))
+
+
+def _index_read(an: Analysis, node: fx.Node, x: fx.Node, indices: list) -> Fact:
+    """The fact of ``x[indices]`` (advanced indexing; ``None`` keeps a dimension)."""
     rank = _rank(x)
     indices += [None] * (rank - len(indices))
     fact = an.fact(x)
@@ -1043,29 +1081,25 @@ def _scatter(an: Analysis, node: fx.Node) -> Fact:
 
 @_handles(ops._overloads("index_put", "_unsafe_index_put"))
 def _index_put(an: Analysis, node: fx.Node) -> Fact:
+    """``x[indices] = values``: the positions written are those ``x[indices]`` reads, so the write is per sample
+    exactly when that read is, and the values hold the samples where the read's result does."""
     x, indices, values = node.args[:3]
-    fx_ = an.fact(x)
-    index_facts = [an.fact(i) for i in indices if i is not None]
-    fv = an.fact(values)
+    fx_, fv = an.fact(x), an.fact(values)
+    _no_sample_index([fv])
+    read = _index_read(an, node, x, list(indices))  # the fact x[indices] would have (raises on mixing)
     if isinstance(fx_, PerSample):
-        positions = [p for p, i in enumerate(indices) if i is not None]
-        if fx_.dim in positions:
-            at = indices[fx_.dim]
-            if not (isinstance(an.fact(at), SampleIndex) and fx_.layout == (1, 1)):
-                raise _mix("it writes along the batch dimension, moving values between samples", _FIX_DIM)
-            # x[arange(n), j] = v: the other indices and the values must follow the same samples
-            if any(isinstance(f, PerSample) and f.layout not in (None, (1, 1)) for f in index_facts + [fv]):
-                raise _mix("its indices pair samples with other samples")
-            return fx_
-        if any(not isinstance(f, Shared) for f in index_facts):
-            raise _mix("its per-sample indices write into every sample's values")
         if isinstance(fv, PerSample):
-            # the written block has x's remaining dims after the broadcast index dims: check via shapes
-            return fx_
-        if isinstance(fv, Pooled):
+            rank = value_of(node.args[0]).dim()
+            positions = [p for p, i in enumerate(indices) if i is not None]
+            s_rank = max(value_of(indices[p]).dim() for p in positions)
+            read_rank = rank - len(positions) + s_rank
+            if not isinstance(read, PerSample) or fv.dim + read_rank - _rank(values) != read.dim:
+                raise _mix("it writes values of some samples into other samples' positions")
+            _merge_layouts([fv.layout, read.layout])
+        elif isinstance(fv, Pooled):
             _raise_pooled(fv)
         return fx_
-    _no_sample_index(index_facts + [fv])
+    index_facts = [an.fact(i) for i in indices if i is not None]
     if any(isinstance(f, PerSample) for f in index_facts + [fv]):
         if isinstance(fx_, Pooled):
             _raise_pooled(fx_)

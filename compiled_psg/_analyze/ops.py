@@ -80,7 +80,7 @@ for _names, _spec in [
 ALONG_DIM = {op: "dim" for op in _overloads(
     "_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "sort", "sort.stable",
     "topk", "_softmax_backward_data", "_log_softmax_backward_data", "argsort", "argsort.stable", "glu",
-    "glu_backward", "cumulative_trapezoid", "renorm",
+    "glu_backward", "cumulative_trapezoid",
 )}
 
 # op -> number of trailing dims it mixes (the leading dims are independent, batch or channels)
@@ -180,6 +180,21 @@ INDEXING = _overloads("index.Tensor", "_unsafe_index.Tensor", "index_select", "g
                       "index_add", "index_copy", "scatter.src", "scatter.value", "scatter_add", "scatter_reduce.two",
                       "index_fill.int_Scalar", "index_fill.int_Tensor", "take_along_dim", "bucketize.Tensor",
                       "searchsorted.Tensor")
+
+# op -> names of its arguments that are sizes: the batch size may appear there (``x.view(n, -1)``,
+# ``zeros(n, d)``); anywhere else an argument that reads the batch size uses it as a value, which a batch of one
+# would see as 1 (refused unless the op is tagged pointwise: the loss head then reads it as 1).
+SIZE_ARGS: dict = {}
+for _names, _args in [
+    (("view", "_unsafe_view", "view_copy", "expand", "new_zeros", "new_ones", "new_empty", "new_full", "zeros",
+      "ones", "empty.memory_format", "full", "rand", "randn", "randint", "randint.low", "empty_permuted"),
+     ("size",)),
+    (("reshape",), ("shape",)),
+    (("repeat",), ("repeats",)),
+    (("empty_strided", "new_empty_strided"), ("size", "stride")),
+]:
+    for _op in _overloads(*_names):
+        SIZE_ARGS[_op] = _args
 
 # Nodes that check sizes or assert, with no value of interest.
 CHECKS = _overloads("_assert_scalar", "_assert_async", "_assert_async.msg", "sym_constrain_range",

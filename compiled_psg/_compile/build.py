@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
@@ -54,6 +55,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     if symbol is None:
         raise InternalError("no symbolic batch dimension in the captured graph")
     batch = BatchDims(symbol)
+    _refuse_branches_on_batch_size(captured, batched_fakes)
 
     forward, loss = forward_slice(captured.joint, captured.loss_output)
     _refuse_inner_gradients(forward)
@@ -95,6 +97,26 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters",
              len(backward.contractions) + len(head.contractions), n_fallback, len(names))
     return out
+
+
+def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> None:
+    """The graph serves every batch size only under Dynamo's guards. A guard that a batch of one would fail
+    (``if x.shape[0] > 3``, ``x.shape[0] == 1``, an even batch for ``view(2, -1)``) means the batch took another
+    branch than each sample alone would: the per-sample gradients would silently follow the batch's branch."""
+    env = getattr(detect_fake_mode(captured.fake_inputs), "shape_env", None)
+    if env is None:
+        return
+    symbols = {s for f in batched_fakes for size in f.shape if isinstance(size, torch.SymInt)
+               for s in size.node.expr.free_symbols}
+    for guard in env.guards:
+        at_one = guard.expr.subs({s: 1 for s in symbols})
+        if at_one == sympy.false:
+            where_from = getattr(guard.sloc, "user_stack", None) or getattr(guard, "sloc", "")
+            raise CaptureError(
+                f"the loss depends on the batch size beyond shapes: Dynamo guarded on {guard.expr} (the batch size "
+                f"is {sorted(map(str, symbols))}), which a batch of one fails, so the batch takes a branch that no "
+                f"sample alone would take ({str(where_from).strip()[:300]}). Fix: do not branch on x.shape[0] (or "
+                "on sizes derived from it) in the loss function")
 
 
 def _refuse_inner_gradients(forward: fx.GraphModule) -> None:
