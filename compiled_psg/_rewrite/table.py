@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .._analyze.batch_dims import BatchDims
 from .contraction import Contraction
-from .rules import conv, embedding, linear, norm, reduce
+from .rules import conv, embedding, embedding_bag, linear, norm, reduce
 from .rules.lift import LIFT_RULES, LINEAR_LIFTS, pointwise
 
 ATEN = torch.ops.aten
@@ -41,6 +41,8 @@ CONTRACTION_RULES: dict[torch._ops.OpOverload, ContractionRule] = {
     ATEN.native_layer_norm_backward.default: norm.native_layer_norm_backward,
     ATEN.native_group_norm_backward.default: norm.native_group_norm_backward,
     ATEN.native_batch_norm_backward.default: norm.native_batch_norm_backward,
+    ATEN._embedding_bag_backward.default: embedding_bag.embedding_bag_backward,
+    ATEN._embedding_bag_dense_backward.default: embedding_bag.embedding_bag_dense_backward,
 }
 
 
