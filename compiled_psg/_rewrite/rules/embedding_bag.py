@@ -44,10 +44,29 @@ def per_sample_bags(grad, indices, offset2bag, bag_size, max_indices, psw, *, la
     rows = indices + sample * num_weights
     if padding_idx is not None and padding_idx >= 0:
         token_grads = token_grads * (indices != padding_idx).unsqueeze(1).to(grad.dtype)
-    if scale_by_freq:  # counted within each sample, as the sample's own backward counts
-        counts = grad.new_zeros(n * num_weights).index_add(0, rows, grad.new_ones(tokens))
-        token_grads = token_grads / counts.index_select(0, rows).unsqueeze(1)
+    if scale_by_freq:
+        token_grads = token_grads / _freq_scale(indices, rows, n, num_weights).unsqueeze(1).to(grad.dtype)
     return table.index_add(0, rows, token_grads).view(n, num_weights, dim_o)
+
+
+def _freq_scale(indices, rows, n: int, num_weights: int) -> torch.Tensor:
+    """The count each token's gradient is divided by, as torch 2.13's CPU kernel computes it for a batch of one.
+
+    That kernel (``_embedding_bag_dense_backward_cpu_sum_mean``) divides the ``k``-th distinct id (in sorted
+    order) by the count of ``sorted_ids[k]``, which is the id's own count only while no id repeats before it.
+    Autograd on one sample, the reference, does exactly this, so the per-sample gradient must too.
+    """
+    counts = torch.zeros(n * num_weights, dtype=torch.long, device=indices.device).index_add(
+        0, rows, torch.ones_like(rows))
+    ids = indices.reshape(n, -1)
+    sorted_ids, order = ids.sort(dim=1, stable=True)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    group = first.long().cumsum(1) - 1  # rank of each sorted token's distinct id
+    offsets = (torch.arange(n, device=ids.device) * num_weights).unsqueeze(1)
+    count_at = counts[sorted_ids + offsets]  # count of the id at each sorted position
+    divisor_sorted = count_at.gather(1, group)
+    return torch.empty_like(divisor_sorted).scatter(1, order, divisor_sorted).reshape(-1)
 
 
 def _rule(node: fx.Node, batch: BatchDims, grad, indices, offset2bag, bag_size, max_indices, num_weights,
@@ -57,7 +76,7 @@ def _rule(node: fx.Node, batch: BatchDims, grad, indices, offset2bag, bag_size, 
     if mode == MODE_MAX and scale_by_freq:
         return None
     layout = batch_layout(indices, 0, batch)
-    if layout is None:
+    if layout is None or (scale_by_freq and layout[0] != 1):  # the frequency scale needs [n, t] token rows
         return None
     tensors = [grad, indices, offset2bag, bag_size, max_indices] + ([psw] if psw is not None else [])
 
