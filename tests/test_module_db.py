@@ -60,6 +60,10 @@ KNOWN_BUGS: list[tuple[str, str, type, str, str]] = [
      "as BatchNorm1d(momentum=None)"),
     ("nn.BatchNorm3d", r"simple_average-train$", CaptureError, "Could not guard on data-dependent",
      "as BatchNorm1d(momentum=None)"),
+    ("nn.TransformerEncoder", r".", CaptureError, r"data-dependent expression Eq\(u0, 1\)",
+     "a 2-D src_mask: F.multi_head_attention_forward's fast-path check guards on a data-dependent value"),
+    ("nn.Transformer", r".", CaptureError, r"data-dependent expression Eq\(u0, 1\)",
+     "a 2-D src_mask: as nn.TransformerEncoder"),
     ("nn.MultiheadAttention", r".", UnsupportedError, r"no rule for aten\.mm\.default at unknown source line",
      "MultiheadAttention with need_weights=True and a mask: the weight gradient's mm has no source line and the "
      "vmap fallback cannot find its batch dimension"),
@@ -255,7 +259,9 @@ def vmap_grad_works(built: Built) -> bool:
 
     params = tuple(p.detach() for _, p in built.module.named_parameters())
     try:
-        torch.func.vmap(torch.func.grad(one), in_dims=(None, *dims))(params, *built.args)
+        with warnings.catch_warnings():  # a warning (pytest makes them errors) is not a failure of vmap
+            warnings.simplefilter("ignore")
+            torch.func.vmap(torch.func.grad(one), in_dims=(None, *dims))(params, *built.args)
     except Exception:  # noqa: BLE001 - any failure means vmap cannot do it either
         return False
     return True
