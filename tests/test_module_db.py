@@ -363,3 +363,18 @@ def test_conv_circular_after_another_layer():
 def test_module_db_inductor(case_id):
     case = next(p.values[0] for p in CASES if p.id == case_id)
     check(case, backend="inductor")
+
+
+@pytest.mark.xfail(strict=True, reason="engine bug (issue 11): attention over the dimension marked as the batch "
+                                       "mixes samples, and the mixing analysis misses it: wrong numbers, no error")
+def test_attention_across_the_batch_dimension_is_refused():
+    """Found by the sweep: with in_dims=1 on a batch_first MultiheadAttention, dim 1 is the sequence, so attention
+    mixes the 'samples'; the per-sample gradients differ from the loop's, and no SampleMixingError is raised."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(4, 2, batch_first=True).double()
+
+    def loss(x):
+        return mha(x, x, x, need_weights=False)[0].pow(2).sum()
+
+    with pytest.raises(SampleMixingError):
+        psg.per_sample(mha, in_dims=1, backend="eager")(loss)(torch.randn(2, 3, 4, dtype=torch.float64))
