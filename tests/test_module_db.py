@@ -234,7 +234,10 @@ def build(case: SweepCase) -> Built:
     module.eval()  # the shape probes change no running statistics
     with torch.no_grad():
         full = _float_leaves(forward(module, *flat))  # also materializes Lazy modules
-        one = _float_leaves(forward(module, *sample(flat, dims_t, 0)))
+        empty = any(x.shape[d] == 0 for x, d in zip(flat, dims_t, strict=True) if d is not None)
+        # an empty batch (LayerNorm's "empty" samples) has no sample to probe: its batch dims are the 0 sizes
+        one = [f.new_zeros([1 if a == 0 else a for a in f.shape]) for f in full] if empty else \
+            _float_leaves(forward(module, *sample(flat, dims_t, 0)))
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
     module.train(case.training)
