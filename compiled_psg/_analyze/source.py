@@ -22,14 +22,36 @@ def source_line(node: fx.Node) -> str:
     return f'{f["file"]}:{f["line"]} in {f["func"]}: {f["code"].strip()}'
 
 
+_ROOT = re.compile(r"^(?:[GL]\['[^\]]*'\]|self)")  # Dynamo's source of the root object: a global or local
+_HOPS = re.compile(r"\.__closure__\[\d+\]\.cell_contents|\.__self__|\.__func__|\.__globals__\['[^']*'\]")
+
+
+def readable_module_path(path: str) -> str:
+    """Dynamo's source expression of a module -> its dotted name inside the model: ``conv1.1``.
+
+    ``L['loss_fn'].__closure__[0].cell_contents._modules['conv1']._modules['1']``, ``G['model'].conv1[1]`` and
+    ``getattr(L['self'].conv1, '1')`` all read ``conv1.1``; the root module itself reads ``""``.
+    """
+    name = path
+    while True:  # getattr(x, 'a') -> x.a, innermost first
+        unwrapped = re.sub(r"getattr\(([^(),]+), '([^']+)'\)", r"\1.\2", name)
+        if unwrapped == name:
+            break
+        name = unwrapped
+    name = _ROOT.sub("", name)
+    name = _HOPS.sub("", name)
+    name = re.sub(r"\._modules\['([^']+)'\]", r".\1", name)
+    name = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", name)
+    return name.strip(".")
+
+
 def module_path(node: fx.Node) -> str | None:
     """``name (Type)`` of the innermost nn.Module the node ran in, from Dynamo's ``nn_module_stack``."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return None
     path, kind = list(stack.values())[-1]
-    name = re.sub(r"^[GL]\['[^\]]*'\]\.?", "", path)  # drop Dynamo's source prefix (a global or local)
-    name = re.sub(r"_modules\['([^']+)'\]", r"\1", name) or path
+    name = readable_module_path(path) or "top-level module"
     type_name = getattr(kind, "__name__", str(kind).split(".")[-1].strip("'>"))
     return f"{name} ({type_name})"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .._errors import BatchInputError
 from .examples import EXAMPLES
 from .report import explain
 
@@ -12,6 +13,8 @@ from .report import explain
 def report_for(name: str):
     from .._api import per_sample
 
+    if name not in EXAMPLES:
+        raise BatchInputError(f"no example named {name!r}; the examples are {', '.join(sorted(EXAMPLES))}")
     example = EXAMPLES[name]
     model, loss_fn, batch = example.build()
     fn = per_sample(model, reduce=example.reduce, backend="eager")(loss_fn)

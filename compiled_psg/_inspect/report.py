@@ -8,12 +8,14 @@ per-sample and the backward re-traced from it). ``report.after``: the rewritten 
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.fx as fx
 
+from .._errors import BatchInputError
 from .draw import draw, drawing_support
 from .render import graph_text, normalize, shape_of
 
@@ -68,7 +70,7 @@ class Report:
     def __str__(self) -> str:
         if self.mixing:
             lines = ["compiled_psg refused this loss: samples are mixed."]
-            lines += [f"  {site}" for site in self.mixing]
+            lines += [f"  {site}" for site in group_sites(self.mixing)]
             return "\n".join(lines)
         rows = [("parameter", "shape", "rule(s)", "reduction choice")]
         for r in self.rewrites:
@@ -132,6 +134,43 @@ class Report:
         return written
 
 
+_INDEX = re.compile(r"(?<=\.)\d+(?=[.\s]|$)|^\d+(?=\.)")
+
+
+def _generic_module(source: str) -> str:
+    """``... [module layers.3.mlp (MLP)]`` -> ``... [module layers.N.mlp (MLP)]``: repeated blocks look alike."""
+    head, sep, module = source.partition("[module ")
+    return head + sep + _INDEX.sub("N", module) if sep else source
+
+
+def group_sites(sites) -> list[str]:
+    """One line per kind of mixing site: sites that differ only in the index of a repeated block (a layer of a
+    ``ModuleList``) read ``op at ... [module layers.N.norm (BatchNorm1d)] (x12): reason``."""
+    groups: dict[tuple, list] = {}
+    for site in sites:
+        if not all(hasattr(site, a) for a in ("op", "source", "reason", "fix")):
+            groups.setdefault((str(site),), []).append(site)
+            continue
+        groups.setdefault((site.op, _generic_module(site.source), site.reason, site.fix), []).append(site)
+    lines = []
+    for key, members in groups.items():
+        if len(members) == 1:
+            lines.append(str(members[0]))
+        else:
+            op, _, reason, fix = key
+            lines.append(f"{op} at {_common_source([m.source for m in members])} (x{len(members)}): {reason}. "
+                         f"Fix: {fix}")
+    return lines
+
+
+def _common_source(sources: list[str]) -> str:
+    """The sources of one group with each index that differs among them written ``N``: ``layers.N.1``."""
+    split = [re.split(r"(\d+)", s) for s in sources]
+    if len({len(parts) for parts in split}) != 1:
+        return _generic_module(sources[0])
+    return "".join(parts[0] if len(set(parts)) == 1 else "N" for parts in zip(*split, strict=True))
+
+
 def _cost(cost: dict) -> str:
     if not cost:
         return ""
@@ -165,6 +204,12 @@ def explain(fn, *args) -> Report:
     Captures and rewrites like a call would (and caches it), runs nothing. If the loss is refused, the
     ``SampleMixingError`` raised carries the report as ``error.report``.
     """
+    from .._api import PerSampleFunction
+
+    if not isinstance(fn, PerSampleFunction):
+        raise BatchInputError(f"psg.explain expects a function decorated with @psg.per_sample(model), got "
+                              f"{type(fn).__name__} {getattr(fn, '__name__', '')!s}. Fix: explain(psg.per_sample("
+                              "model)(loss_fn), *batch), or decorate loss_fn with @psg.per_sample(model)")
     entry, *_ = fn.compiled_for(*args)
     return Report.from_rewritten(entry.rewritten)
 

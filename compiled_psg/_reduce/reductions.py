@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._errors import BatchInputError
 from .context import ReduceContext
 
 Shapes = Mapping[str, tuple[torch.Size, torch.dtype, torch.device]]
@@ -21,10 +22,12 @@ class Reduction:
     """Base class. Subclass it (a dataclass with ``emit`` and ``empty``) to add a reduction."""
 
     def emit(self, ctx: ReduceContext):
-        raise NotImplementedError
+        raise BatchInputError(f"reduce={type(self).__name__}(): a Reduction subclass must define emit(ctx); "
+                              "see compiled_psg.custom for a reduction made of plain tensor functions")
 
     def empty(self, shapes: Shapes):
-        raise NotImplementedError
+        raise BatchInputError(f"reduce={type(self).__name__}() has no result for an empty batch: define "
+                              "empty(shapes) on the subclass")
 
 
 def _sqrt_of_sum(ctx: ReduceContext, parts):
@@ -145,7 +148,8 @@ class Custom(Reduction):
 
     def empty(self, shapes):
         if self.empty_result is None:
-            raise ValueError("this custom reduction has no result for an empty batch; pass empty_result=")
+            raise BatchInputError("this custom reduction has no result for an empty batch; pass empty_result= to "
+                                  "psg.custom(...)")
         return self.empty_result(shapes)
 
 
@@ -157,7 +161,7 @@ def norms(per_parameter: bool = False) -> Norms:
 def clip_sum(max_norm: float, *, return_norms: bool = False) -> ClipSum:
     """The sum of per-sample gradients each clipped to ``max_norm`` (optionally with the norms)."""
     if not max_norm > 0:
-        raise ValueError(f"max_norm must be positive, got {max_norm}")
+        raise BatchInputError(f"clip_sum: max_norm must be positive, got {max_norm!r}")
     return ClipSum(float(max_norm), return_norms)
 
 

@@ -1,0 +1,92 @@
+"""Reports a person reads: module paths as the model names them, repeated sites grouped, errors by class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import compiled_psg as psg
+from compiled_psg._analyze.source import readable_module_path
+from compiled_psg._inspect.cli import report_for
+from compiled_psg._inspect.report import group_sites
+
+
+@pytest.mark.parametrize("path, name", [
+    ("L['loss_fn'].__closure__[0].cell_contents.conv1.1", "conv1.1"),
+    ("L['loss_fn'].__closure__[0].cell_contents._modules['conv1']._modules['1']", "conv1.1"),
+    ("L['fn'].__closure__[1].cell_contents.__closure__[0].cell_contents.model.layers[11].mlp", "model.layers.11.mlp"),
+    ("G['model'].conv1[1]", "conv1.1"),
+    ("getattr(getattr(L['self'].layers, '0'), 'mlp')", "layers.0.mlp"),
+    ("L['self']", ""),
+])
+def test_readable_module_path(path, name):
+    assert readable_module_path(path) == name
+
+
+class Deep(nn.Module):
+    def __init__(self, depth: int):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(depth)])
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _refusal(depth: int):
+    model = Deep(depth).double()
+
+    def loss(x):  # the model is a closure variable: Dynamo names it __closure__[0].cell_contents
+        return model(x).sum()
+
+    with pytest.raises(psg.SampleMixingError) as info:
+        psg.per_sample(model, backend="eager")(loss)(torch.randn(5, 4, dtype=torch.float64))
+    return info.value
+
+
+def test_mixing_report_names_modules_and_groups_repeats():
+    err = _refusal(depth=6)
+    text = str(err.report)
+    assert "__closure__" not in text and "cell_contents" not in text, text
+    assert "[module stem.1 (BatchNorm1d)]" in text, text
+    assert "[module layers.N.1 (BatchNorm1d)] (x6)" in text, text
+    assert len(text.splitlines()) == 3, text  # the title, the stem, one line for the six repeated blocks
+
+
+def test_group_sites_keeps_distinct_sites():
+    err = _refusal(depth=2)
+    sites = err.report.mixing
+    assert len(sites) == 3
+    lines = group_sites(sites)
+    assert len(lines) == 2 and "(x2)" in lines[1]
+    # a single site is printed as it is
+    assert group_sites(sites[:1]) == [str(sites[0])]
+
+
+def test_explain_on_undecorated_function_names_the_fix():
+    model = nn.Linear(3, 2)
+
+    def loss(x):
+        return model(x).sum()
+
+    with pytest.raises(psg.BatchInputError, match=r"decorate .*@psg\.per_sample"):
+        psg.explain(loss, torch.randn(4, 3))
+
+
+def test_reduction_argument_errors_are_batch_input_errors():
+    with pytest.raises(psg.BatchInputError, match="max_norm must be positive"):
+        psg.clip_sum(0.0)
+    with pytest.raises(psg.BatchInputError, match="empty_result"):
+        psg.custom(lambda n, g: g.sum()).empty({})
+
+    class NoEmit(psg.Reduction):
+        pass
+
+    with pytest.raises(psg.BatchInputError, match="must define emit"):
+        NoEmit().emit(None)
+    with pytest.raises(psg.BatchInputError, match="no example named 'nope'"):
+        report_for("nope")
