@@ -66,8 +66,11 @@ def _check(model, loss, args, backend="eager"):
     got = psg.per_sample(model, backend=backend)(loss)(*args)
     ref = reference_per_sample(loss, params, args)
     assert set(got) == set(ref)
+    # T5 computes its attention softmax in float32 (scores.float()) even in a float64 model: Inductor fuses those
+    # float32 ops differently from eager, so its results agree to float32 precision there
+    tol = TOL if backend == "eager" else dict(rtol=1e-4, atol=1e-6)
     for name, r in ref.items():
-        torch.testing.assert_close(got[name], r, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got[name], r, **tol, msg=lambda m, n=name: f"{n}: {m}")
     assert any(r.abs().sum() > 0 for r in ref.values()), "every gradient is zero: the test would prove nothing"
 
 
@@ -144,11 +147,8 @@ def test_t5_with_cache():
 
 
 @pytest.mark.inductor
-@pytest.mark.xfail(raises=(ValueError, psg.CompileError), strict=True,
-                   reason="engine bug (issue 11): Inductor's re-trace of the rewritten T5 graph fails on a view of a "
-                          "non-contiguous expand ('Cannot view a tensor with shape [s27, 2, 8, 4] and strides "
-                          "(64, 8, 1, 16) as (2*s27, 8, 4)'), raised raw from compile_fx in _compile/run.py")
 def test_t5_with_cache_inductor():
+    """Inductor's cat decomposition used to break a captured view here (compiled_psg/_compile/prepare.py)."""
     _check(*_t5(), backend="inductor")
 
 

@@ -368,11 +368,9 @@ def test_module_db_inductor(case_id):
     check(case, backend="inductor")
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug (issue 11): attention over the dimension marked as the batch "
-                                       "mixes samples, and the mixing analysis misses it: wrong numbers, no error")
 def test_attention_across_the_batch_dimension_is_refused():
     """Found by the sweep: with in_dims=1 on a batch_first MultiheadAttention, dim 1 is the sequence, so attention
-    mixes the 'samples'; the per-sample gradients differ from the loop's, and no SampleMixingError is raised."""
+    mixes the 'samples'. The old deny-list analysis returned wrong gradients here; the allow-list refuses it."""
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(4, 2, batch_first=True).double()
 

@@ -78,8 +78,8 @@ for _names, _spec in [
 
 # op -> name of its dim argument (default when absent: -1 for sort/topk)
 ALONG_DIM = {op: "dim" for op in _overloads(
-    "_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "sort", "sort.stable",
-    "topk", "_softmax_backward_data", "_log_softmax_backward_data", "argsort", "argsort.stable", "glu",
+    "_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "sort",
+    "sort.stable", "topk", "_softmax_backward_data", "_log_softmax_backward_data", "argsort", "argsort.stable", "glu",
     "glu_backward", "cumulative_trapezoid",
 )}
 
@@ -192,6 +192,7 @@ for _names, _args in [
     (("reshape",), ("shape",)),
     (("repeat",), ("repeats",)),
     (("empty_strided", "new_empty_strided"), ("size", "stride")),
+    (("native_group_norm",), ("N", "C", "HxW")),
 ]:
     for _op in _overloads(*_names):
         SIZE_ARGS[_op] = _args
