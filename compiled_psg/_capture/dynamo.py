@@ -42,6 +42,7 @@ import copy
 import logging
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -77,9 +78,10 @@ class Guards:
     def __init__(self, manager, batched: list, code):
         self._manager = manager
         self._batched = batched
-        # The guards read names Dynamo installed in this module's globals; they are deleted when the frame's cache
-        # entry dies, and the entry lives in ``code`` (unique to this capture), so ``code`` is kept alive here.
-        self._code = code
+        # The guards read names Dynamo installed in this module's globals, which Dynamo deletes with the frame's
+        # cache entry; the entry lives on ``code`` (unique to this capture) until these guards die. Dynamo keeps
+        # code objects referenced, so the entry (and the graph it holds) is dropped explicitly.
+        weakref.finalize(self, torch._dynamo.reset_code, code)
 
     def _locals(self, loss_fn, tensors: list, args: tuple) -> dict:
         return {"call_args": args, "loss_fn": loss_fn, "tensors": tensors, "batched": self._batched}
@@ -236,10 +238,10 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         torch._dynamo.mark_dynamic(args[pos], dim)
     compiled = torch.compile(joint, backend=_backend, fullgraph=True, dynamic=False)
     manager, out = None, None
+    settings = dict(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
+                    skip_nnmodule_hook_guards=False, ignore_logging_functions=_ignored_logging_functions())
     try:
-        with torch._dynamo.config.patch(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
-                                        skip_nnmodule_hook_guards=False, ignore_logging_functions=_ignored_logging_functions()), \
-                _mkldnn_disabled(), _opt_einsum_disabled(), torch.enable_grad():
+        with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), torch.enable_grad():
             out = compiled(*args)
     except _Abort:  # the expected way out: the graph was captured, and nothing ran
         entries = _debug_get_cache_entry_list(joint.__code__)
@@ -281,12 +283,16 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     fake = _pending["fake"]
     if len(roles) != len(fake):
         raise InternalError(f"{len(roles)} Dynamo inputs but {len(fake)} AOT inputs")
+    gm = _pending["gm"]
+    mutated = _mutated_inputs(_pending["meta"], roles)
+    outputs = gm.graph.output_node().args[0]
+    loss = outputs[len(mutated)] if len(outputs) > len(mutated) else None
+    if not isinstance(loss, fx.Node) or not isinstance(loss.meta.get("val"), torch.Tensor):
+        raise BatchInputError("the loss function must return a tensor (a scalar loss or per-sample losses [B])")
     if not any(r.batched for r in roles):
         raise BatchInputError("the loss function does not use any batched argument, so nothing is per sample. "
                               "Fix: mark arguments the loss does not slice per sample None in in_dims, and pass the "
                               "batch as an argument (not through a closure or global)")
-    gm = _pending["gm"]
-    mutated = _mutated_inputs(_pending["meta"], roles)
     return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
                     guards=Guards(manager, batched, joint.__code__))
