@@ -277,6 +277,15 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         if not isinstance(out[0], torch.Tensor):
             raise BatchInputError(f"the loss function must return a tensor, got {type(out[0]).__name__}")
         raise InternalError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
+    try:
+        return _finish(manager, joint.__code__, params, args, batch_dims, batched)
+    except BaseException:
+        torch._dynamo.reset_code(joint.__code__)  # a refused capture leaves no cache entry (nor globals) behind
+        raise
+
+
+def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int], batched: list) -> Captured:
+    """Label the captured graph's inputs and check the contract; ``manager``: the frame's guards."""
     if "gm" not in _pending or manager is None:
         raise InternalError("the capture stopped before Dynamo installed the captured graph")
     roles, constants = _label(_pending["real"], params, args, set(batch_dims))
@@ -295,7 +304,7 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
                               "batch as an argument (not through a closure or global)")
     return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
-                    guards=Guards(manager, batched, joint.__code__))
+                    guards=Guards(manager, batched, code))
 
 
 def _mutated_inputs(meta, roles: list[Role]) -> list[int]:
