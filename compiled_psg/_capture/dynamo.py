@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
 import threading
 import warnings
 import weakref
@@ -88,17 +89,38 @@ class Guards:
 
     def check(self, loss_fn, tensors: list, args: tuple) -> bool:
         f_locals = self._locals(loss_fn, tensors, args)
-        if torch.is_grad_enabled():
-            return bool(self._manager.check(f_locals))
         with torch.enable_grad():  # the capture ran with grad enabled; so does every call of the graph
-            return bool(self._manager.check(f_locals))
+            if self._manager.check(f_locals):
+                return True
+            return not self._failing(f_locals)
+
+    def _failing(self, f_locals: dict) -> list[str]:
+        """The failing guards, less those on the batch size alone: the shape environment's guards (``16 <= B``
+        from a meta function's heuristic, ``B == B'`` between batched arguments) are checked last, and the
+        rewritten graph serves every batch size (``_api.batch_dims_of`` checks that batched arguments agree)."""
+        info = self._manager.check_verbose(f_locals)
+        parts = [" ".join(p.split()) for p in getattr(info, "verbose_code_parts", [])]
+        return [p for p in parts if not _on_batch_size_only(p)]
 
     def why(self, loss_fn, tensors: list, args: tuple) -> str:
         """The failing guard's text (what changed since the capture)."""
         with torch.enable_grad():
-            info = self._manager.check_verbose(self._locals(loss_fn, tensors, args))
-        parts = [" ".join(p.split()) for p in getattr(info, "verbose_code_parts", [])]
+            parts = self._failing(self._locals(loss_fn, tensors, args))
         return "; ".join(parts) or "a guard failed"
+
+
+_SIZE = re.compile(r"L\['call_args'\]\[\d+\]\.size\(\)\[\d+\]")
+_ARITHMETIC = re.compile(r"^[\d\s()<>=!+*/%-]*$")
+
+
+def _on_batch_size_only(part: str) -> bool:
+    """Whether a guard's text (before its ``#`` comment) compares argument sizes and numbers only; every other
+    size is static, so such a guard is on the batch size."""
+    for clause in part.split(";"):
+        code = clause.split("#", 1)[0]
+        if not _SIZE.search(code) or not _ARITHMETIC.match(_SIZE.sub("0", code).replace(" and ", " ")):
+            return False
+    return True
 
 
 @dataclass
