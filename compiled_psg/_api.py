@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from ._capture.dynamo import CAPTURE_LOCK
 from ._compile.build import Rewritten, build
 from ._compile.run import BACKENDS, CompiledPerSample
 from ._errors import BatchInputError
 from ._reduce.reductions import PerSampleGrads, Reduction
 
 InDims = int | None | tuple[int | None, ...]
+log = logging.getLogger("compiled_psg")
+
+#: Graphs kept per cache key whose guards differ (e.g. a temperature switched between two values).
+MAX_ENTRIES_PER_KEY = 8
 
 
 def _named_params(params: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -92,7 +98,8 @@ def _params_signature(params: dict[str, torch.Tensor]):
 
 def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tuple:
     """Arguments to trace with: fresh tensor objects (so marking them dynamic leaves the user's alone), with
-    at least two samples (a batch of one is specialized by the shape environment)."""
+    at least two samples (a batch of one is specialized by the shape environment). They share the user's
+    storage, which is safe because the capture never runs the loss."""
     out = []
     for pos, a in enumerate(args):
         if pos in batch_dims:
@@ -104,6 +111,16 @@ def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> t
                 a = a.view_as(a)  # a fresh tensor object even when already contiguous
         out.append(a)
     return tuple(out)
+
+
+def _guard_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tuple:
+    """The arguments as the capture saw them (detached, contiguous, two samples or more), for its guards; the
+    user's own tensors where they already are (the common case costs no copy)."""
+    if batch_size < 2:
+        return _capture_args(args, batch_dims, batch_size)
+    if all(not (args[pos].requires_grad or not args[pos].is_contiguous()) for pos in batch_dims):
+        return args
+    return tuple(a.detach().contiguous() if pos in batch_dims else a for pos, a in enumerate(args))
 
 
 class PerSampleFunction:
@@ -120,22 +137,30 @@ class PerSampleFunction:
         self.in_dims = in_dims
         self.reduce = reduce if reduce is not None else PerSampleGrads()
         self.backend = backend
-        self._cache: dict[Any, CompiledPerSample] = {}
+        # key -> graphs for that signature, most recently built first; one is used only while its guards hold
+        self._cache: dict[Any, list[CompiledPerSample]] = {}
+        self._captures = 0
+        self._retired_compiles = 0
+        self._retired_seconds = 0.0
         functools.update_wrapper(self, fn)
 
     @property
     def captures(self) -> int:
-        """How many times the loss was captured and rewritten (one per new signature)."""
-        return len(self._cache)
+        """How many times the loss was captured and rewritten (one per new signature, and one per recapture
+        after a guard failed)."""
+        return self._captures
+
+    def _entries(self) -> list[CompiledPerSample]:
+        return [c for entries in list(self._cache.values()) for c in entries]
 
     @property
     def compiles(self) -> int:
         """Graphs compiled so far (per capture: one for every batch size from 2 up, one for a batch of one)."""
-        return sum(c.compiles for c in self._cache.values())
+        return self._retired_compiles + sum(c.compiles for c in self._entries())
 
     @property
     def compile_seconds(self) -> float:
-        return sum(c.compile_seconds for c in self._cache.values())
+        return self._retired_seconds + sum(c.compile_seconds for c in self._entries())
 
     def _params(self) -> dict[str, torch.Tensor]:
         return _named_params(self.params_source)
@@ -147,23 +172,53 @@ class PerSampleFunction:
         return (_params_signature(params), _arg_signature(args, batch_dims), tuple(sorted(batch_dims.items())),
                 modes, self.reduce, self.backend)
 
+    def _valid(self, entries: list[CompiledPerSample], params, args, batch_dims, batch_size):
+        """The first entry whose Dynamo guards hold for this call, and otherwise why the newest one's failed."""
+        if not entries:
+            return None, None
+        tensors = list(params.values())
+        guard_args = _guard_args(args, batch_dims, batch_size)
+        for entry in entries:
+            guards = entry.rewritten.captured.guards
+            if guards is None or guards.check(self.fn, tensors, guard_args):
+                return entry, None
+        return None, entries[0].rewritten.captured.guards.why(self.fn, tensors, guard_args)
+
     def compiled_for(self, *args) -> tuple[CompiledPerSample, dict, tuple, int]:
+        """The compiled graph for this call: cached while its key matches and its guards hold, else captured now.
+
+        Post: the entry's graph describes what the loss would compute now (module structure, hooks, Python
+        attributes and globals it read are as at its capture)."""
         params = self._params()
         batch_dims, batch_size = batch_dims_of(args, self.in_dims)
         key = self._key(params, args, batch_dims)
-        entry = self._cache.get(key)
-        if entry is None:
-            rewritten = self._build(params, args, batch_dims, batch_size)
-            entry = self._cache[key] = CompiledPerSample(rewritten, self.backend)
+        entry, _ = self._valid(self._cache.get(key, []), params, args, batch_dims, batch_size)
+        if entry is not None:
+            return entry, params, args, batch_size
+        with CAPTURE_LOCK:  # one capture at a time; another thread may have captured it meanwhile
+            entries = self._cache.get(key, [])
+            entry, reason = self._valid(entries, params, args, batch_dims, batch_size)
+            if entry is None:
+                if reason is not None:
+                    log.warning("compiled_psg: %s: recapturing the loss, because what its graph assumed changed: %s",
+                                getattr(self.fn, "__qualname__", "loss"), reason)
+                rewritten = self._build(params, args, batch_dims, batch_size)
+                entry = CompiledPerSample(rewritten, self.backend)
+                self._captures += 1
+                for old in entries[MAX_ENTRIES_PER_KEY - 1:]:
+                    self._retired_compiles += old.compiles
+                    self._retired_seconds += old.compile_seconds
+                self._cache[key] = [entry, *entries[:MAX_ENTRIES_PER_KEY - 1]]
         return entry, params, args, batch_size
 
     def _build(self, params, args, batch_dims, batch_size) -> Rewritten:
         capture_args = _capture_args(args, batch_dims, batch_size)
         return build(self.fn, params, capture_args, batch_dims, self.reduce)
 
-    def with_losses(self, *args):
+    def with_losses(self, *args, **kwargs):
         """``(loss, per_sample_losses [B], result)``: the loss as the function computes it, and each sample's
         batch-of-one loss."""
+        _no_keywords(kwargs)
         params = self._params()
         batch_dims, batch_size = batch_dims_of(args, self.in_dims)
         if batch_size == 0:
@@ -174,8 +229,15 @@ class PerSampleFunction:
         entry, params, args, batch_size = self.compiled_for(*args)
         return entry(params, args, batch_size)
 
-    def __call__(self, *args):
-        return self.with_losses(*args)[2]
+    def __call__(self, *args, **kwargs):
+        return self.with_losses(*args, **kwargs)[2]
+
+
+def _no_keywords(kwargs: dict) -> None:
+    if kwargs:
+        raise BatchInputError(f"keyword arguments are not supported (got {', '.join(sorted(kwargs))}): in_dims "
+                              "describes positional arguments only. Fix: pass them positionally, with in_dims "
+                              "entries (None for unbatched ones), or bind them with functools.partial")
 
 
 def per_sample(params: nn.Module | Mapping[str, torch.Tensor], *, in_dims: InDims = 0,

@@ -7,19 +7,56 @@ every other size is a constant and ``node.meta["val"]`` tells which dimensions c
 
 Placeholders are labelled by identity: Dynamo's backend receives the real tensors, so each placeholder is known
 to be a named parameter, a batched argument, another argument, a buffer or constant, or a size.
+
+Side-effect free: the capture never runs the loss. The compiled function Dynamo installs raises ``_Abort`` on
+its first instruction (the graph call), so neither the graph (buffer updates, in-place ops on inputs) nor
+Dynamo's replay of Python side effects (list appends, attribute writes) happens; ``replay_side_effects`` is off
+as well. In-place updates of inputs and buffers come back as the joint graph's first outputs
+(``Captured.mutated``); the runner applies them on every call (``_compile/run.py``).
+
+Guards: the cache entry Dynamo built for the captured frame holds its guards (module structure, hooks, Python
+attributes and globals the loss read, tensor metadata, grad mode). ``Captured.guards`` keeps that guard manager
+so a later call can ask whether the graph still applies (``Guards.check``) and, if not, why (``Guards.why``).
+
+Settings the capture switches on, each restored when it returns (``config.patch`` / ``finally``), under one
+process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide, not thread-safe):
+
+- ``torch._dynamo.config.trace_autograd_ops = True``: trace ``torch.autograd.grad`` into the graph.
+- ``torch._dynamo.config.allow_rnn = True``: trace ``nn.RNN``/``LSTM``/``GRU`` instead of breaking the graph.
+- ``torch._dynamo.config.replay_side_effects = False``: the capture must not write the user's Python objects.
+- ``torch._dynamo.config.skip_nnmodule_hook_guards = False``: guard on modules' hooks, so that adding or removing
+  a hook after the capture is seen.
+- ``torch._dynamo.config.ignore_logging_functions``: ``logging.Logger`` methods (and ``warning_once``/
+  ``info_once`` where a library such as transformers added them), the ``logging`` module functions, and
+  ``warnings.warn`` become no-ops in the traced loss instead of graph breaks.
+- mkldnn disabled (``torch._C._set_mkldnn_enabled(False)``): float32 RNNs would become fused ``mkldnn_rnn_layer``
+  ops whose backward does not trace.
+- ``torch.backends.opt_einsum.enabled = False``: opt_einsum plans contractions from concrete sizes, which would
+  fix the batch size. (Another thread's eager ``einsum`` during a capture uses the default contraction order.)
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import copy
+import logging
+import re
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from .._errors import BatchInputError, CaptureError
+from .._errors import BatchInputError, CaptureError, InternalError
+
+#: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
+#: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
+CAPTURE_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -31,6 +68,61 @@ class Role:
     batched: bool = False
 
 
+class Guards:
+    """Dynamo's guards for the captured frame: does the graph still describe what the loss would do?
+
+    The frame is ``joint``'s: its locals are ``call_args`` (the capture arguments), ``loss_fn``, ``tensors`` (the
+    parameters, in order) and ``batched``. A call's arguments must be given as the capture saw them: detached,
+    contiguous, with at least two samples (``_api.guard_args``).
+    """
+
+    def __init__(self, manager, batched: list, code):
+        self._manager = manager
+        self._batched = batched
+        # The guards read names Dynamo installed in this module's globals, which Dynamo deletes with the frame's
+        # cache entry; the entry lives on ``code`` (unique to this capture) until these guards die. Dynamo keeps
+        # code objects referenced, so the entry (and the graph it holds) is dropped explicitly.
+        weakref.finalize(self, torch._dynamo.reset_code, code)
+
+    def _locals(self, loss_fn, tensors: list, args: tuple) -> dict:
+        return {"call_args": args, "loss_fn": loss_fn, "tensors": tensors, "batched": self._batched}
+
+    def check(self, loss_fn, tensors: list, args: tuple) -> bool:
+        f_locals = self._locals(loss_fn, tensors, args)
+        with torch.enable_grad():  # the capture ran with grad enabled; so does every call of the graph
+            if self._manager.check(f_locals):
+                return True
+            return not self._failing(f_locals)
+
+    def _failing(self, f_locals: dict) -> list[str]:
+        """The failing guards, less those on the batch size alone: the shape environment's guards (``16 <= B``
+        from a meta function's heuristic, ``B == B'`` between batched arguments) are checked last, and the
+        rewritten graph serves every batch size (``_api.batch_dims_of`` checks that batched arguments agree)."""
+        info = self._manager.check_verbose(f_locals)
+        parts = [" ".join(p.split()) for p in getattr(info, "verbose_code_parts", [])]
+        return [p for p in parts if not _on_batch_size_only(p)]
+
+    def why(self, loss_fn, tensors: list, args: tuple) -> str:
+        """The failing guard's text (what changed since the capture)."""
+        with torch.enable_grad():
+            parts = self._failing(self._locals(loss_fn, tensors, args))
+        return "; ".join(parts) or "a guard failed"
+
+
+_SIZE = re.compile(r"L\['call_args'\]\[\d+\]\.size\(\)\[\d+\]")
+_ARITHMETIC = re.compile(r"^[\d\s()<>=!+*/%-]*$")
+
+
+def _on_batch_size_only(part: str) -> bool:
+    """Whether a guard's text (before its ``#`` comment) compares argument sizes and numbers only; every other
+    size is static, so such a guard is on the batch size."""
+    for clause in part.split(";"):
+        code = clause.split("#", 1)[0]
+        if not _SIZE.search(code) or not _ARITHMETIC.match(_SIZE.sub("0", code).replace(" and ", " ")):
+            return False
+    return True
+
+
 @dataclass
 class Captured:
     joint: fx.GraphModule
@@ -38,6 +130,40 @@ class Captured:
     constants: dict[int, object]  # placeholder index -> the real value, for kind "const"
     fake_inputs: list
     loss_output: int  # index of the loss among the joint graph's outputs
+    #: placeholder indices whose data the loss updates in place, in the order of the joint graph's first outputs
+    mutated: list[int] = field(default_factory=list)
+    #: the joint graph reduced to those first outputs: the inputs' new values, from the inputs' old values
+    mutation_graph: fx.GraphModule | None = None
+    guards: Guards | None = None
+
+
+class _Abort(Exception):
+    """Raised by the function Dynamo compiled, instead of running it: the capture has no side effects."""
+
+
+def _abort(*_args):
+    raise _Abort()
+
+
+# One backend for every capture: Dynamo keeps each backend it sees alive for the whole process, so a closure per
+# capture would keep that capture's model and batch alive. The per-capture state lives in _pending (under the
+# lock) and is cleared when the capture returns.
+_pending: dict[str, object] = {}
+
+
+def _fw_compiler(gm, example_inputs):
+    _pending["gm"], _pending["fake"] = gm, list(example_inputs)
+    ctx = torch._guards.TracingContext.try_get()
+    _pending["meta"] = getattr(ctx, "fw_metadata", None)
+    return _abort
+
+
+_aot_backend = aot_autograd(fw_compiler=_fw_compiler)
+
+
+def _backend(gm, example_inputs):
+    _pending["real"] = list(example_inputs)
+    return _aot_backend(gm, example_inputs)
 
 
 def _label(real_inputs, params: dict[str, torch.Tensor], args: tuple, batched: set[int]):
@@ -69,26 +195,31 @@ def _mkldnn_disabled():
         torch._C._set_mkldnn_enabled(before)
 
 
-def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int]) -> Captured:
-    """Trace ``loss_fn(*args)`` and its gradients w.r.t. ``params``; ``batch_dims``: arg position -> batch dim."""
-    names = list(params)
-    tensors = [params[n] for n in names]
-    state: dict[str, object] = {}
+@contextlib.contextmanager
+def _opt_einsum_disabled():
+    """``torch.backends.opt_einsum.flags`` restores ``strategy`` through a setter that raises while disabled;
+    set and restore the module attribute alone."""
+    module = torch.backends.opt_einsum
+    before = module.enabled
+    module.enabled = False
+    try:
+        yield
+    finally:
+        module.enabled = before
 
-    def fw_compiler(gm, example_inputs):
-        state["gm"], state["fake"] = gm, list(example_inputs)
-        ctx = torch._guards.TracingContext.try_get()
-        meta = getattr(ctx, "fw_metadata", None)
-        state["mutations"] = len(getattr(meta, "mutated_inp_runtime_indices", []) or [])
-        return gm.forward
 
-    inner = aot_autograd(fw_compiler=fw_compiler)
+def _ignored_logging_functions() -> set:
+    """Logging calls that become no-ops in the traced loss (library code logs, e.g. transformers' warning_once)."""
+    names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log",
+             "warning_once", "info_once")
+    functions = {getattr(logging.Logger, n) for n in names if hasattr(logging.Logger, n)}
+    functions |= {getattr(logging, n) for n in names if callable(getattr(logging, n, None))}
+    functions.add(warnings.warn)
+    return functions
 
-    def backend(gm, example_inputs):
-        state["real"] = list(example_inputs)
-        return inner(gm, example_inputs)
 
-    batched = sorted(batch_dims.items())
+def _make_joint(loss_fn, tensors: list, batched: list):
+    """The function Dynamo traces; its locals are what ``Guards`` evaluates."""
 
     def joint(*call_args):
         first_pos, first_dim = batched[0]
@@ -101,20 +232,48 @@ def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_d
         grads = torch.autograd.grad(total, tensors, allow_unused=True)
         return (loss.detach(), *grads)
 
+    # A code object of its own per capture: Dynamo's cache entry for it (which holds the guards and the globals
+    # they read) then lives exactly as long as this capture's Guards.
+    joint.__code__ = joint.__code__.replace()
+    return joint
+
+
+def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int]) -> Captured:
+    """Trace ``loss_fn(*args)`` and its gradients w.r.t. ``params``; ``batch_dims``: arg position -> batch dim.
+
+    Pre: ``args``' batched tensors are fresh objects the caller lets us mark dynamic (``_api._capture_args``).
+    Post: nothing the user owns changed (the loss did not run); the lock is released and no switch left flipped.
+    """
+    with CAPTURE_LOCK:
+        try:
+            return _capture(loss_fn, params, args, batch_dims)
+        finally:
+            _pending.clear()
+
+
+def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int]) -> Captured:
+    names = list(params)
+    tensors = [params[n] for n in names]
+    batched = sorted(batch_dims.items())
+    joint = _make_joint(loss_fn, tensors, batched)
     for pos, dim in batch_dims.items():
         torch._dynamo.mark_dynamic(args[pos], dim)
-    compiled = torch.compile(joint, backend=backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(joint, backend=_backend, fullgraph=True, dynamic=False)
+    manager, out = None, None
+    settings = dict(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
+                    skip_nnmodule_hook_guards=False, ignore_logging_functions=_ignored_logging_functions())
     try:
-        # mkldnn off: float32 RNNs would become fused mkldnn_rnn_layer ops whose backward does not trace;
-        # opt_einsum off: it plans contractions from concrete sizes, which fixes the batch size.
-        with torch._dynamo.config.patch(trace_autograd_ops=True, allow_rnn=True), \
-                _mkldnn_disabled(), torch.backends.opt_einsum.flags(enabled=False):
+        with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), torch.enable_grad():
             out = compiled(*args)
+    except _Abort:  # the expected way out: the graph was captured, and nothing ran
+        entries = _debug_get_cache_entry_list(joint.__code__)
+        manager = entries[0].guard_manager if len(entries) == 1 else None
     except torch._dynamo.exc.Unsupported as e:
         raise CaptureError(
             "compiled_psg needs the loss function as one graph, and Dynamo could not capture it (a graph break):\n"
             f"{e}\nFix: remove the Python construct named above (data-dependent control flow, .item(), "
-            "printing tensors, unsupported libraries) from the loss function.") from None
+            "printing tensors) from the loss function; if it is in a library you do not own, report it to "
+            "compiled_psg with this message.") from None
     except torch._dynamo.exc.UserError as e:
         text = str(e)
         if "ConstraintViolation" not in text and "marked dynamic" not in text:
@@ -134,13 +293,69 @@ def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_d
                 "x.view(x.shape[0], -1) or x.flatten(1).") from None
         raise
     finally:
-        torch._dynamo.reset_code(joint.__code__)
-    if not isinstance(out[0], torch.Tensor):
-        raise BatchInputError(f"the loss function must return a tensor, got {type(out[0]).__name__}")
-    if "gm" not in state:
-        raise CaptureError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
-    roles, constants = _label(state["real"], params, args, set(batch_dims))
-    if len(roles) != len(state["fake"]):
-        raise CaptureError(f"internal: {len(roles)} Dynamo inputs but {len(state['fake'])} AOT inputs")
-    return Captured(joint=state["gm"], roles=roles, constants=constants, fake_inputs=state["fake"],
-                    loss_output=int(state["mutations"]))
+        if manager is None:
+            torch._dynamo.reset_code(joint.__code__)
+    if out is not None:  # the compiled function returned: Dynamo found no graph to hand to our backend
+        if not isinstance(out[0], torch.Tensor):
+            raise BatchInputError(f"the loss function must return a tensor, got {type(out[0]).__name__}")
+        raise InternalError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
+    try:
+        return _finish(manager, joint.__code__, params, args, batch_dims, batched)
+    except BaseException:
+        torch._dynamo.reset_code(joint.__code__)  # a refused capture leaves no cache entry (nor globals) behind
+        raise
+
+
+def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int], batched: list) -> Captured:
+    """Label the captured graph's inputs and check the contract; ``manager``: the frame's guards."""
+    if "gm" not in _pending or manager is None:
+        raise InternalError("the capture stopped before Dynamo installed the captured graph")
+    roles, constants = _label(_pending["real"], params, args, set(batch_dims))
+    fake = _pending["fake"]
+    if len(roles) != len(fake):
+        raise InternalError(f"{len(roles)} Dynamo inputs but {len(fake)} AOT inputs")
+    gm = _pending["gm"]
+    mutated = _mutated_inputs(_pending["meta"], roles)
+    outputs = gm.graph.output_node().args[0]
+    loss = outputs[len(mutated)] if len(outputs) > len(mutated) else None
+    if not isinstance(loss, fx.Node) or not isinstance(loss.meta.get("val"), torch.Tensor):
+        raise BatchInputError("the loss function must return a tensor (a scalar loss or per-sample losses [B])")
+    if not any(r.batched for r in roles):
+        raise BatchInputError("the loss function does not use any batched argument, so nothing is per sample. "
+                              "Fix: mark arguments the loss does not slice per sample None in in_dims, and pass the "
+                              "batch as an argument (not through a closure or global)")
+    return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
+                    mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
+                    guards=Guards(manager, batched, code))
+
+
+def _mutated_inputs(meta, roles: list[Role]) -> list[int]:
+    """Placeholder indices the loss updates in place, in output order. Only data updates are carried; a change of
+    an input's shape, strides or storage (``x.t_()``, ``resize_``, ``set_``) is refused."""
+    if meta is None:
+        raise InternalError("AOT autograd gave no metadata for the captured graph")
+    mutated = list(getattr(meta, "mutated_inp_runtime_indices", []) or [])
+    for i in mutated:
+        info = meta.input_info[i]
+        what = {"param": "parameter", "arg": "argument", "const": "buffer or constant tensor"}.get(roles[i].kind, "")
+        name = f" {roles[i].key!r}" if roles[i].key is not None else ""
+        if info.mutates_metadata or info.mutates_storage_metadata:
+            raise CaptureError(f"the loss function changes the shape or strides of its input {what}{name} in place "
+                               "(e.g. x.t_(), x.unsqueeze_(0), x.resize_()). Fix: use the out-of-place op "
+                               "(x = x.t()).")
+        if not info.mutates_data or roles[i].kind == "size":
+            raise InternalError(f"unexpected mutation of input {i} ({info})")
+    return mutated
+
+
+def _mutation_graph(joint: fx.GraphModule, count: int) -> fx.GraphModule:
+    """``joint`` returning only its first ``count`` outputs (the mutated inputs' new values); every placeholder
+    kept, so it takes the same inputs."""
+    gm = copy.deepcopy(joint)
+    graph = gm.graph
+    outputs = graph.output_node().args[0][:count]
+    graph.output_node().args = (tuple(outputs),)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return gm

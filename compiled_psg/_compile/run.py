@@ -3,6 +3,10 @@
 ``backend="inductor"`` compiles once with the batch symbolic (every batch size from 2 up) and once more,
 lazily, for a batch of one (the shape environment specializes sizes 0 and 1). ``backend="eager"`` runs the
 rewritten FX graph op by op: the same numbers, no compiler, for telling rewrite bugs from compiler bugs.
+
+In-place updates the loss makes to its inputs (``x.mul_(2)``, a buffer counter) are applied after every run, as
+an eager call of the loss would: the capture's mutation graph computes the new values from the same inputs and
+they are copied into the user's tensors (the real argument, parameter or buffer, not a contiguous copy).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
+from .._capture.dynamo import CAPTURE_LOCK
+from .._errors import CompileError, InternalError, PerSampleError
 from .build import Rewritten
 from .prepare import for_inductor
 
@@ -56,23 +62,38 @@ class CompiledPerSample:
             return self.graph
         key = "one" if batch_size == 1 else "any"
         if key not in self._compiled:
-            from torch._inductor.compile_fx import compile_fx
-
-            start = time.perf_counter()
-            gm = for_inductor(self.graph)  # a copy, with views as reshapes (prepare.py)
-            if key == "any":
-                fakes = self.rewritten.captured.fake_inputs
-                mode = detect_fake_mode(fakes)
-                examples = [f.detach() if isinstance(f, torch.Tensor) else f for f in fakes]
-                examples += [mode.from_tensor(x, static_shapes=True) for x in inputs[len(fakes):]]
-            else:
-                examples = inputs
-            self._compiled[key] = compile_fx(gm, examples)
-            if key == "any":
-                _check_batch_not_pinned(self.rewritten, "Inductor")
-            self.compile_seconds += time.perf_counter() - start
-            self.compiles += 1
+            with CAPTURE_LOCK:  # Inductor shares Dynamo's process-wide state; one compile at a time
+                if key not in self._compiled:
+                    self._compile(key, inputs)
         return self._compiled[key]
+
+    def _compile(self, key: str, inputs: list) -> None:
+        from torch._inductor.compile_fx import compile_fx
+
+        start = time.perf_counter()
+        gm = for_inductor(self.graph)  # a copy, with views as reshapes (prepare.py)
+        if key == "any":
+            fakes = self.rewritten.captured.fake_inputs
+            mode = detect_fake_mode(fakes)
+            examples = [f.detach() if isinstance(f, torch.Tensor) else f for f in fakes]
+            examples += [mode.from_tensor(x, static_shapes=True) for x in inputs[len(fakes):]]
+        else:
+            examples = inputs
+        try:
+            compiled = compile_fx(gm, examples)
+        except PerSampleError:
+            raise
+        except Exception as e:
+            raise CompileError(
+                f"Inductor failed to compile the rewritten per-sample graph ({type(e).__name__}: "
+                f"{(str(e).strip().splitlines() or [''])[0]}). The rewrite itself is fine: backend=\"eager\" "
+                "runs the same graph without a compiler and gives the same numbers. Please report this "
+                "with the message above.") from e
+        if key == "any":
+            _check_batch_not_pinned(self.rewritten, "Inductor")
+        self._compiled[key] = compiled
+        self.compile_seconds += time.perf_counter() - start
+        self.compiles += 1
 
     def prepare(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int, extra: tuple = ()) -> None:
         """Compile for ``batch_size`` now, without running."""
@@ -83,7 +104,26 @@ class CompiledPerSample:
         inputs = self._inputs(params, args, batch_size) + list(extra)
         fn = self._callable(batch_size, inputs)
         with torch.no_grad():
-            return list(fn(*inputs))
+            outputs = list(fn(*inputs))
+            if self.rewritten.captured.mutated:
+                self._apply_mutations(params, args, inputs)
+        return outputs
+
+    def _apply_mutations(self, params: dict[str, torch.Tensor], args: tuple, inputs: list) -> None:
+        """Write the loss's in-place updates into the user's tensors. Pre: ``inputs`` still hold the old values
+        (the graphs are functional). Post: each mutated argument, parameter or buffer holds what one eager call of
+        the loss would have left in it."""
+        captured = self.rewritten.captured
+        new_values = captured.mutation_graph(*inputs[:len(captured.roles)])
+        for i, value in zip(captured.mutated, new_values, strict=True):
+            role = captured.roles[i]
+            if role.kind == "param":
+                target = params[role.key]
+            elif role.kind == "arg":
+                target = args[role.key]
+            else:
+                target = captured.constants[i]
+            target.copy_(value)
 
     def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
         loss, per_sample_losses, *flat = self.run(params, args, batch_size)
@@ -93,5 +133,5 @@ class CompiledPerSample:
 def _check_batch_not_pinned(rw: Rewritten, stage: str) -> None:
     env = getattr(detect_fake_mode(rw.captured.fake_inputs), "shape_env", None)
     if env is not None and rw.batch.symbol in env.replacements:
-        raise AssertionError(f"internal: {stage} fixed the batch size to {env.replacements[rw.batch.symbol]}; an op "
+        raise InternalError(f"{stage} fixed the batch size to {env.replacements[rw.batch.symbol]}; an op "
                              "in the rewritten graph needs an opaque implementation. Use backend='eager' meanwhile.")

@@ -1,0 +1,135 @@
+"""The capture changes nothing the user owns; in-place updates inside the loss happen on every call, as in eager."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import reference_per_sample
+
+import compiled_psg as psg
+
+
+def _data(B=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)
+
+
+def _assert_matches(got: dict, expected: dict):
+    assert set(got) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-9, atol=1e-12)
+
+
+def test_refused_batchnorm_leaves_running_stats_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = _data()
+
+    @psg.per_sample(model, backend="eager")
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    with pytest.raises(psg.SampleMixingError):
+        loss(x, y)
+    after = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), f"the refused capture changed {k}"
+
+
+class Counting(nn.Module):
+    """Counts its calls in a buffer and keeps a running mean of its inputs: both updated in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(1, dtype=torch.float64))  # not 0-dim: see docs/semantics.md
+        self.register_buffer("ema", torch.zeros(4, dtype=torch.float64))
+        self.seen = 0  # a Python attribute written in forward
+
+    def forward(self, x):
+        self.calls.add_(1)
+        with torch.no_grad():
+            self.ema.mul_(0.5).add_(0.5 * x.mean(0))
+        self.seen = self.seen + 1
+        return self.fc(x)
+
+
+def test_buffer_updates_apply_once_per_call_as_in_eager():
+    torch.manual_seed(0)
+    model = Counting().double()
+    twin = Counting().double()
+    twin.load_state_dict(model.state_dict())
+    x, y = _data()
+
+    @psg.per_sample(model, backend="eager")
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    for call in range(1, 4):
+        grads = loss(x * call, y)
+        F.cross_entropy(twin(x * call), y)  # the eager twin: what one plain call leaves in the buffers
+        assert model.calls.item() == call
+        torch.testing.assert_close(model.ema, twin.ema, rtol=1e-12, atol=0)
+    assert model.seen == 0, "Python attribute writes in the loss do not run (docs/semantics.md)"
+    params = dict(model.named_parameters())
+    _assert_matches(grads, reference_per_sample(lambda a, b: F.cross_entropy(model.fc(a), b), params, (x * 3, y)))
+    assert loss.captures == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_in_place_op_on_input_every_call(backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = _data()
+
+    @psg.per_sample(model, backend=backend)
+    def loss(x, y):
+        x.mul_(2)
+        return F.cross_entropy(model(x), y)
+
+    expected = reference_per_sample(lambda a, b: F.cross_entropy(model(2 * a), b), dict(model.named_parameters()),
+                                    (x, y))
+    strided = torch.randn(4, 5, dtype=torch.float64).t()  # a non-contiguous argument: written in place too
+    for call in range(3):
+        arg = x.clone()
+        _assert_matches(loss(arg, y), expected)  # the first call as every later one
+        torch.testing.assert_close(arg, 2 * x, rtol=0, atol=0)
+        if call == 0:
+            s = strided.clone()
+            loss(s, torch.zeros(5, dtype=torch.long))
+            torch.testing.assert_close(s, 2 * strided, rtol=0, atol=0)
+    assert loss.captures == 1
+
+
+def test_python_side_effects_never_run():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    log, counter = [], {"n": 0}
+    x, y = _data()
+
+    @psg.per_sample(model, backend="eager")
+    def loss(x, y):
+        log.append("called")
+        counter["n"] += 1
+        return F.cross_entropy(model(x), y)
+
+    got = loss(x, y)
+    loss(x, y)
+    assert log == [] and counter["n"] == 0
+    params = dict(model.named_parameters())
+    _assert_matches(got, reference_per_sample(lambda a, b: F.cross_entropy(model(a), b), params, (x, y)))
+
+
+def test_metadata_mutation_of_input_refused():
+    model = nn.Linear(4, 3).double()
+    x, y = _data()
+
+    @psg.per_sample(model, backend="eager")
+    def loss(x, y):
+        x.unsqueeze_(1)
+        return F.cross_entropy(model(x[:, 0]), y)
+
+    with pytest.raises(psg.CaptureError):  # Dynamo refuses in-place views of inputs; our check backs it up
+        loss(x, y)
+    assert x.shape == (5, 4)
