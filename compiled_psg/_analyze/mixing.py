@@ -155,8 +155,21 @@ class Analysis:
             self._check_batch_size_args(node, fact)
         except _Refuse as refusal:
             self._report(refusal.node or node, refusal)
-            fact = None
+            fact = self._recovered(node)
         self.facts[node] = fact
+
+    def _recovered(self, node: fx.Node) -> Fact:
+        """After a refusal, carry on as if the node kept samples apart, so that later, independent sites (every
+        BatchNorm of a deep network) are reported too; values with the batch in two dimensions stop here."""
+        value = value_of(node)
+        values = value if isinstance(value, (tuple, list)) else [value]
+        facts = []
+        for v in values:
+            dims = self.batch.dims(v) if isinstance(v, torch.Tensor) else ()
+            if len(dims) > 1:
+                return None
+            facts.append(PerSample(dims[0], None) if dims else SHARED)
+        return tuple(facts) if isinstance(value, (tuple, list)) else facts[0]
 
     def _check_batch_size_args(self, node: fx.Node, fact: Fact) -> None:
         """The batch size may size a value (``x.view(n, -1)``) but not be a value: a batch of one sees 1 where the
