@@ -6,11 +6,10 @@ import operator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
-from ..contraction import Contraction, factored_sq_norms
+from ..contraction import Contraction
 from ..registry import contraction_rule
 
 ATEN = torch.ops.aten
@@ -87,23 +86,16 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
         return conv_weight_per_sample(gs, xs, w_shape, list(stride), list(padding), list(dilation), bool(transposed),
                                       list(output_padding), int(groups))
 
-    factors = None
+    # (t, o, i) of the unfolded form, for the cost model. No ghost norm from unfold factors: tracing F.unfold on
+    # the symbolic batch pins the batch size (found when the byte-aware cost model first chose it), so the
+    # per-sample conv weight gradient is materialized for norms, sums of squares and Gram matrices.
     factor_shape = None
     g_val = value_of(g)
     if not transposed and groups == 1 and len(w_shape) == 4 and not any(output_padding):
         positions = int(g_val.shape[2] * g_val.shape[3]) * layout[0] * layout[1]
-        fan_in = w_shape[1] * w_shape[2] * w_shape[3]
-
-        def factors(g, x, w):  # a [n, t, o] (t = output positions), x [n, t, c*kh*kw]
-            cols = F.unfold(x, w_shape[2:], dilation=dilation, padding=padding, stride=stride)
-            a = split_batch(g.flatten(2).transpose(1, 2), 0, layout).flatten(1, 2)
-            xcol = split_batch(cols.transpose(1, 2), 0, layout).flatten(1, 2)
-            return a, xcol
-
-        factor_shape = (positions, w_shape[0], fan_in)
+        factor_shape = (positions, w_shape[0], w_shape[1] * w_shape[2] * w_shape[3])
 
     return Contraction(
         rule="convolution_backward[weight]", node=node, inputs=[g, x, w], per_sample=per_sample_weight,
-        linear_arg=0, linear_layout=(0, layout), rebuild=rebuild, factors=factors, factor_shape=factor_shape,
-        sq_norms=(lambda g, x, w: factored_sq_norms(*factors(g, x, w))) if factors else None,
+        linear_arg=0, linear_layout=(0, layout), rebuild=rebuild, factor_shape=factor_shape,
     )
