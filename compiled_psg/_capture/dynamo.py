@@ -53,6 +53,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from .._errors import BatchInputError, CaptureError, InternalError
+from . import identity_guards, shape_env_caches
 
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
 #: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
@@ -83,11 +84,19 @@ class Guards:
         # cache entry; the entry lives on ``code`` (unique to this capture) until these guards die. Dynamo keeps
         # code objects referenced, so the entry (and the graph it holds) is dropped explicitly.
         weakref.finalize(self, torch._dynamo.reset_code, code)
+        self._stale: str | None = None
+        identity_guards.adopt(manager, self)
+
+    def stale(self, reason: str) -> None:
+        """Mark these guards failed for good (an object they matched by identity was freed)."""
+        self._stale = reason
 
     def _locals(self, loss_fn, tensors: list, args: tuple) -> dict:
         return {"call_args": args, "loss_fn": loss_fn, "tensors": tensors, "batched": self._batched}
 
     def check(self, loss_fn, tensors: list, args: tuple) -> bool:
+        if self._stale is not None:
+            return False
         f_locals = self._locals(loss_fn, tensors, args)
         with torch.enable_grad():  # the capture ran with grad enabled; so does every call of the graph
             if self._manager.check(f_locals):
@@ -104,6 +113,8 @@ class Guards:
 
     def why(self, loss_fn, tensors: list, args: tuple) -> str:
         """The failing guard's text (what changed since the capture)."""
+        if self._stale is not None:
+            return self._stale
         with torch.enable_grad():
             parts = self._failing(self._locals(loss_fn, tensors, args))
         return "; ".join(parts) or "a guard failed"
@@ -153,6 +164,7 @@ _pending: dict[str, object] = {}
 
 def _fw_compiler(gm, example_inputs):
     _pending["gm"], _pending["fake"] = gm, list(example_inputs)
+    shape_env_caches.track(getattr(torch._guards.detect_fake_mode(example_inputs), "shape_env", None))
     ctx = torch._guards.TracingContext.try_get()
     _pending["meta"] = getattr(ctx, "fw_metadata", None)
     return _abort
@@ -258,7 +270,8 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     joint = _make_joint(loss_fn, tensors, batched)
     for pos, dim in batch_dims.items():
         torch._dynamo.mark_dynamic(args[pos], dim)
-    compiled = torch.compile(joint, backend=_backend, fullgraph=True, dynamic=False)
+    # torch.compile would wrap _backend in a new object per call, which Dynamo caches for the whole process.
+    compiled = torch._dynamo.optimize(_backend, nopython=True, dynamic=False)(joint)
     manager, out = None, None
     settings = dict(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
                     skip_nnmodule_hook_guards=False, ignore_logging_functions=_ignored_logging_functions())
