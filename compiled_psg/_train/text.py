@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -40,23 +41,32 @@ def stdlib_docstrings(modules: tuple[str, ...] | list[str]) -> list[str]:
             seen.add(doc)
             docs.append(doc)
 
-    for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # an optional module missing from this build of Python
-            continue
-        add(module)
-        for attr in sorted(vars(module)):
-            obj = vars(module)[attr]
-            if not (inspect.isclass(obj) or inspect.isfunction(obj)) or getattr(obj, "__module__", None) != name:
-                continue
-            add(obj)
-            if inspect.isclass(obj):
-                for method in sorted(vars(obj)):
-                    member = vars(obj)[method]
-                    if inspect.isfunction(member) or isinstance(member, (classmethod, staticmethod, property)):
-                        add(getattr(member, "__func__", getattr(member, "fget", member)))
+    with warnings.catch_warnings():  # reading deprecated members (typing.io, ...) is not using them
+        warnings.simplefilter("ignore")
+        for name in modules:
+            _add_module(name, add)
     return docs
+
+
+def _add_module(name: str, add) -> None:
+    """``add`` the docstrings of module ``name``, its classes and functions, and their methods, by name."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError:  # an optional module missing from this build of Python
+        return
+    add(module)
+    for attr in sorted(vars(module)):
+        obj = vars(module)[attr]
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)) or getattr(obj, "__module__", None) != name:
+            continue
+        add(obj)
+        if inspect.isclass(obj):
+            for method in sorted(vars(obj)):
+                member = vars(obj)[method]
+                if inspect.isfunction(member) or isinstance(member, classmethod | staticmethod | property):
+                    fn = getattr(member, "__func__", getattr(member, "fget", member))
+                    if getattr(fn, "__module__", None) == name:  # not one another library patched in
+                        add(fn)
 
 
 def encode(text: str) -> torch.Tensor:
