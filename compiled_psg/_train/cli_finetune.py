@@ -35,8 +35,8 @@ HF_MISSING = ("python -m compiled_psg finetune needs transformers and peft (the 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="compiled-psg finetune", add_help=add_help,
                                 description="DP LoRA fine-tuning of a tiny Llama-style model on stdlib docstrings.")
-    p.add_argument("--steps", type=int, default=150, help="DP fine-tuning steps (Poisson-sampled batches)")
-    p.add_argument("--pretrain-steps", type=int, default=250, help="non-private pre-training steps on the public text")
+    p.add_argument("--steps", type=int, default=100, help="DP fine-tuning steps (Poisson-sampled batches)")
+    p.add_argument("--pretrain-steps", type=int, default=300, help="non-private pre-training steps on the public text")
     p.add_argument("--epsilon", type=float, default=8.0,
                    help="target epsilon: the noise multiplier is calibrated to reach it after --steps")
     p.add_argument("--sigma", type=float, default=None, help="noise multiplier (overrides --epsilon)")
@@ -56,9 +56,9 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64, help="bytes per example window")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--pretrain-batch-size", type=int, default=32)
+    p.add_argument("--pretrain-batch-size", type=int, default=16)
     p.add_argument("--pretrain-lr", type=float, default=3e-3)
-    p.add_argument("--evals", type=int, default=5, help="held-out evaluations during fine-tuning (for the plot)")
+    p.add_argument("--evals", type=int, default=4, help="held-out evaluations during fine-tuning (for the plot)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave torch's setting)")
     p.add_argument("--out", type=Path, default=Path("runs/finetune"))
@@ -181,7 +181,9 @@ def finetune(args) -> dict:
     step, loader, epsilon_fn, info, dp_step = _trainer(args, model, corpus.private_train)
     mode = ("non-private" if args.no_dp
             else f"DP-SGD sigma={info['noise_multiplier']:.3f} q={info['sample_rate']:.4f} C={args.max_grad_norm:g}")
-    bar.write(f"fine-tune: LoRA rank {args.lora_rank}, {trained:,} trained parameters, {mode}, backend={args.backend}")
+    bar.write(f"fine-tune: LoRA rank {args.lora_rank}, {trained:,} trained parameters, {mode}, backend={args.backend}"
+              + ("" if args.no_dp else f"; privacy unit: one {args.seq_len}-byte window of the private text (the "
+                                        "public pre-training text is not protected)"))
     bar.set_description("DP fine-tune" if not args.no_dp else "fine-tune (non-private)")
     history = [dict(step=0, perplexity=before, epsilon=0.0 if not args.no_dp else None, elapsed_seconds=0.0)]
     eval_at = {round(args.steps * k / args.evals) for k in range(1, args.evals + 1)} if args.evals else set()
