@@ -232,7 +232,8 @@ def finetune(args) -> dict:
 
 
 def unigram_perplexity(corpus) -> float:
-    """The held-out perplexity of byte frequencies counted on the private training text: a floor of sense."""
+    """The held-out perplexity of byte frequencies counted on the private training text (add-one smoothed): the
+    reference any model that learned something beats."""
     counts = torch.bincount(corpus.private_train.reshape(-1), minlength=256).double() + 1.0
     logp = (counts / counts.sum()).log()
     test = corpus.private_test[:, 1:].reshape(-1)
