@@ -10,9 +10,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="compiled-psg", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{train,finetune,explain,graphs}")
-    commands.add_parser("train", add_help=False, help="train a small CNN on digits with DP-SGD (the main job)")
+    commands.add_parser("train", add_help=False, help="train a small CNN on digits with DP-SGD (the first main job)")
     commands.add_parser("finetune", add_help=False,
-                        help="DP LoRA fine-tuning of a tiny Llama-style model on stdlib docstrings (needs .[hf])")
+                        help="DP LoRA fine-tuning of a tiny Llama-style model on stdlib docstrings (the second "
+                             "main job; needs .[hf])")
     commands.add_parser("explain", add_help=False, help="explain how a bundled example model is rewritten")
     commands.add_parser("graphs", add_help=False, help="regenerate the reference dumps in graphs/")
     known = parser.parse_args(argv[:1])
