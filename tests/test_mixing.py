@@ -143,6 +143,17 @@ def item_back(lin, x, y):
     return F.cross_entropy(lin(x / scale), y)
 
 
+def masked_scatter_rows(lin, x, y):
+    h = lin(x)
+    placed = torch.zeros_like(h).masked_scatter(h > 0, h)  # <masked_scatter>
+    return F.cross_entropy(placed, y)
+
+
+def take_flat(lin, x, y):
+    h = lin(x)
+    return F.cross_entropy(h, y) + torch.take(h, torch.tensor([0, 5, 9])).sum()  # <take>
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -165,6 +176,8 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "gather_over_batch": (gather_batch, ("idx",), "gather0"),
     "per_sample_index_into_features": (pairs_index, ("idx",), "pairs_index"),
     "batch_max_flows_back": (item_back, (), "item_max"),
+    "masked_scatter_in_flat_order": (masked_scatter_rows, (), "masked_scatter"),
+    "take_in_flat_order": (take_flat, (), "take"),
 }
 
 

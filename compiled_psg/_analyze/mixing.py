@@ -475,6 +475,16 @@ def _positional_factory(an: Analysis, node: fx.Node) -> Fact:
     return SHARED
 
 
+@_handles(ops.FLAT_ORDER)
+def _flat_order(an: Analysis, node: fx.Node) -> Fact:
+    if all(isinstance(f, Shared) for f in _tensor_facts(an, node).values()):
+        return SHARED
+    raise _mix("it places elements by their order in the whole flattened tensor, batch included (the k-th "
+               "source element goes to the k-th selected position), so a sample's values can land in another "
+               "sample's rows", "select or scatter within each sample: torch.where(mask, source, out) with a "
+               "source shaped like out")
+
+
 @_handles(ops.VIEWS)
 def _view(an: Analysis, node: fx.Node) -> Fact:
     fact = an.fact(node.args[0])

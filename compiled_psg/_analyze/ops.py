@@ -181,6 +181,10 @@ INDEXING = _overloads("index.Tensor", "_unsafe_index.Tensor", "index_select", "g
                       "index_fill.int_Scalar", "index_fill.int_Tensor", "take_along_dim", "bucketize.Tensor",
                       "searchsorted.Tensor")
 
+# Ops that pair elements by their position in the whole flattened tensor (the k-th source element goes to the
+# k-th selected position): with the batch among the dimensions, one sample's values land in another's rows.
+FLAT_ORDER = _overloads("masked_scatter", "masked_select", "nonzero", "take", "put", "index_put_.flat")
+
 # op -> names of its arguments that are sizes: the batch size may appear there (``x.view(n, -1)``,
 # ``zeros(n, d)``); anywhere else an argument that reads the batch size uses it as a value, which a batch of one
 # would see as 1 (refused unless the op is tagged pointwise: the loss head then reads it as 1).
