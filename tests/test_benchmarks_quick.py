@@ -91,3 +91,20 @@ def test_sizes_predicted_too_slow_or_too_big_are_skipped():
     big = {"64": {"median_s": 0.1, "peak_bytes": 2**50}}
     assert "peak memory" in predicted_skip("grads", big, 256, plan)
     assert predicted_skip("grads", {"16": {"error": "unsupported: x"}}, 64, plan) is None
+
+
+def test_cost_model_benchmark_forces_each_strategy():
+    """The cost-model benchmark times what it says: under ``only(...)`` the rewrite records the forced strategy, and
+    both forced forms give the same norms."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.cost_model import _norms_fn, only
+
+    norms = {}
+    for name in ("ghost", "materialize"):
+        with only("sq_norm", name):
+            fn, x = _norms_fn((4, 3, 8, 8), "eager")
+            norms[name] = fn(x)
+        assert fn.compiled_for(x)[0].rewritten.choices["weight"][0].method == name
+    torch.testing.assert_close(norms["ghost"], norms["materialize"])
