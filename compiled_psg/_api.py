@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._capture import shape_env_caches
+from ._capture import torch_caches
 from ._capture.dynamo import CAPTURE_LOCK
 from ._compile.build import Rewritten, build
 from ._compile.run import BACKENDS, CompiledPerSample
@@ -206,7 +206,7 @@ class PerSampleFunction:
                 try:
                     rewritten = self._build(params, args, batch_dims, batch_size)
                 finally:
-                    shape_env_caches.release()
+                    torch_caches.release()
                 entry = CompiledPerSample(rewritten, self.backend)
                 self._captures += 1
                 for old in entries[MAX_ENTRIES_PER_KEY - 1:]:

@@ -53,7 +53,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from .._errors import BatchInputError, CaptureError, InternalError
-from . import identity_guards, shape_env_caches
+from . import identity_guards, torch_caches
 
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
 #: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
@@ -164,7 +164,7 @@ _pending: dict[str, object] = {}
 
 def _fw_compiler(gm, example_inputs):
     _pending["gm"], _pending["fake"] = gm, list(example_inputs)
-    shape_env_caches.track(getattr(torch._guards.detect_fake_mode(example_inputs), "shape_env", None))
+    torch_caches.track(getattr(torch._guards.detect_fake_mode(example_inputs), "shape_env", None))
     ctx = torch._guards.TracingContext.try_get()
     _pending["meta"] = getattr(ctx, "fw_metadata", None)
     return _abort

@@ -18,7 +18,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
-from .._capture import shape_env_caches
+from .._capture import torch_caches
 from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import CompileError, InternalError, PerSampleError
 from .build import Rewritten
@@ -68,9 +68,9 @@ class CompiledPerSample:
                     try:
                         self._compile(key, inputs)
                     finally:
-                        shape_env_caches.track(getattr(detect_fake_mode(self.rewritten.captured.fake_inputs),
+                        torch_caches.track(getattr(detect_fake_mode(self.rewritten.captured.fake_inputs),
                                                        "shape_env", None))
-                        shape_env_caches.release()
+                        torch_caches.release()
         return self._compiled[key]
 
     def _compile(self, key: str, inputs: list) -> None:
