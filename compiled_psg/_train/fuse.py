@@ -63,10 +63,12 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     missing = [n for n in names if n not in sums]
     if missing:
         raise InternalError(f"the per-sample graph has no gradient for {missing}")
-    roles = zip(rewritten.roles, _placeholders(per_sample_gm.graph), strict=True)
+    own = _placeholders(per_sample_gm.graph)
+    roles = zip(rewritten.roles, own[:len(rewritten.roles)], strict=True)
     param_placeholder = {r.key: env[n] for r, n in roles if r.kind == "param"}
     first_compute = next(n for n in graph.nodes if n.op != "placeholder")
-    inputs: list[tuple[str, object]] = []
+    # the reduction's own run-time inputs (adaptive clipping bounds) come first after the captured ones
+    inputs: list[tuple[str, object]] = [("reduce_input", k) for k in range(len(own) - len(rewritten.roles))]
 
     def placeholder(kind: str, key: object, name: str) -> fx.Node:
         with graph.inserting_before(first_compute):  # after the per-sample graph's own, in order
@@ -94,6 +96,10 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
             scale = call(aten.reciprocal.default, (call(aten.clamp_min.default, (count, 1)),))
     if scale is None:
         scale = placeholder("scale", None, "scale")
+    # the sums are float32 for bfloat16 parameters (noise added in float32 too): the update gets the param dtype
+    grads = [g if _dtype(sums[n]) in (None, p.dtype)
+             else call(aten._to_copy.default, (g,), {"dtype": p.dtype})
+             for g, n, p in zip(grads, names, params, strict=True)]
 
     by_identity = {id(p): n for p, n in zip(params, names, strict=True)}
     update_env: dict[fx.Node, fx.Node] = {}
@@ -115,6 +121,11 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     graph.lint()
     gm = fx.GraphModule(root, graph)
     return StepProgram(gm, inputs, output_names)
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _placeholders(graph: fx.Graph) -> list[fx.Node]:
