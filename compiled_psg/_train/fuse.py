@@ -7,11 +7,14 @@ Before, two graphs (index letters: n batch, j parameter)::
 
 After, one graph::
 
-    (params, batch, [partial_j], [noise_j], [count], [scale], .grad, state) -> (loss, losses[n], [norms[n]], [count])
+    (params, batch, [bounds], [partial_j], [noise_j], [count], [scale], .grad, state)
+            -> (loss, losses[n], [norms[n]], [count])
+        S_j = <per-sample graph>                # bounds: the reduction's own run-time input (adaptive clipping)
         G_j = S_j + partial_j                   # micro-batching: the clipped sums of the earlier micro-batches
         G_j = G_j + noise_j                     # noise placeholders only on the process that adds the noise
         G, count = all_reduce(cat(G_j, count))  # one collective, only under torch.distributed
         scale = 1 / max(count, 1)               # in the graph only when dividing by the global batch size
+        G_j = G_j.to(param_j.dtype)             # the sums are float32 for bfloat16 parameters (mixed precision)
         <update graph on G_j and scale>
 
 Pre-conditions: the per-sample graph's result is ``{name: tensor}`` or ``({name: tensor}, norms)`` with an entry
