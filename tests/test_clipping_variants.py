@@ -317,3 +317,27 @@ def test_adaptive_on_inductor_matches_eager():
     assert b_ind == pytest.approx(b_eager, rel=1e-5)
     for a, b in zip(p_eager, p_ind, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["per_layer", "adaptive"])
+def test_micro_batches_equal_the_whole_batch(variant):
+    """The bounds input (adaptive) and the per-group factors are fed to every micro-batch: split logical
+    batches give the same noisy steps (seeded) and the same bounds as whole ones, to float rounding."""
+    kw = dict(VARIANTS[variant], noise_multiplier=0.8)
+    if variant == "adaptive":
+        kw["unclipped_num_std"] = 2.0
+    runs = []
+    for size in (None, 3):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = compile_step(mean_loss(model), model, opt, backend="eager", max_physical_batch_size=size,
+                            expected_batch_size=8.0, generator=torch.Generator().manual_seed(7), **kw)
+        bounds = []
+        for seed in range(3):
+            step(*data(8, seed))
+            bounds.append(step.max_grad_norm)
+        runs.append((bounds, [p.detach().clone() for p in model.parameters()]))
+    (b_whole, p_whole), (b_split, p_split) = runs
+    assert b_split == pytest.approx(b_whole, rel=1e-12)
+    for a, b in zip(p_whole, p_split, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
