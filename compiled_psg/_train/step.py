@@ -104,6 +104,9 @@ class DPStep:
     ``DPConfig``) may be assigned between steps: they are validated, and the next step uses them (a new ``C``
     recaptures the per-sample graph once per bound, since ``C`` is a constant of that graph; switching noise on
     or off selects the program with or without the noise input). ``last_config`` is what the last step used.
+    The other fields of ``config`` (the clipping variants' options, e.g. ``target_unclipped_quantile``) change
+    with ``step.config = step.config.replace(...)``; the clipping mode itself is fixed. Under adaptive clipping
+    the step sets ``max_grad_norm`` itself after every step.
     """
 
     def __init__(self, loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
