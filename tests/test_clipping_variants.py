@@ -8,6 +8,7 @@ the gradient noise have the stds the accounting assumes, and epsilon counts both
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -341,3 +342,28 @@ def test_micro_batches_equal_the_whole_batch(variant):
     assert b_split == pytest.approx(b_whole, rel=1e-12)
     for a, b in zip(p_whole, p_split, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_adaptive_resumes_bit_for_bit():
+    """The moving bound and the count noise's generator are part of the step's state."""
+    def build():
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = compile_step(mean_loss(model), model, opt, backend="eager", clipping="adaptive",
+                            max_grad_norm=0.5, noise_multiplier=0.8, unclipped_num_std=2.0,
+                            expected_batch_size=8.0, generator=torch.Generator().manual_seed(3))
+        return model, step
+
+    model, step = build()
+    for seed in range(2):
+        step(*data(8, seed))
+    saved = copy.deepcopy(step.state_dict())
+    for seed in range(2, 4):
+        step(*data(8, seed))
+    model2, step2 = build()
+    step2.load_state_dict(saved)
+    for seed in range(2, 4):
+        step2(*data(8, seed))
+    assert step2.max_grad_norm == step.max_grad_norm
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
