@@ -267,9 +267,9 @@ class DPClip(Reduction):
         return sums, norms
 
     def empty(self, shapes):
-        sums = {n: torch.zeros(s, dtype=_acc(d, self.acc_dtype), device=dev) for n, (s, d, dev) in shapes.items()}
+        sums = {n: torch.zeros(s, dtype=sum_dtype(d, self.acc_dtype), device=dev) for n, (s, d, dev) in shapes.items()}
         _, dtype, device = next(iter(shapes.values()))
-        return sums, torch.zeros(0, dtype=_acc(dtype, self.acc_dtype), device=device)
+        return sums, torch.zeros(0, dtype=sum_dtype(dtype, self.acc_dtype), device=device)
 
 
 def _clip_factors(k: int):
@@ -279,5 +279,6 @@ def _clip_factors(k: int):
     return factors
 
 
-def _acc(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+def sum_dtype(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+    """The dtype of ``DPClip``'s sum for a parameter of ``dtype``: ``acc`` for low precision, else the wider."""
     return acc if dtype in LOW_PRECISION else torch.promote_types(dtype, acc)

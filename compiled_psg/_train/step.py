@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from .._compile.run import CompiledPerSample
 from .._errors import DPConfigError
-from .._reduce.reductions import ClipSum, DPClip, Gram, Norms, PerSampleGrads, Reduction, _acc
+from .._reduce.reductions import ClipSum, DPClip, Gram, Norms, PerSampleGrads, Reduction, sum_dtype
 from . import distributed as dist_utils
 from . import update_graph
 from .binding import OptimizerBinding
@@ -195,7 +195,8 @@ class DPStep:
 
     @property
     def noise_std(self) -> float:
-        """The noise std the next step adds, ``noise_multiplier * max_grad_norm``."""
+        """The noise std the next step adds to the clipped sum: the gradient's noise multiplier times the
+        sensitivity (``noise_multiplier * max_grad_norm`` for flat clipping; see ``DPConfig``)."""
         return self._config.noise_std
 
     @property
@@ -346,7 +347,7 @@ class DPStep:
     def _sum_like(self, j: int) -> torch.Tensor:
         """Zeros shaped like the clipped sum of the ``j``-th parameter (float32 for a bfloat16 parameter)."""
         p = self.params[j]
-        return torch.zeros(p.shape, dtype=_acc(p.dtype, self._acc_dtype()), device=p.device)
+        return torch.zeros(p.shape, dtype=sum_dtype(p.dtype, self._acc_dtype()), device=p.device)
 
     def _reduce_inputs(self, config: DPConfig, count: int) -> list[torch.Tensor]:
         """The per-sample graph's own run-time inputs: the clipping bounds under adaptive clipping."""
