@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from reference import reference_per_sample
 
 from compiled_psg import per_sample
+from compiled_psg._errors import DPConfigError
 from compiled_psg._reduce.reductions import DPClip
 from compiled_psg._train.step import compile_step
 
@@ -129,3 +130,16 @@ def test_bf16_parameters_train_with_compile_step():
             torch.testing.assert_close(p.detach().double(), want, rtol=2 ** -7, atol=1e-4)
     assert step.fused and step.last_norms.dtype == torch.float32
     assert step._sum_like(0).dtype == torch.float32  # what the noise is drawn like
+
+
+def test_step_inside_autocast_is_refused():
+    """Autocast around the step call would also cover the clipping and the update: refused, with the fix."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), 0.1),
+                        max_grad_norm=C, backend="eager")
+    x, y = data()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(DPConfigError, match="inside the loss"):
+        step(x, y)
+    step(x, y)  # outside autocast: fine
+    assert step.steps_taken == 1

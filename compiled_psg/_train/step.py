@@ -87,6 +87,19 @@ def _add_into(total: list[torch.Tensor] | None, sums: dict, names: list[str]) ->
     return total
 
 
+def _refuse_ambient_autocast() -> None:
+    """A step called inside ``torch.autocast`` would run its whole program under it: the clip factors, the
+    clipped sum (a matmul, autocast to bfloat16) and the optimizer update, op by op on the eager backend, so the
+    clip bound would hold only to bfloat16's rounding. Autocast belongs inside the loss, where it is captured."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            raise DPConfigError(f"the step was called inside torch.autocast({device!r}): the clipping, the noise and "
+                                "the optimizer update would run under it too, and the clipped sum in low precision. "
+                                "Fix: call the step outside autocast and enter it inside the loss function: "
+                                f"def loss_fn(x, y): with torch.autocast({device!r}, dtype=torch.bfloat16): "
+                                "out = model(x); return F.cross_entropy(out.float(), y)")
+
+
 def _combine_losses(losses: list[torch.Tensor], sizes: list[int], loss_reduction: str) -> torch.Tensor:
     """The loss of a logical batch from its micro-batches' losses (means weighted by size, or sums)."""
     if len(losses) == 1:
@@ -390,6 +403,7 @@ class DPStep:
 
     # --- one step ------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
+        _refuse_ambient_autocast()
         # contiguous copies of strided views (x[rank::world]): the capture assumes dense batch inputs
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
         before = (self.captures, self.program_builds, self.compiles)
