@@ -368,3 +368,25 @@ def test_adaptive_resumes_bit_for_bit():
     assert step2.max_grad_norm == step.max_grad_norm
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_per_layer_with_an_optimizer_on_some_parameters():
+    """Trainable parameters the optimizer does not update belong to no group: they neither get a sum nor change
+    another group's factor."""
+    model = mlp()
+    kw = dict(clipping="per_layer", max_grad_norm=[0.05, 0.02])
+    opt = torch.optim.SGD(model[2].parameters(), lr=1.0)
+    loss = lambda x, y: F.cross_entropy(model(x), y, reduction="sum")  # noqa: E731
+    step = compile_step(loss, model, opt, loss_reduction="sum", backend="eager", **kw)
+    x, y = data(6)
+    params = dict(model.named_parameters())
+    grads = reference_per_sample(loss, params, (x, y))
+    expected = {}
+    for n, c in zip(["2.weight", "2.bias"], kw["max_grad_norm"], strict=True):
+        norms = grads[n].flatten(1).norm(dim=1)
+        expected[n] = torch.tensordot(torch.clamp(c / norms, max=1.0), grads[n], dims=1)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    step(x, y)
+    for n, want in expected.items():
+        torch.testing.assert_close(before[n] - params[n].detach(), want, rtol=1e-10, atol=1e-12)
+    assert torch.equal(before["0.weight"], params["0.weight"].detach())

@@ -263,11 +263,14 @@ class DPClip(Reduction):
                 group_norm = _sqrt_of_sum(ctx, [squares[n] for n in group])
                 factors = ctx.emit(_clip_factors(k), [group_norm, bounds], f"clip_factors[{k}]")
                 weights.update(dict.fromkeys(group, factors))
-        sums = {n: weighted_sum(by_name[n], weights[n]) for n in names}
+        # per_layer: parameters in no group (trainable, but not the optimizer's) get no sum
+        sums = {n: weighted_sum(by_name[n], weights[n]) for n in names if n in weights}
         return sums, norms
 
     def empty(self, shapes):
-        sums = {n: torch.zeros(s, dtype=sum_dtype(d, self.acc_dtype), device=dev) for n, (s, d, dev) in shapes.items()}
+        grouped = None if self.groups is None else {n for g in self.groups for n in g}
+        sums = {n: torch.zeros(s, dtype=sum_dtype(d, self.acc_dtype), device=dev) for n, (s, d, dev) in shapes.items()
+                if grouped is None or n in grouped}
         _, dtype, device = next(iter(shapes.values()))
         return sums, torch.zeros(0, dtype=sum_dtype(dtype, self.acc_dtype), device=device)
 
