@@ -126,6 +126,20 @@ class ReduceContext:
         """``[n, n]`` inner products of the per-sample gradients of ``p``."""
         return self.compute("gram", p)
 
+    def input(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> fx.Node:
+        """A new placeholder after the graph's own: a value the caller feeds at run time (``run(..., extra)``),
+        such as clipping bounds that change every step without recompiling."""
+        from torch._guards import detect_fake_mode
+
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        with self.graph.inserting_after(placeholders[-1]):
+            node = self.graph.placeholder(name)
+        mode = detect_fake_mode([self._batch_ref.meta["val"]])
+        ref = self._batch_ref.meta["val"]
+        node.meta["val"] = mode.from_tensor(torch.zeros(shape, dtype=dtype, device=ref.device), static_shapes=True)
+        node.meta["psg"] = "reduce_input"
+        return node
+
     @property
     def batch_ref(self) -> fx.Node:
         return self._batch_ref

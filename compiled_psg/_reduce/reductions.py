@@ -184,3 +184,104 @@ def custom(per_param: Callable[[str, torch.Tensor], object], combine: Callable[[
            *, empty_result: Callable[[Shapes], object] | None = None) -> Custom:
     """A custom reduction: ``per_param(name, per_sample_grad)`` per parameter, then ``combine(dict)``."""
     return Custom(per_param, combine, empty_result)
+
+
+CLIPPING_MODES = ("flat", "per_layer", "automatic")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class DPClip(Reduction):
+    """The clipped sum of a DP-SGD step (``compile_step``'s reduction), for every clipping mode, with the
+    unclipped per-sample norms: ``({name: S_j}, norms[B])``. Index letters: i sample, k group, j parameter.
+
+    - ``"flat"``: ``S = sum_i min(1, C / ||g_i||) g_i``;
+    - ``"per_layer"``: group ``k`` (the names in ``groups[k]``) is clipped to ``C_k`` on its own:
+      ``S_j = sum_i min(1, C_k / ||g_i[k]||) g_i[j]`` for ``j`` in group ``k``;
+    - ``"automatic"``: ``S = sum_i C g_i / (||g_i|| + gamma)`` (Bu et al. 2022; ``C`` scales the normalization).
+
+    ``bounds``: the ``C_k`` as constants of the graph, or None: a placeholder ``clip_bounds[K]`` (dtype
+    ``acc_dtype``) after the graph's own, fed at run time (adaptive clipping changes ``C`` every step).
+    ``acc_dtype``: the dtype the norms, factors and sums are computed in (float32 for bfloat16/float16).
+    When any value of the graph is bfloat16/float16 (bf16 parameters, autocast), every parameter's per-sample
+    gradient is materialized and upcast, so that norms, factors and the sum all use the same float32 values:
+    the bound holds in float32 arithmetic, not only up to the low precision's rounding.
+    """
+
+    mode: str = "flat"
+    bounds: tuple[float, ...] | None = None
+    groups: tuple[tuple[str, ...], ...] | None = None
+    gamma: float = 0.01
+    acc_dtype: torch.dtype = torch.float32
+
+    def _groups(self, names: list[str]) -> list[list[str]]:
+        if self.groups is None:
+            return [list(names)]
+        return [[n for n in group if n in names] for group in self.groups]
+
+    def emit(self, ctx):
+        acc = self.acc_dtype
+        names = [p.name for p in ctx.params]
+        by_name = {p.name: p for p in ctx.params}
+        low = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.dtype in LOW_PRECISION
+                  for n in ctx.graph.nodes)
+        groups = self._groups(names)
+        if self.bounds is None:
+            bounds = ctx.input("clip_bounds", (len(groups),), acc)
+        else:
+            values = tuple(float(b) for b in self.bounds)
+            bounds = ctx.emit(lambda r: r.new_tensor(values, dtype=acc), [ctx.batch_ref], "clip_bounds")
+
+        def sq_norms(p):
+            if low:
+                ctx._note(p, "sq_norm", f"materialize ({str(acc).removeprefix('torch.')})")
+                return ctx.emit(lambda g: g.to(acc).reshape(g.shape[0], -1).pow(2).sum(1), [ctx.per_sample(p)],
+                                "sq_norm")
+            return ctx.emit(lambda s: s.to(acc), [ctx.sq_norms(p)], "sq_norm")
+
+        def weighted_sum(p, w):
+            if low and p.grad is not None:
+                ctx._note(p, "weighted_sum", f"materialize ({str(acc).removeprefix('torch.')})")
+                return ctx.emit(lambda g, f: torch.tensordot(f, g.to(acc), dims=1), [ctx.per_sample(p), w],
+                                "weighted_sum")
+            return ctx.emit(lambda s: s.to(acc), [ctx.weighted_sum(p, w)], "weighted_sum")
+
+        squares = {n: sq_norms(by_name[n]) for n in names}
+        norms = _sqrt_of_sum(ctx, list(squares.values()))
+        if self.mode == "flat":
+            factors = ctx.emit(_clip_factors(0), [norms, bounds], "clip_factors")
+            weights = dict.fromkeys(names, factors)
+        elif self.mode == "automatic":
+            gamma = float(self.gamma)
+            factors = ctx.emit(lambda n, c: c[0] / (n + gamma), [norms, bounds], "clip_factors")
+            weights = dict.fromkeys(names, factors)
+        else:  # per_layer: one factor per group, from the group's own norm
+            weights = {}
+            for k, group in enumerate(groups):
+                if not group:
+                    continue
+                group_norm = _sqrt_of_sum(ctx, [squares[n] for n in group])
+                factors = ctx.emit(_clip_factors(k), [group_norm, bounds], f"clip_factors[{k}]")
+                weights.update(dict.fromkeys(group, factors))
+        # per_layer: parameters in no group (trainable, but not the optimizer's) get no sum
+        sums = {n: weighted_sum(by_name[n], weights[n]) for n in names if n in weights}
+        return sums, norms
+
+    def empty(self, shapes):
+        grouped = None if self.groups is None else {n for g in self.groups for n in g}
+        sums = {n: torch.zeros(s, dtype=sum_dtype(d, self.acc_dtype), device=dev) for n, (s, d, dev) in shapes.items()
+                if grouped is None or n in grouped}
+        _, dtype, device = next(iter(shapes.values()))
+        return sums, torch.zeros(0, dtype=sum_dtype(dtype, self.acc_dtype), device=device)
+
+
+def _clip_factors(k: int):
+    """``min(1, C_k / n)`` per sample (1 for a zero gradient: no division by zero)."""
+    def factors(n, c):
+        return torch.where(n > c[k], c[k] / n, torch.ones_like(n))
+    return factors
+
+
+def sum_dtype(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+    """The dtype of ``DPClip``'s sum for a parameter of ``dtype``: ``acc`` for low precision, else the wider."""
+    return acc if dtype in LOW_PRECISION else torch.promote_types(dtype, acc)

@@ -3,61 +3,179 @@
 A step reads its config once at the start of every call and runs the whole step (clipping, noise, scaling) with
 that snapshot, so a setting changed between steps takes effect at the next step, and ``step.last_config`` says
 exactly what the last step used (the accountant records its noise multiplier).
+
+Sensitivity (add or remove one sample) of the clipped sum, which the noise std is proportional to:
+
+- ``"flat"``: ``C``; ``"automatic"``: ``C`` (each contribution is ``C g / (||g|| + gamma)``, of norm < ``C``);
+- ``"per_layer"``: ``sqrt(sum_k C_k^2)`` (the joint bound: group ``k``'s part of a contribution has norm <= C_k);
+- ``"adaptive"`` (flat clipping, ``C`` updated every step from a noisy count of unclipped samples, Andrew et al.
+  2021): the gradient gets noise multiplier ``sigma_g = (sigma^-2 - (2 sigma_b)^-2)^-1/2`` and the centred count
+  noise std ``sigma_b``, so that the two releases together are one Gaussian mechanism of noise multiplier
+  ``sigma`` (``noise_multiplier``), which is what the accountant records.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .._errors import DPConfigError
 
 LOSS_REDUCTIONS = ("mean", "sum")
+CLIPPING = ("flat", "per_layer", "automatic", "adaptive", "custom")
+
+
+def _as_bound(value):
+    """A float, or a tuple of floats for per-group bounds (lists are accepted and frozen)."""
+    if value is None or isinstance(value, int | float):
+        return None if value is None else float(value)
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return tuple(float(v) for v in value)
+    raise DPConfigError(f"max_grad_norm must be a number, a list of numbers (clipping='per_layer') or None, "
+                        f"got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
 class DPConfig:
-    """``max_grad_norm``: the per-sample clipping bound ``C`` (None: no clipping, or a custom reduction);
-    ``noise_multiplier``: ``sigma``, the noise std is ``sigma * C``; ``expected_batch_size``: the divisor of
-    the noisy sum under ``loss_reduction="mean"`` (None: the actual batch size); ``clipping``: ``"flat"`` (one
-    bound over all parameters; unclipped when ``max_grad_norm`` is None) or ``"custom"`` (a user reduction
-    replaces the clipped sum)."""
+    """``max_grad_norm``: the per-sample clipping bound ``C`` (None: no clipping, or a custom reduction; a list
+    of per-group bounds ``C_k`` with ``clipping="per_layer"``); ``noise_multiplier``: ``sigma``, the accounted
+    noise multiplier (noise std ``sigma * sensitivity``); ``expected_batch_size``: the divisor of the noisy sum
+    under ``loss_reduction="mean"`` (None: the actual batch size); ``clipping``: ``"flat"`` (one bound over all
+    parameters; unclipped when ``max_grad_norm`` is None), ``"per_layer"`` (one bound per group of parameters,
+    ``clip_groups``: lists of parameter names, None: one group per trained parameter), ``"automatic"``
+    (``C g / (||g|| + automatic_gamma)``, Bu et al. 2022), ``"adaptive"`` (flat, ``C`` follows the
+    ``target_unclipped_quantile`` of the norms, Andrew et al. 2021, with ``clipbound_learning_rate``,
+    ``unclipped_num_std`` (sigma_b), ``min_clipbound``, ``max_clipbound``: Opacus's names) or ``"custom"``
+    (a user reduction replaces the clipped sum)."""
 
-    max_grad_norm: float | None = None
+    max_grad_norm: float | tuple[float, ...] | None = None
     noise_multiplier: float = 0.0
     expected_batch_size: float | None = None
     loss_reduction: str = "mean"
     clipping: str = "flat"
+    clip_groups: tuple[tuple[str, ...], ...] | None = None
+    automatic_gamma: float = 0.01
+    target_unclipped_quantile: float = 0.5
+    clipbound_learning_rate: float = 0.2
+    unclipped_num_std: float | None = None
+    min_clipbound: float = 0.0
+    max_clipbound: float = math.inf
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise DPConfigError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
-        if self.clipping not in ("flat", "custom"):
-            raise DPConfigError(f"clipping must be 'flat' or 'custom', got {self.clipping!r}")
+        if self.clipping not in CLIPPING:
+            raise DPConfigError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
         if not (isinstance(self.noise_multiplier, int | float) and self.noise_multiplier >= 0):
             raise DPConfigError(f"noise_multiplier must be a number >= 0, got {self.noise_multiplier!r}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+        bound = _as_bound(self.max_grad_norm)
+        object.__setattr__(self, "max_grad_norm", bound)
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+        bounds = bound if isinstance(bound, tuple) else (bound,)
+        if bound is not None and not all(b > 0 for b in bounds):
             raise DPConfigError(f"max_grad_norm must be positive, got {self.max_grad_norm}")
-        if self.clipping == "custom" and self.max_grad_norm is not None:
+        if isinstance(bound, tuple) and self.clipping != "per_layer":
+            raise DPConfigError("a list of bounds needs clipping='per_layer' (one bound per group of parameters)")
+        if self.clipping == "custom" and bound is not None:
             raise DPConfigError("max_grad_norm applies to the default clip_sum reduction; with a custom reduce, "
                                 "clip inside it")
-        if self.noise_multiplier > 0 and (self.max_grad_norm is None or math.isinf(self.max_grad_norm)):
+        if self.clipping in ("per_layer", "automatic", "adaptive") and bound is None:
+            raise DPConfigError(f"clipping={self.clipping!r} needs max_grad_norm")
+        if self.noise_multiplier > 0 and (bound is None or any(math.isinf(b) for b in bounds)):
             raise DPConfigError("noise needs a clipping bound: pass max_grad_norm or reduce=psg.clip_sum(C) (the "
                                 "noise std is noise_multiplier * C)")
         if self.expected_batch_size is not None and not self.expected_batch_size > 0:
             raise DPConfigError(f"expected_batch_size must be positive, got {self.expected_batch_size}")
-        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
-        if self.max_grad_norm is not None:
-            object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm))
+        if self.clip_groups is not None:
+            if self.clipping != "per_layer":
+                raise DPConfigError("clip_groups applies to clipping='per_layer'")
+            groups = tuple(tuple(g) for g in self.clip_groups)
+            if not groups or any(not g or not all(isinstance(n, str) for n in g) for g in groups):
+                raise DPConfigError("clip_groups must be a non-empty list of non-empty lists of parameter names")
+            names = [n for g in groups for n in g]
+            if len(set(names)) != len(names):
+                raise DPConfigError("clip_groups: a parameter may belong to one group only")
+            object.__setattr__(self, "clip_groups", groups)
+        if not self.automatic_gamma > 0:
+            raise DPConfigError(f"automatic_gamma must be positive, got {self.automatic_gamma}")
+        self._check_adaptive()
+
+    def _check_adaptive(self) -> None:
+        if not 0 <= self.target_unclipped_quantile <= 1:
+            raise DPConfigError(f"target_unclipped_quantile must be in [0, 1], got {self.target_unclipped_quantile}")
+        if not self.clipbound_learning_rate >= 0:
+            raise DPConfigError(f"clipbound_learning_rate must be >= 0, got {self.clipbound_learning_rate}")
+        if not 0 <= self.min_clipbound < self.max_clipbound:
+            raise DPConfigError(f"need 0 <= min_clipbound < max_clipbound, got {self.min_clipbound}, "
+                                f"{self.max_clipbound}")
+        if self.clipping != "adaptive":
+            return
+        sigma_b = self.unclipped_num_std
+        if self.noise_multiplier > 0:
+            if sigma_b is None:
+                raise DPConfigError("clipping='adaptive' with noise needs unclipped_num_std (sigma_b, the std of "
+                                    "the noise on the count of unclipped samples; Andrew et al. suggest about "
+                                    "expected_batch_size / 20)")
+            if not 2 * sigma_b > self.noise_multiplier:
+                raise DPConfigError(f"unclipped_num_std={sigma_b} must exceed noise_multiplier / 2 = "
+                                    f"{self.noise_multiplier / 2}: the gradient's noise multiplier is "
+                                    "(sigma^-2 - (2 sigma_b)^-2)^-1/2, which needs sigma < 2 sigma_b")
+        elif sigma_b is not None and not sigma_b >= 0:
+            raise DPConfigError(f"unclipped_num_std must be >= 0, got {sigma_b}")
+
+    # --- the mechanism --------------------------------------------------------------------------------------
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        """The bounds ``C_k`` (one for every mode but per_layer; infinite: no clipping)."""
+        if self.max_grad_norm is None:
+            return (math.inf,)
+        return self.max_grad_norm if isinstance(self.max_grad_norm, tuple) else (self.max_grad_norm,)
+
+    def group_bounds(self, groups: int) -> tuple[float, ...]:
+        """The bound of each of ``groups`` groups: a single ``C`` under per_layer is split evenly,
+        ``C / sqrt(K)`` each, so that the joint bound stays ``C``."""
+        if self.clipping != "per_layer" or isinstance(self.max_grad_norm, tuple):
+            return self.bounds
+        return (self.max_grad_norm / math.sqrt(groups),) * groups
 
     @property
-    def noise_std(self) -> float:
-        return self.noise_multiplier * (self.max_grad_norm or 0.0)
+    def sensitivity(self) -> float:
+        """The L2 sensitivity of the clipped sum to adding or removing one sample (see the module docstring)."""
+        return math.sqrt(sum(b * b for b in self.bounds))
 
     @property
     def bound(self) -> float:
-        """The bound the clip_sum reduction runs with (infinite: no clipping)."""
-        return math.inf if self.max_grad_norm is None else self.max_grad_norm
+        """The flat bound (infinite: no clipping); per_layer: the joint bound ``sqrt(sum C_k^2)``."""
+        return self.sensitivity
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """The noise multiplier of the gradient's noise: ``noise_multiplier``, or with adaptive clipping what
+        is left after the count's share, ``(sigma^-2 - (2 sigma_b)^-2)^-1/2``."""
+        sigma = self.noise_multiplier
+        if self.clipping != "adaptive" or sigma == 0:
+            return sigma
+        return (sigma ** -2 - (2 * self.unclipped_num_std) ** -2) ** -0.5
+
+    @property
+    def accounted_noise_multiplier(self) -> float:
+        """The noise multiplier of the whole step as one Gaussian mechanism, computed from the noise actually
+        added (the gradient's, and the count's with adaptive clipping): what the accountant composes."""
+        sigma_g = self.gradient_noise_multiplier
+        if self.clipping != "adaptive" or sigma_g == 0:
+            return sigma_g
+        if not self.unclipped_num_std:
+            return 0.0  # an exact count releases it without noise: no privacy
+        # min: the recomposition equals noise_multiplier up to rounding; never report less noise than was set
+        return min((sigma_g ** -2 + (2 * self.unclipped_num_std) ** -2) ** -0.5, self.noise_multiplier)
+
+    @property
+    def noise_std(self) -> float:
+        """The std of the noise added to the clipped sum."""
+        if self.max_grad_norm is None:
+            return 0.0
+        return self.gradient_noise_multiplier * self.sensitivity
 
     def scale(self, batch_size: int) -> float:
         """The factor the noisy sum is multiplied by."""
@@ -71,6 +189,17 @@ class DPConfig:
     def divide_by_count(self) -> bool:
         """True when the divisor is the (global) actual batch size, computed inside the program."""
         return self.loss_reduction == "mean" and self.expected_batch_size is None
+
+    def next_bound(self, unclipped: float, batch_size: int, count_noise: float) -> float:
+        """Adaptive clipping's next ``C`` (Andrew et al. 2021, geometric update): ``unclipped`` samples of
+        ``batch_size`` had norm <= C; ``count_noise`` ~ N(0, sigma_b^2) is added to the centred count
+        ``sum_i (b_i - 1/2)``, whose sensitivity is 1/2. The unclipped fraction's estimate divides by the
+        expected batch size (the actual one without it)."""
+        m = self.expected_batch_size if self.expected_batch_size is not None else max(batch_size, 1)
+        fraction = (unclipped - batch_size / 2 + count_noise) / m + 0.5
+        bound = self.max_grad_norm * math.exp(-self.clipbound_learning_rate
+                                              * (fraction - self.target_unclipped_quantile))
+        return min(max(bound, self.min_clipbound, 1e-12), self.max_clipbound)
 
     def replace(self, **changes) -> DPConfig:
         """A validated copy with ``changes``."""

@@ -26,6 +26,12 @@ class NoiseSource:
     def draw(self, config: DPConfig, like: torch.Tensor) -> torch.Tensor:
         return gaussian_like(like, config.noise_std, secure=self.secure, generator=self.generator)
 
+    def draw_scalar(self, std: float) -> float:
+        """One N(0, std^2) number (adaptive clipping's count noise), from the same source, in float64."""
+        like = torch.zeros((), dtype=torch.float64,
+                           device="cpu" if self.generator is None else self.generator.device)
+        return float(gaussian_like(like, std, secure=self.secure, generator=self.generator))
+
 
 def eager_update(config: DPConfig, grads: list[torch.Tensor], batch_size: int, binding: OptimizerBinding,
                  noise: NoiseSource, distributed: bool) -> int:

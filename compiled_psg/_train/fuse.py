@@ -7,11 +7,14 @@ Before, two graphs (index letters: n batch, j parameter)::
 
 After, one graph::
 
-    (params, batch, [partial_j], [noise_j], [count], [scale], .grad, state) -> (loss, losses[n], [norms[n]], [count])
+    (params, batch, [bounds], [partial_j], [noise_j], [count], [scale], .grad, state)
+            -> (loss, losses[n], [norms[n]], [count])
+        S_j = <per-sample graph>                # bounds: the reduction's own run-time input (adaptive clipping)
         G_j = S_j + partial_j                   # micro-batching: the clipped sums of the earlier micro-batches
         G_j = G_j + noise_j                     # noise placeholders only on the process that adds the noise
         G, count = all_reduce(cat(G_j, count))  # one collective, only under torch.distributed
         scale = 1 / max(count, 1)               # in the graph only when dividing by the global batch size
+        G_j = G_j.to(param_j.dtype)             # the sums are float32 for bfloat16 parameters (mixed precision)
         <update graph on G_j and scale>
 
 Pre-conditions: the per-sample graph's result is ``{name: tensor}`` or ``({name: tensor}, norms)`` with an entry
@@ -63,10 +66,12 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     missing = [n for n in names if n not in sums]
     if missing:
         raise InternalError(f"the per-sample graph has no gradient for {missing}")
-    roles = zip(rewritten.roles, _placeholders(per_sample_gm.graph), strict=True)
+    own = _placeholders(per_sample_gm.graph)
+    roles = zip(rewritten.roles, own[:len(rewritten.roles)], strict=True)
     param_placeholder = {r.key: env[n] for r, n in roles if r.kind == "param"}
     first_compute = next(n for n in graph.nodes if n.op != "placeholder")
-    inputs: list[tuple[str, object]] = []
+    # the reduction's own run-time inputs (adaptive clipping bounds) come first after the captured ones
+    inputs: list[tuple[str, object]] = [("reduce_input", k) for k in range(len(own) - len(rewritten.roles))]
 
     def placeholder(kind: str, key: object, name: str) -> fx.Node:
         with graph.inserting_before(first_compute):  # after the per-sample graph's own, in order
@@ -94,6 +99,10 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
             scale = call(aten.reciprocal.default, (call(aten.clamp_min.default, (count, 1)),))
     if scale is None:
         scale = placeholder("scale", None, "scale")
+    # the sums are float32 for bfloat16 parameters (noise added in float32 too): the update gets the param dtype
+    grads = [g if _dtype(sums[n]) in (None, p.dtype)
+             else call(aten._to_copy.default, (g,), {"dtype": p.dtype})
+             for g, n, p in zip(grads, names, params, strict=True)]
 
     by_identity = {id(p): n for p, n in zip(params, names, strict=True)}
     update_env: dict[fx.Node, fx.Node] = {}
@@ -115,6 +124,11 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     graph.lint()
     gm = fx.GraphModule(root, graph)
     return StepProgram(gm, inputs, output_names)
+
+
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    value = node.meta.get("val")
+    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _placeholders(graph: fx.Graph) -> list[fx.Node]:

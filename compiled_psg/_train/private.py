@@ -52,8 +52,13 @@ class PrivateTraining:
         self.dp_step.noise_multiplier = value
 
     @property
-    def max_grad_norm(self) -> float:
-        """The clipping bound of the next step; assignable (sigma is relative to it: the accounting holds)."""
+    def clipping(self) -> str:
+        return self.dp_step.clipping
+
+    @property
+    def max_grad_norm(self) -> float | tuple[float, ...]:
+        """The clipping bound of the next step (per_layer: the bounds; adaptive: moves every step); assignable
+        (sigma is relative to the sensitivity: the accounting holds)."""
         return self.dp_step.max_grad_norm
 
     @max_grad_norm.setter
@@ -132,7 +137,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                  loss_reduction: str = "mean", backend: str = "inductor",
                  generator: torch.Generator | None = None,
                  sample_rate: float | None = None,
-                 max_physical_batch_size: int | None = None) -> PrivateTraining:
+                 max_physical_batch_size: int | None = None, clipping: str = "flat",
+                 **clipping_options) -> PrivateTraining:
     """Make a training loop differentially private (DP-SGD, Abadi et al. 2016).
 
     ``loss_fn(*batch)`` is the batched loss of ``model`` on one batch as ``data_loader`` yields it. Give
@@ -148,6 +154,13 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
 
     The Poisson sampler draws from its own generator, seeded from ``generator`` (or from torch's global one),
     so that it can be saved and resumed (``PrivateTraining.state_dict``) independently of the noise.
+
+    ``clipping``: ``"flat"``, ``"per_layer"`` (``max_grad_norm`` a list of per-group bounds), ``"automatic"``
+    or ``"adaptive"``, with the options of ``compile_step`` (``clip_groups``, ``automatic_gamma``,
+    ``target_unclipped_quantile``, ``clipbound_learning_rate``, ``unclipped_num_std``, ``min_clipbound``,
+    ``max_clipbound``). ``noise_multiplier`` (or the one calibrated for ``target_epsilon``) is the whole step's:
+    with adaptive clipping, part of it pays for the noisy count, and the accountant records the noise actually
+    added as one Gaussian mechanism.
 
     The per-sample graph is captured on the loader's first batch, so a model that mixes samples (BatchNorm in
     training mode, ...) is refused here with ``compiled_psg.SampleMixingError``.
@@ -179,7 +192,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     dp_step = compile_step(loss_fn, model, optimizer, max_grad_norm=max_grad_norm,
                            noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                            loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend,
-                           generator=generator, max_physical_batch_size=max_physical_batch_size)
+                           generator=generator, max_physical_batch_size=max_physical_batch_size,
+                           clipping=clipping, **clipping_options)
     start = time.perf_counter()
     dp_step.per_sample.compiled_for(*first)
     dp_step.compile_seconds += time.perf_counter() - start

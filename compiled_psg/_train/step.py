@@ -26,15 +26,17 @@ micro-batches, and runs either the program or the eager path.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from .._compile.run import CompiledPerSample
 from .._errors import DPConfigError
-from .._reduce.reductions import ClipSum, Gram, Norms, PerSampleGrads, Reduction, clip_sum
+from .._reduce.reductions import ClipSum, DPClip, Gram, Norms, PerSampleGrads, Reduction, sum_dtype
 from . import distributed as dist_utils
 from . import update_graph
 from .binding import OptimizerBinding
@@ -85,6 +87,19 @@ def _add_into(total: list[torch.Tensor] | None, sums: dict, names: list[str]) ->
     return total
 
 
+def _refuse_ambient_autocast() -> None:
+    """A step called inside ``torch.autocast`` would run its whole program under it: the clip factors, the
+    clipped sum (a matmul, autocast to bfloat16) and the optimizer update, op by op on the eager backend, so the
+    clip bound would hold only to bfloat16's rounding. Autocast belongs inside the loss, where it is captured."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            raise DPConfigError(f"the step was called inside torch.autocast({device!r}): the clipping, the noise and "
+                                "the optimizer update would run under it too, and the clipped sum in low precision. "
+                                "Fix: call the step outside autocast and enter it inside the loss function: "
+                                f"def loss_fn(x, y): with torch.autocast({device!r}, dtype=torch.bfloat16): "
+                                "out = model(x); return F.cross_entropy(out.float(), y)")
+
+
 def _combine_losses(losses: list[torch.Tensor], sizes: list[int], loss_reduction: str) -> torch.Tensor:
     """The loss of a logical batch from its micro-batches' losses (means weighted by size, or sums)."""
     if len(losses) == 1:
@@ -102,6 +117,9 @@ class DPStep:
     ``DPConfig``) may be assigned between steps: they are validated, and the next step uses them (a new ``C``
     recaptures the per-sample graph once per bound, since ``C`` is a constant of that graph; switching noise on
     or off selects the program with or without the noise input). ``last_config`` is what the last step used.
+    The other fields of ``config`` (the clipping variants' options, e.g. ``target_unclipped_quantile``) change
+    with ``step.config = step.config.replace(...)``; the clipping mode itself is fixed. Under adaptive clipping
+    the step sets ``max_grad_norm`` itself after every step.
     """
 
     def __init__(self, loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -109,12 +127,17 @@ class DPStep:
                  noise_multiplier: float = 0.0, expected_batch_size: float | None = None,
                  loss_reduction: str = "mean", secure_rng: bool = False, backend: str = "inductor",
                  generator: torch.Generator | None = None, in_dims=0, distributed: bool | None = None,
-                 max_physical_batch_size: int | None = None):
+                 max_physical_batch_size: int | None = None, clipping: str = "flat", **clipping_options):
         from .._api import per_sample
 
-        custom, bound = _resolve_reduction(reduce, max_grad_norm)
+        custom, bound = _resolve_reduction(reduce, max_grad_norm if clipping == "flat" else None)
+        if clipping != "flat":
+            if reduce is not None:
+                raise DPConfigError(f"clipping={clipping!r} is the step's own reduction: pass max_grad_norm, not "
+                                    "reduce=")
+            bound = max_grad_norm
         self._config = DPConfig(bound, noise_multiplier, expected_batch_size, loss_reduction,
-                                "custom" if custom is not None else "flat")
+                                "custom" if custom is not None else clipping, **clipping_options)
         self._custom_reduce = custom
         self.max_physical_batch_size = max_physical_batch_size
         self._new_per_sample = lambda reduction: per_sample(model, in_dims=in_dims, reduce=reduction,
@@ -125,8 +148,8 @@ class DPStep:
         self.backend = backend
         self.noise = NoiseSource(secure_rng, generator)
         self.distributed = dist_utils.is_distributed() if distributed is None else distributed
-        self.per_sample  # noqa: B018 -- the per-sample function of the initial config, checked now
         self.binding = OptimizerBinding(model, optimizer)
+        self.per_sample  # noqa: B018 -- the per-sample function of the initial config, checked now
         self.program_cache = ProgramCache(optimizer, self.binding, self.distributed)
         self._check_dtypes()
         self._eager_runners: dict[int, CompiledPerSample] = {}
@@ -138,6 +161,8 @@ class DPStep:
         self.last_batch_size = 0
         self.last_norms: torch.Tensor | None = None
         self.last_config: DPConfig | None = None
+        self.last_unclipped: float | None = None  # adaptive clipping: samples with norm <= C in the last step
+        self.last_count_noise: float | None = None  # and the noise added to their (centred) count
 
     # --- settings: validated on assignment, used from the next step on --------------------------------------
     @property
@@ -183,13 +208,21 @@ class DPStep:
 
     @property
     def noise_std(self) -> float:
-        """The noise std the next step adds, ``noise_multiplier * max_grad_norm``."""
+        """The noise std the next step adds to the clipped sum: the gradient's noise multiplier times the
+        sensitivity (``noise_multiplier * max_grad_norm`` for flat clipping; see ``DPConfig``)."""
         return self._config.noise_std
 
     @property
+    def clipping(self) -> str:
+        """The clipping mode, fixed when the step is built."""
+        return self._config.clipping
+
+    @property
     def last_noise_multiplier(self) -> float | None:
-        """The noise multiplier the last step used (None before the first step): what the accountant records."""
-        return None if self.last_config is None else self.last_config.noise_multiplier
+        """The noise multiplier the last step used as one Gaussian mechanism (None before the first step), from
+        the noise actually added (with adaptive clipping: the gradient's and the count's): what the accountant
+        records."""
+        return None if self.last_config is None else self.last_config.accounted_noise_multiplier
 
     @property
     def max_physical_batch_size(self) -> int | None:
@@ -203,10 +236,41 @@ class DPStep:
         self._max_physical_batch_size = value
 
     # --- what was built ---------------------------------------------------------------------------------------
+    def _acc_dtype(self) -> torch.dtype:
+        """What norms, clip factors and clipped sums are computed in: float32, float64 for float64 models."""
+        return torch.float64 if any(p.dtype == torch.float64 for p in self.binding.params) else torch.float32
+
+    def _groups(self, config: DPConfig) -> tuple[tuple[str, ...], ...] | None:
+        """The parameter groups of per-layer clipping (None: one group), checked against the trained ones."""
+        if config.clipping != "per_layer":
+            return None
+        names = list(self.binding.names)
+        if config.clip_groups is None:
+            return tuple((n,) for n in names)
+        listed = {n for g in config.clip_groups for n in g}
+        missing, unknown = [n for n in names if n not in listed], sorted(listed - set(names))
+        if missing or unknown:
+            raise DPConfigError(f"clip_groups must name every trained parameter once: missing {missing}, not "
+                                f"trained parameters {unknown}")
+        return config.clip_groups
+
+    def _reduction_for(self, config: DPConfig) -> Reduction:
+        if config.clipping == "custom":
+            return self._custom_reduce
+        groups = self._groups(config)
+        bounds = config.group_bounds(1 if groups is None else len(groups))
+        if groups is not None and len(bounds) != len(groups):
+            raise DPConfigError(f"clipping='per_layer': {len(bounds)} bounds in max_grad_norm for {len(groups)} "
+                                f"groups of parameters ({[list(g) for g in groups]})")
+        mode = {"adaptive": "flat"}.get(config.clipping, config.clipping)
+        # adaptive: C changes every step, so it is an input of the graph instead of a constant
+        return DPClip(mode, None if config.clipping == "adaptive" else bounds, groups, config.automatic_gamma,
+                      self._acc_dtype())
+
     def _per_sample_for(self, config: DPConfig):
-        """The per-sample function of ``config``: one per clipping bound (``C`` is a constant of its graph)."""
-        reduction = (self._custom_reduce if config.clipping == "custom"
-                     else clip_sum(config.bound, return_norms=True))
+        """The per-sample function of ``config``: one per clipping bound (``C`` is a constant of its graph, but
+        an input under adaptive clipping)."""
+        reduction = self._reduction_for(config)
         fn = self._per_sample_fns.get(reduction)
         if fn is None:
             if self._per_sample_fns:
@@ -276,11 +340,13 @@ class DPStep:
         ref = self.params[0]
         extra = []
         for kind, key in program.inputs:
-            if kind == "noise":
-                extra.append(self.noise.draw(config, self.params[key]) if draw_noise
-                             else torch.zeros_like(self.params[key]))
+            if kind == "reduce_input":
+                extra.extend(self._reduce_inputs(config, 1))
+            elif kind == "noise":
+                like = self._sum_like(key)
+                extra.append(self.noise.draw(config, like) if draw_noise else like)
             elif kind == "partial":
-                extra.append(partial[key] if partial is not None else torch.zeros_like(self.params[key]))
+                extra.append(partial[key] if partial is not None else self._sum_like(key))
             elif kind == "count":
                 extra.append(torch.tensor(float(batch_size), dtype=ref.dtype, device=ref.device))
             elif kind == "scale":
@@ -290,6 +356,25 @@ class DPStep:
             else:
                 extra.append(key)
         return extra
+
+    def _sum_like(self, j: int) -> torch.Tensor:
+        """Zeros shaped like the clipped sum of the ``j``-th parameter (float32 for a bfloat16 parameter)."""
+        p = self.params[j]
+        return torch.zeros(p.shape, dtype=sum_dtype(p.dtype, self._acc_dtype()), device=p.device)
+
+    def _reduce_inputs(self, config: DPConfig, count: int) -> list[torch.Tensor]:
+        """The per-sample graph's own run-time inputs: the clipping bounds under adaptive clipping."""
+        if count == 0:
+            return []
+        ref = self.params[0]
+        return [torch.tensor(config.bounds, dtype=self._acc_dtype(), device=ref.device)]
+
+    def _run_per_sample(self, entry: CompiledPerSample, config: DPConfig, params: dict, args: tuple, size: int):
+        """``(loss, per-sample losses, result)`` of the per-sample graph, fed its run-time inputs."""
+        graph = entry.rewritten.rewritten.graph
+        extra = sum(n.op == "placeholder" for n in graph.nodes) - len(entry.rewritten.roles)
+        loss, losses, *flat = entry.run(params, args, size, self._reduce_inputs(config, extra))
+        return loss, losses, pytree.tree_unflatten(list(flat), entry.rewritten.out_spec)
 
     def _run_fused(self, config: DPConfig, program: StepProgram, compiled: CompiledPerSample, params: dict,
                    args: tuple, physical_size: int, logical_size: int,
@@ -318,6 +403,7 @@ class DPStep:
 
     # --- one step ------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
+        _refuse_ambient_autocast()
         # contiguous copies of strided views (x[rank::world]): the capture assumes dense batch inputs
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
         before = (self.captures, self.program_builds, self.compiles)
@@ -325,10 +411,29 @@ class DPStep:
         config = self._config  # one snapshot for the whole step: clipping, noise, scaling and accounting agree
         loss = self._step(config, batch)
         self.last_config = config
+        if config.clipping == "adaptive":
+            self._adapt_bound(config)
         self.steps_taken += 1
         if (self.captures, self.program_builds, self.compiles) != before:  # the call's time is compile time
             self.compile_seconds += time.perf_counter() - start
         return loss
+
+    def _adapt_bound(self, config: DPConfig) -> None:
+        """Adaptive clipping (Andrew et al. 2021): the next step's ``C`` from this step's noisy count of
+        unclipped samples (norm <= C, compared in the dtype the graph clipped in). Under ``torch.distributed``
+        the counts are summed over the ranks and rank 0 alone adds the count's noise, so every rank gets the
+        same ``C``."""
+        norms = self.last_norms
+        bound = torch.tensor(config.bounds[0], dtype=self._acc_dtype())
+        unclipped = 0.0 if norms is None else float((norms.to(bound.device) <= bound).sum())
+        size = 0.0 if norms is None else float(norms.numel())
+        sigma_b = config.unclipped_num_std or 0.0
+        noise = self.noise.draw_scalar(sigma_b) if sigma_b > 0 and dist_utils.rank() == 0 else 0.0
+        if self.distributed:
+            unclipped, size, noise = (dist_utils.all_reduce_scalar(v) for v in (unclipped, size, noise))
+        self.last_unclipped = unclipped
+        self.last_count_noise = noise
+        self._config = self._config.replace(max_grad_norm=config.next_bound(unclipped, size, noise))
 
     def _micro_batches(self, batch: tuple, in_dims, batch_size: int) -> list[tuple]:
         from .._api import batch_dims_of
@@ -360,7 +465,7 @@ class DPStep:
         built = self._program_for(entry, config, accumulate) if self.fused and self._state_ready else None
         if built is not None:
             for e, p, a, n in head:  # the earlier micro-batches: the compiled per-sample graph, summed here
-                loss, _, result = e(p, a, n)
+                loss, _, result = self._run_per_sample(e, config, p, a, n)
                 sums, piece_norms = _split_result(result, self.names, self.params)
                 partial = _add_into(partial, sums, self.names)
                 losses.append(loss)
@@ -371,7 +476,7 @@ class DPStep:
         # the first step (optimizer state does not exist yet), and the eager update when the program cannot be
         # built: the per-sample graph on every micro-batch, then optimizer.step()
         for e, p, a, n in pieces:
-            loss, _, result = self._eager_runner(e)(p, a, n)
+            loss, _, result = self._run_per_sample(self._eager_runner(e), config, p, a, n)
             sums, piece_norms = _split_result(result, self.names, self.params)
             partial = _add_into(partial, sums, self.names)
             losses.append(loss)
@@ -422,7 +527,11 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                  noise_multiplier: float = 0.0, expected_batch_size: float | None = None,
                  loss_reduction: str = "mean", secure_rng: bool = False, backend: str = "inductor",
                  generator: torch.Generator | None = None, in_dims=0,
-                 distributed: bool | None = None, max_physical_batch_size: int | None = None) -> DPStep:
+                 distributed: bool | None = None, max_physical_batch_size: int | None = None,
+                 clipping: str = "flat", clip_groups: Sequence[Sequence[str]] | None = None,
+                 automatic_gamma: float = 0.01, target_unclipped_quantile: float = 0.5,
+                 clipbound_learning_rate: float = 0.2, unclipped_num_std: float | None = None,
+                 min_clipbound: float = 0.0, max_clipbound: float = math.inf) -> DPStep:
     """Build ``step(*batch) -> loss``: one (DP-)SGD step of ``optimizer`` on ``model``'s parameters, compiled as
     one program (forward, rewritten backward, reduction, noise, all-reduce, optimizer update).
 
@@ -454,8 +563,25 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     ``last_batch_size`` and ``last_norms`` (the unclipped per-sample norms). Python-number hyperparameters are
     constants of the program: changing one (a scheduler on ``lr=0.1``) rebuilds it; ``lr=torch.tensor(0.1)``
     changes without rebuilding. Invalid settings raise ``compiled_psg.DPConfigError``.
+
+    ``clipping`` (see docs/training.md, "Clipping variants", for the sensitivity of each): ``"flat"`` (above);
+    ``"per_layer"``: each group of parameters is clipped to its own bound, ``max_grad_norm`` a list with one
+    ``C_k`` per group (``clip_groups``: lists of parameter names; None: one group per trained parameter, as
+    Opacus) or one number ``C`` split evenly as ``C / sqrt(K)``; the noise std is ``sigma * sqrt(sum C_k^2)``.
+    ``"automatic"``: each per-sample gradient becomes ``C g / (||g|| + automatic_gamma)`` (Bu et al. 2022).
+    ``"adaptive"``: flat clipping whose ``C`` moves after every step toward the ``target_unclipped_quantile``
+    of the per-sample norms, ``C <- C exp(-clipbound_learning_rate (b - target))`` clamped to
+    ``[min_clipbound, max_clipbound]``, ``b`` the unclipped fraction counted with noise of std
+    ``unclipped_num_std`` (Andrew et al. 2021); ``noise_multiplier`` is the whole step's, the gradient's own is
+    ``(sigma^-2 - (2 sigma_b)^-2)^-1/2``. Norms, clip factors and clipped sums are float32 for bfloat16 models
+    (float64 for float64 ones); the noise is added in that dtype.
     """
+    options = {"clip_groups": None if clip_groups is None else tuple(tuple(g) for g in clip_groups),
+               "automatic_gamma": automatic_gamma, "target_unclipped_quantile": target_unclipped_quantile,
+               "clipbound_learning_rate": clipbound_learning_rate, "unclipped_num_std": unclipped_num_std,
+               "min_clipbound": min_clipbound, "max_clipbound": max_clipbound}
     return DPStep(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
                   noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                   loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,
-                  in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size)
+                  in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size,
+                  clipping=clipping, **options)
