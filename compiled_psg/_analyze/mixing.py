@@ -1169,6 +1169,36 @@ def _shared_only(an: Analysis, node: fx.Node) -> Fact:
     return SHARED
 
 
+@_handles(ops.VIEW_BACKWARDS)
+def _view_backward(an: Analysis, node: fx.Node) -> Fact:
+    """``select_backward(g, input_sizes, dim, index)`` and ``slice_backward(g, input_sizes, dim, start, end,
+    step)`` (inner gradients of ``out[:, k]``): the output is zeros shaped ``input_sizes`` with ``g`` written at
+    the picked positions of ``dim``. Per sample when ``dim`` is not the batch dimension (the samples of ``g`` stay
+    in their rows), or, for a slice, when it keeps the whole batch."""
+    kw = _kwargs(node)
+    fact = an.fact(node.args[0])
+    _no_sample_index([fact])
+    rank = len(kw["input_sizes"])
+    k = _norm_dim(kw["dim"], rank)
+    select = node.target.overloadpacket.__name__ == "select_backward"
+    if isinstance(fact, Shared | Pooled):
+        return fact if not an.batch.is_batched(node) else _from_shape(an, node)
+    dim = fact.dim + (select and fact.dim >= k)
+    if dim == k and (select or not _whole_slice_backward(kw)):
+        raise _mix("it writes the gradient of a slice along the batch dimension back into some samples only",
+                   _FIX_DIM)
+    return PerSample(dim, fact.layout)
+
+
+def _whole_slice_backward(kw: dict) -> bool:
+    start, end, step = kw.get("start"), kw.get("end"), kw.get("step", 1)
+    end = value_of(end) if isinstance(end, fx.Node) else end
+    size = kw["input_sizes"][_norm_dim(kw["dim"], len(kw["input_sizes"]))]
+    size = value_of(size) if isinstance(size, fx.Node) else size
+    return start in (None, 0) and step == 1 and (
+        end is None or (isinstance(end, int) and end >= 2 ** 62) or _same_size(end, size))
+
+
 def analyze_facts(graph: fx.Graph, batch: BatchDims) -> tuple[dict[fx.Node, Fact], list[MixingSite]]:
     """Every node's fact, and the refused sites (for tests and inspection)."""
     analysis = Analysis(graph, batch)

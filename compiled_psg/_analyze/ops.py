@@ -61,6 +61,11 @@ DIM_OPS = _overloads(
     "cat", "stack", "constant_pad_nd", "slice_scatter", "select_scatter", "one_hot", "tensor_split.sections",
 )
 
+# Backward of a view that picks part of a dimension (``x[:, k]``, ``x[:, a:b]``): zeros shaped ``input_sizes`` with
+# the gradient written at the picked positions. They appear in a loss that calls ``torch.autograd.grad`` inside
+# itself (the inner backward of ``out[:, k]``); mixing.py's ``_view_backward`` handles them.
+VIEW_BACKWARDS = _overloads("select_backward", "slice_backward")
+
 # op -> (dim argument name or None for a full reduction, keepdim argument name or None)
 REDUCTIONS: dict = {}
 for _names, _spec in [
@@ -193,6 +198,7 @@ for _names, _args in [
     (("repeat",), ("repeats",)),
     (("empty_strided", "new_empty_strided"), ("size", "stride")),
     (("native_group_norm",), ("N", "C", "HxW")),
+    (("select_backward", "slice_backward"), ("input_sizes",)),
 ]:
     for _op in _overloads(*_names):
         SIZE_ARGS[_op] = _args

@@ -57,7 +57,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     batch = BatchDims(symbol)
 
     forward, loss = forward_slice(captured.joint, captured.loss_output)
-    _refuse_inner_gradients(forward)
+    _reconnect_inner_gradients(forward)
     mixing = find_mixing(forward.graph, batch)
     if mixing:
         raise _refusal(captured, forward, mixing)
@@ -131,6 +131,21 @@ def _in_shape_code(guard) -> bool:
     loc = getattr(getattr(guard, "sloc", None), "framework_loc", None)
     filename = loc if isinstance(loc, str) else getattr(loc, "filename", "") or ""
     return any(part in filename for part in _SHAPE_CODE)
+
+
+def _reconnect_inner_gradients(forward: fx.GraphModule) -> None:
+    graph = forward.graph
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.detach.default or node.meta.get("autograd_backward"):
+            continue
+        users = list(node.users)
+        if users and all(u.target is torch.ops.aten.detach.default and u.meta.get("autograd_backward") for u in users):
+            for u in users:
+                u.replace_all_uses_with(node.args[0])
+                graph.erase_node(u)
+            graph.erase_node(node)
+    graph.lint()
+    forward.recompile()
 
 
 def _refuse_inner_gradients(forward: fx.GraphModule) -> None:
