@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from reference import ref_clip_sum, ref_norms, reference_per_sample
 
 import compiled_psg as psg
@@ -208,7 +207,7 @@ def test_dp_step_with_gradient_penalty():
             for name, s in ref_clip_sum(ref, clip).items():
                 ref_net.get_parameter(name).sub_(lr * s / B)
         for (name, p), q in zip(ours.named_parameters(), ref_net.parameters(), strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"step {seed} {n}: {m}")
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=lambda m, n=name, s=seed: f"step {s} {n}: {m}")
 
 
 # --------------------------------------------------------------- refused, never a wrong number
