@@ -167,6 +167,26 @@ def test_wgan_gp_layer_norm_critic_with_norms_and_clip_sum():
         torch.testing.assert_close(sums[key], r, **TOL)
 
 
+def test_wgan_gp_conv_critic_with_clip_sum():
+    """A DCGAN-style critic: the double backward of the convolution contracts the batch as channels
+    (``convolution_over_channels``); clip_sum goes through that rule's book-keeping form."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.LeakyReLU(0.2), nn.Conv2d(3, 4, 3),
+                           nn.Tanh(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4, 1)).double()
+    g = torch.Generator().manual_seed(2)
+    real, fake = torch.randn(B, 2, 8, 8, generator=g, dtype=F64), torch.randn(B, 2, 8, 8, generator=g, dtype=F64)
+    alpha = torch.rand(B, 1, 1, 1, generator=g, dtype=F64)
+    loss = lambda r, f, a: wgan_gp(critic, r, f, a)  # noqa: E731
+    args = (real, fake, alpha)
+    ref = reference_per_sample(loss, dict(critic.named_parameters()), args)
+    got = psg.per_sample(critic, backend="eager")(loss)(*args)
+    for key, r in ref.items():
+        torch.testing.assert_close(got[key], r, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+    sums = psg.per_sample(critic, backend="eager", reduce=psg.clip_sum(0.5))(loss)(*args)
+    for key, r in ref_clip_sum(ref, 0.5).items():
+        torch.testing.assert_close(sums[key], r, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
 def test_float32_laplacian_with_clip_sum():
     net = mlp(nn.Tanh(), dtype=torch.float32)
     loss = lambda x: laplacian(net, x)  # noqa: E731
