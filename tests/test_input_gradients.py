@@ -278,3 +278,17 @@ def test_lookahead_step_on_the_batch_gradient_mixes():
     with pytest.raises(psg.SampleMixingError) as info:
         psg.per_sample(net, backend="eager")(lambda x: lookahead(net, x))(*data())
     assert f"{THIS.name}:{line_of('lookahead')}" in str(info.value)
+
+
+def backward_inside(net, x):
+    x = x.detach().requires_grad_(True)
+    out = net(x)
+    out.sum().backward(create_graph=True)
+    return (x.grad * out[:, :1]).sum()
+
+
+def test_backward_call_inside_the_loss_is_refused():
+    net = mlp(nn.Tanh())
+    with pytest.raises(psg.UnsupportedError) as info:
+        psg.per_sample(net, backend="eager")(lambda x: backward_inside(net, x))(*data())
+    assert "torch.autograd.grad(..., create_graph=True)" in str(info.value) and ".backward()" in str(info.value)

@@ -57,7 +57,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     batch = BatchDims(symbol)
 
     forward, loss = forward_slice(captured.joint, captured.loss_output)
-    _inner_gradients(captured, forward)
+    differentiates_inside = _inner_gradients(captured, forward)
     mixing = find_mixing(forward.graph, batch)
     if mixing:
         raise _refusal(captured, forward, mixing)
@@ -70,6 +70,11 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     try:
         joint = retrace_joint(forward, captured.fake_inputs, param_positions)
     except Exception as e:  # e.g. numpy or .tolist() inside the loss: Dynamo captured it, ATen tracing cannot
+        if differentiates_inside:  # e.g. loss.backward(create_graph=True) inside the loss writes x.grad (a copy)
+            raise UnsupportedError(
+                f"the loss differentiates inside itself, and its gradient could not be traced again "
+                f"({type(e).__name__}: {e}). Fix: differentiate with torch.autograd.grad(..., create_graph=True) "
+                "and use its result (not .backward(), which writes .grad)") from e
         raise CaptureError(f"the captured loss could not be re-traced for its gradient ({type(e).__name__}: {e}). "
                            "Fix: keep the loss in torch operations (no numpy, .tolist() or Python math on "
                            "tensor values).") from e
@@ -133,7 +138,7 @@ def _in_shape_code(guard) -> bool:
     return any(part in filename for part in _SHAPE_CODE)
 
 
-def _inner_gradients(captured: Captured, forward: fx.GraphModule) -> None:
+def _inner_gradients(captured: Captured, forward: fx.GraphModule) -> bool:
     """Make a loss that differentiates inside itself (``torch.autograd.grad(..., create_graph=True)``: gradient
     penalties, Jacobian or Laplacian regularizers) a plain differentiable ATen graph.
 
@@ -150,11 +155,11 @@ def _inner_gradients(captured: Captured, forward: fx.GraphModule) -> None:
 
     Samples: the inner backward's ops go through the mixing analysis like any other; the gradient of a sum over
     the batch w.r.t. per-sample inputs is per sample (the shared ``ones`` seed is a shape-only factory), and a
-    gradient that mixes samples is refused there."""
+    gradient that mixes samples is refused there. Returns whether the loss differentiates inside itself."""
     graph = forward.graph
     inner = [n for n in graph.nodes if n.meta.get("autograd_backward")]
     if not inner:
-        return
+        return False
     constant = [line for create_graph, line in captured.inner_grads if not create_graph]
     if constant:
         raise UnsupportedError(
@@ -172,6 +177,7 @@ def _inner_gradients(captured: Captured, forward: fx.GraphModule) -> None:
         graph.erase_node(node)
     graph.lint()
     forward.recompile()
+    return True
 
 
 def _is_backward_detach(node: fx.Node) -> bool:
