@@ -111,9 +111,7 @@ PROGRAMS = {
     "gp_tanh": (gradient_penalty, nn.Tanh),
     "gp_softplus": (gradient_penalty, nn.Softplus),
     "gp_relu": (gradient_penalty, nn.ReLU),
-    "gp_sigmoid": (gradient_penalty, nn.Sigmoid),
     "jacobian_tanh": (jacobian_norm, nn.Tanh),
-    "laplacian_tanh": (laplacian, nn.Tanh),
     "laplacian_softplus": (laplacian, nn.Softplus),
     "wrt_activation": (wrt_activation, nn.Tanh),
     "grad_of_batch_mean": (grad_of_batch_mean, nn.Tanh),
@@ -146,9 +144,9 @@ def wgan_gp(critic, real, fake, alpha):
     return critic(fake).mean() - critic(real).mean() + 10 * penalty
 
 
-def test_wgan_gp_layer_norm_critic_with_norms_and_clip_sum():
+def test_wgan_gp_layer_norm_critic_with_norms():
     """WGAN-GP on interpolates (the mixing weights given per sample), a LayerNorm critic; the per-sample
-    gradients, their norms and their clipped sum."""
+    gradients and their norms."""
     torch.manual_seed(0)
     critic = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.LeakyReLU(0.2), nn.Linear(6, 1)).double()
     g = torch.Generator().manual_seed(2)
@@ -162,9 +160,6 @@ def test_wgan_gp_layer_norm_critic_with_norms_and_clip_sum():
         torch.testing.assert_close(got[key], r, **TOL)
     norms = psg.per_sample(critic, backend="eager", reduce=psg.norms())(loss)(*args)
     torch.testing.assert_close(norms, ref_norms(ref), **TOL)
-    sums = psg.per_sample(critic, backend="eager", reduce=psg.clip_sum(0.5))(loss)(*args)
-    for key, r in ref_clip_sum(ref, 0.5).items():
-        torch.testing.assert_close(sums[key], r, **TOL)
 
 
 def test_wgan_gp_conv_critic_with_clip_sum():
@@ -179,11 +174,10 @@ def test_wgan_gp_conv_critic_with_clip_sum():
     loss = lambda r, f, a: wgan_gp(critic, r, f, a)  # noqa: E731
     args = (real, fake, alpha)
     ref = reference_per_sample(loss, dict(critic.named_parameters()), args)
-    got = psg.per_sample(critic, backend="eager")(loss)(*args)
-    for key, r in ref.items():
-        torch.testing.assert_close(got[key], r, **TOL, msg=lambda m, k=key: f"{k}: {m}")
-    sums = psg.per_sample(critic, backend="eager", reduce=psg.clip_sum(0.5))(loss)(*args)
-    for key, r in ref_clip_sum(ref, 0.5).items():
+    sums, norms = psg.per_sample(critic, backend="eager", reduce=psg.clip_sum(0.5, return_norms=True))(loss)(*args)
+    want_sums, want_norms = ref_clip_sum(ref, 0.5, return_norms=True)
+    torch.testing.assert_close(norms, want_norms, **TOL)
+    for key, r in want_sums.items():
         torch.testing.assert_close(sums[key], r, **TOL, msg=lambda m, k=key: f"{k}: {m}")
 
 
