@@ -113,7 +113,7 @@ def conv_channel_batch_per_sample(a: torch.Tensor, w: torch.Tensor, stride: list
     x1 = a.movedim(0, 1).reshape(c, n * r, *a.shape[3:])
     w1 = w.reshape(n * w.shape[1], r, *w.shape[3:])
     out = ATEN.convolution(x1, w1, None, stride, padding, dilation, False, [0] * len(stride), n)
-    return out.view(c, n, w.shape[1], *out.shape[2:]).movedim(1, 0)
+    return out.view(c, n, w.shape[1], *out.shape[2:]).movedim(1, 0).contiguous()  # the strides of the fake
 
 
 @conv_channel_batch_per_sample.register_fake
@@ -146,8 +146,6 @@ def convolution_over_channels(node: fx.Node, batch: BatchDims) -> Contraction | 
         return conv_channel_batch_per_sample(split_batch(a, 1, layout), split_batch(w, 1, layout), list(stride),
                                              list(padding), list(dilation))
 
-    def rebuild(a, w):
-        return ATEN.convolution(a, w, None, stride, padding, dilation, False, output_padding, 1)
-
-    return Contraction(rule="convolution[channels]", node=node, inputs=[a, w], per_sample=per_sample,
-                       linear_arg=0, linear_layout=(1, layout), rebuild=rebuild)
+    # No book-keeping form (``rebuild``): the convolution over batch channels, re-emitted for clip_sum, has a
+    # symbolic channel count, which Inductor's lowering fixes. Reductions materialize this small gradient.
+    return Contraction(rule="convolution[channels]", node=node, inputs=[a, w], per_sample=per_sample)
