@@ -107,6 +107,12 @@ def parameter_gradient_norm(net, x):
     return out.mean() + sum(g.pow(2).sum() for g in grads)
 
 
+def functorch_inside(net, x):
+    """torch.func inside the loss: each sample's input gradient by vmap over grad."""
+    g = torch.func.vmap(torch.func.grad(lambda xi: net(xi).sum()))(x)
+    return g.pow(2).sum() + net(x).sum()
+
+
 PROGRAMS = {
     "gp_tanh": (gradient_penalty, nn.Tanh),
     "gp_softplus": (gradient_penalty, nn.Softplus),
@@ -118,6 +124,7 @@ PROGRAMS = {
     "live_grad_outputs": (live_grad_outputs, nn.Tanh),
     "detached_inside": (detached_inside, nn.Tanh),
     "parameter_gradient_norm": (parameter_gradient_norm, nn.Tanh),
+    "functorch_inside": (functorch_inside, nn.Tanh),
 }
 
 

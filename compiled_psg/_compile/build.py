@@ -74,7 +74,8 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
             raise UnsupportedError(
                 f"the loss differentiates inside itself, and its gradient could not be traced again "
                 f"({type(e).__name__}: {e}). Fix: differentiate with torch.autograd.grad(..., create_graph=True) "
-                "and use its result (not .backward(), which writes .grad)") from e
+                "and use its result (not .backward(), which writes .grad); an op with no double backward in "
+                "PyTorch cannot be differentiated twice at all") from e
         raise CaptureError(f"the captured loss could not be re-traced for its gradient ({type(e).__name__}: {e}). "
                            "Fix: keep the loss in torch operations (no numpy, .tolist() or Python math on "
                            "tensor values).") from e
