@@ -1179,6 +1179,94 @@ def _shared_only(an: Analysis, node: fx.Node) -> Fact:
     return SHARED
 
 
+@_handles(ops.VIEW_BACKWARDS)
+def _view_backward(an: Analysis, node: fx.Node) -> Fact:
+    """``select_backward(g, input_sizes, dim, index)`` and ``slice_backward(g, input_sizes, dim, start, end,
+    step)`` (inner gradients of ``out[:, k]``): the output is zeros shaped ``input_sizes`` with ``g`` written at
+    the picked positions of ``dim``. Per sample when ``dim`` is not the batch dimension (the samples of ``g`` stay
+    in their rows), or, for a slice, when it keeps the whole batch."""
+    kw = _kwargs(node)
+    fact = an.fact(node.args[0])
+    _no_sample_index([fact])
+    rank = len(kw["input_sizes"])
+    k = _norm_dim(kw["dim"], rank)
+    select = node.target.overloadpacket.__name__ == "select_backward"
+    if isinstance(fact, Shared | Pooled):
+        return fact if not an.batch.is_batched(node) else _from_shape(an, node)
+    dim = fact.dim + (select and fact.dim >= k)
+    if dim == k and (select or not _whole_slice_backward(kw)):
+        raise _mix("it writes the gradient of a slice along the batch dimension back into some samples only",
+                   _FIX_DIM)
+    return PerSample(dim, fact.layout)
+
+
+def _whole_slice_backward(kw: dict) -> bool:
+    start, end, step = kw.get("start"), kw.get("end"), kw.get("step", 1)
+    end = value_of(end) if isinstance(end, fx.Node) else end
+    size = kw["input_sizes"][_norm_dim(kw["dim"], len(kw["input_sizes"]))]
+    size = value_of(size) if isinstance(size, fx.Node) else size
+    return start in (None, 0) and step == 1 and (
+        end is None or (isinstance(end, int) and end >= 2 ** 62) or _same_size(end, size))
+
+
+@_handles(ops.SPATIAL_BACKWARDS)
+def _spatial_backward(an: Analysis, node: fx.Node) -> Fact:
+    """Backward of pooling or padding (inner gradients): per sample when no tensor holds the batch in the
+    dimensions the forward op mixes."""
+    facts = _tensor_facts(an, node)
+    _no_sample_index(facts.values())
+    out_rank = value_of(node).dim()
+    result = _aligned([(f, _rank(a)) for a, f in facts.items()], out_rank)
+    if isinstance(result, Shared):
+        return _pooled(facts.values()) or SHARED
+    if result.dim >= out_rank - ops.SPATIAL_BACKWARDS[node.target]:
+        raise _mix("it mixes the dimension that holds the batch (the backward of pooling or padding over the "
+                   "samples)", _FIX_DIM)
+    return result
+
+
+@_handles(ops.LAYER_NORM_BACKWARDS)
+def _layer_norm_backward(an: Analysis, node: fx.Node) -> Fact:
+    """``native_layer_norm_backward`` (inner gradients): the input gradient is per sample when the batch is not
+    normalized over; the weight and bias gradients sum over the batch."""
+    kw = _kwargs(node)
+    for name in ("weight", "bias"):
+        if isinstance(kw.get(name), fx.Node) and not isinstance(an.fact(kw[name]), Shared):
+            raise _unknown(_op_name(node), " with per-sample weights")
+    tensors = [kw["grad_out"], kw["input"], kw["mean"], kw["rstd"]]
+    facts = [an.fact(t) for t in tensors]
+    _no_sample_index(facts)
+    rank = _rank(kw["input"])
+    result = _aligned([(f, _rank(t)) for t, f in zip(tensors, facts, strict=True)], rank)
+    if not isinstance(result, PerSample):
+        shared = _pooled(facts) or SHARED
+        return (shared, shared, shared)
+    if result.dim >= rank - len(kw["normalized_shape"]):
+        raise _mix("it normalizes over the dimension that holds the batch", _FIX_DIM)
+    summed = Pooled(node, "it sums a LayerNorm's weight or bias gradient over the batch")
+    return (result, summed, summed)
+
+
+@_handles(ops.CONV_BACKWARDS)
+def _convolution_backward(an: Analysis, node: fx.Node) -> Fact:
+    """``convolution_backward`` (inner gradients): the input gradient is per sample when the batch is the
+    convolution's dimension 0; the weight and bias gradients sum over the batch."""
+    kw = _kwargs(node)
+    if not isinstance(an.fact(kw["weight"]), Shared):
+        raise _mix("the convolution's weight depends on the samples")
+    facts = [an.fact(kw["grad_output"]), an.fact(kw["input"])]
+    _no_sample_index(facts)
+    per_sample = [f for f in facts if isinstance(f, PerSample)]
+    if not per_sample:
+        shared = _pooled(facts) or SHARED
+        return (shared, shared, shared)
+    if any(f.dim != 0 for f in per_sample):
+        raise _mix("the convolution slides over, or sums over, the dimension that holds the batch",
+                   "keep the batch in dimension 0 of the convolution's input (pass in_dims to name it)")
+    summed = Pooled(node, "it sums a convolution's weight or bias gradient over the batch")
+    return (PerSample(0, _merge_layouts(f.layout for f in per_sample)), summed, summed)
+
+
 def analyze_facts(graph: fx.Graph, batch: BatchDims) -> tuple[dict[fx.Node, Fact], list[MixingSite]]:
     """Every node's fact, and the refused sites (for tests and inspection)."""
     analysis = Analysis(graph, batch)

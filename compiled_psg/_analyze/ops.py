@@ -61,6 +61,28 @@ DIM_OPS = _overloads(
     "cat", "stack", "constant_pad_nd", "slice_scatter", "select_scatter", "one_hot", "tensor_split.sections",
 )
 
+# Backward of a view that picks part of a dimension (``x[:, k]``, ``x[:, a:b]``): zeros shaped ``input_sizes`` with
+# the gradient written at the picked positions. They appear in a loss that calls ``torch.autograd.grad`` inside
+# itself (the inner backward of ``out[:, k]``); mixing.py's ``_view_backward`` handles them.
+VIEW_BACKWARDS = _overloads("select_backward", "slice_backward")
+
+# Backwards of SPATIAL ops (inner gradients): op -> number of trailing dims they mix. Every tensor argument (the
+# gradient, the saved input, pooling indices) holds the samples alike.
+SPATIAL_BACKWARDS: dict = {}
+for _k, _names in [
+    (1, ("avg_pool1d_backward", "adaptive_avg_pool1d_backward", "reflection_pad1d_backward",
+         "replication_pad1d_backward")),
+    (2, ("avg_pool2d_backward", "max_pool2d_with_indices_backward", "_adaptive_avg_pool2d_backward",
+         "adaptive_max_pool2d_backward", "reflection_pad2d_backward", "replication_pad2d_backward")),
+    (3, ("avg_pool3d_backward", "max_pool3d_with_indices_backward", "_adaptive_avg_pool3d_backward",
+         "adaptive_max_pool3d_backward", "reflection_pad3d_backward", "replication_pad3d_backward")),
+]:
+    for _op in _overloads(*_names):
+        SPATIAL_BACKWARDS[_op] = _k
+# Backwards whose input gradient is per sample and whose parameter gradients sum over the batch (inner gradients)
+LAYER_NORM_BACKWARDS = _overloads("native_layer_norm_backward")
+CONV_BACKWARDS = _overloads("convolution_backward")
+
 # op -> (dim argument name or None for a full reduction, keepdim argument name or None)
 REDUCTIONS: dict = {}
 for _names, _spec in [
@@ -197,6 +219,7 @@ for _names, _args in [
     (("repeat",), ("repeats",)),
     (("empty_strided", "new_empty_strided"), ("size", "stride")),
     (("native_group_norm",), ("N", "C", "HxW")),
+    (("select_backward", "slice_backward"), ("input_sizes",)),
 ]:
     for _op in _overloads(*_names):
         SIZE_ARGS[_op] = _args

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import re
 import threading
@@ -52,6 +53,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+from .._analyze.source import where
 from .._errors import BatchInputError, CaptureError, InternalError
 from . import identity_guards, torch_caches
 
@@ -146,6 +148,8 @@ class Captured:
     #: the joint graph reduced to those first outputs: the inputs' new values, from the inputs' old values
     mutation_graph: fx.GraphModule | None = None
     guards: Guards | None = None
+    #: ``torch.autograd.grad`` calls inside the loss (not the capture's own): (create_graph, the user's line)
+    inner_grads: list[tuple[bool, str]] = field(default_factory=list)
 
 
 class _Abort(Exception):
@@ -175,7 +179,23 @@ _aot_backend = aot_autograd(fw_compiler=_fw_compiler)
 
 def _backend(gm, example_inputs):
     _pending["real"] = list(example_inputs)
+    _pending["inner_grads"] = _inner_grad_calls(gm)
     return _aot_backend(gm, example_inputs)
+
+
+_GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)
+
+
+def _inner_grad_calls(gm: fx.GraphModule) -> list[tuple[bool, str]]:
+    """The loss's own ``torch.autograd.grad`` calls in Dynamo's graph, with their ``create_graph``: every call
+    but the last, which is the capture's (``joint`` calls it after the loss returned). The AOT graph records an
+    inner backward the same way with or without ``create_graph``; only here does it show."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.autograd.grad]
+    found = []
+    for node in calls[:-1]:
+        bound = _GRAD_SIGNATURE.bind_partial(*node.args, **node.kwargs)
+        found.append((bool(bound.arguments.get("create_graph", False)), where(node)))
+    return found
 
 
 def _label(real_inputs, params: dict[str, torch.Tensor], args: tuple, batched: set[int]):
@@ -339,7 +359,7 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
                               "batch as an argument (not through a closure or global)")
     return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
-                    guards=Guards(manager, batched, code))
+                    guards=Guards(manager, batched, code), inner_grads=_pending.get("inner_grads", []))
 
 
 def _mutated_inputs(meta, roles: list[Role]) -> list[int]:

@@ -15,7 +15,6 @@ from torch.utils import _pytree as pytree
 
 from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
-from .._analyze.source import where
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
 from .._errors import CaptureError, InternalError, SampleMixingError, UnsupportedError
@@ -25,6 +24,7 @@ from .._rewrite.loss_head import per_sample_loss_head
 from .._rewrite.per_sample_pass import LiftResult, lift_to_per_sample
 
 log = logging.getLogger("compiled_psg")
+ATEN = torch.ops.aten
 
 
 @dataclass
@@ -57,7 +57,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     batch = BatchDims(symbol)
 
     forward, loss = forward_slice(captured.joint, captured.loss_output)
-    _refuse_inner_gradients(forward)
+    differentiates_inside = _inner_gradients(captured, forward)
     mixing = find_mixing(forward.graph, batch)
     if mixing:
         raise _refusal(captured, forward, mixing)
@@ -70,6 +70,12 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     try:
         joint = retrace_joint(forward, captured.fake_inputs, param_positions)
     except Exception as e:  # e.g. numpy or .tolist() inside the loss: Dynamo captured it, ATen tracing cannot
+        if differentiates_inside:  # e.g. loss.backward(create_graph=True) inside the loss writes x.grad (a copy)
+            raise UnsupportedError(
+                f"the loss differentiates inside itself, and its gradient could not be traced again "
+                f"({type(e).__name__}: {e}). Fix: differentiate with torch.autograd.grad(..., create_graph=True) "
+                "and use its result (not .backward(), which writes .grad); an op with no double backward in "
+                "PyTorch cannot be differentiated twice at all") from e
         raise CaptureError(f"the captured loss could not be re-traced for its gradient ({type(e).__name__}: {e}). "
                            "Fix: keep the loss in torch operations (no numpy, .tolist() or Python math on "
                            "tensor values).") from e
@@ -133,18 +139,65 @@ def _in_shape_code(guard) -> bool:
     return any(part in filename for part in _SHAPE_CODE)
 
 
-def _refuse_inner_gradients(forward: fx.GraphModule) -> None:
-    """A loss that differentiates inside itself (``torch.autograd.grad(..., create_graph=True)``: gradient
-    penalties, Jacobian or Laplacian regularizers) is captured with the inner backward's saved tensors detached,
-    so re-tracing its gradient would silently drop terms. Refused until the capture keeps them differentiable."""
-    inner = [n for n in forward.graph.nodes if n.meta.get("autograd_backward")]
-    if inner:
+def _inner_gradients(captured: Captured, forward: fx.GraphModule) -> bool:
+    """Make a loss that differentiates inside itself (``torch.autograd.grad(..., create_graph=True)``: gradient
+    penalties, Jacobian or Laplacian regularizers) a plain differentiable ATen graph.
+
+    The inner backward is in the captured forward as ordinary ATen ops (``mm`` with the weights, ``tanh_backward``,
+    ``select_backward``), found by their ``autograd_backward`` meta. Each tensor an op saved as its *output*
+    (``tanh``, ``sigmoid``, ``exp`` save their result) is recorded through two ``detach`` nodes: one when the
+    forward saves it, one when the backward unpacks it. Autograd still differentiated through them (the saved
+    result keeps its grad_fn), but re-tracing the graph would not, and would silently drop the terms of the outer
+    gradient that go through the saved results. So each such pair is replaced by the value itself. A detach the
+    user wrote is never such a pair: it feeds the op that consumed it, not only unpacking detaches.
+
+    An inner ``autograd.grad`` without ``create_graph`` is recorded the same way but is a constant to the outer
+    gradient; it is refused (``UnsupportedError``) rather than differentiated through.
+
+    Samples: the inner backward's ops go through the mixing analysis like any other; the gradient of a sum over
+    the batch w.r.t. per-sample inputs is per sample (the shared ``ones`` seed is a shape-only factory), and a
+    gradient that mixes samples is refused there. Returns whether the loss differentiates inside itself."""
+    graph = forward.graph
+    inner = [n for n in graph.nodes if n.meta.get("autograd_backward")]
+    if not inner:
+        return False
+    constant = [line for create_graph, line in captured.inner_grads if not create_graph]
+    if constant:
         raise UnsupportedError(
-            f"the loss calls torch.autograd.grad (or .backward) inside itself, at {where(inner[0])}: per-sample "
-            "gradients of losses built from gradients (gradient penalties, Jacobian or Laplacian regularizers) "
-            "are not supported yet, and compiled_psg refuses them rather than return wrong numbers. Fix: compute "
-            "this loss's per-sample gradients with torch.func (vmap over grad of the per-sample loss), or drop "
-            "the gradient term from the loss given to compiled_psg")
+            f"the loss calls torch.autograd.grad without create_graph=True, at {constant[0]}: its result is a "
+            "constant to the gradient of the loss, which compiled_psg's graph cannot tell from a differentiable "
+            "value. Fix: pass create_graph=True, and call .detach() on the result where you mean it as a constant")
+    erased: set[fx.Node] = set()
+    for node in list(graph.nodes):
+        if node in erased or not _is_unpack_pair(node):
+            continue
+        for unpack in _unpacks(node):  # with the unpacks of unpacks, if autograd saved one again
+            unpack.replace_all_uses_with(node.args[0])
+            graph.erase_node(unpack)
+            erased.add(unpack)
+        graph.erase_node(node)
+    graph.lint()
+    forward.recompile()
+    return True
+
+
+def _is_backward_detach(node: fx.Node) -> bool:
+    return node.target is ATEN.detach.default and bool(node.meta.get("autograd_backward"))
+
+
+def _is_unpack_pair(node: fx.Node) -> bool:
+    """A ``detach`` that autograd made to save a value: only unpacking detaches (in a backward) read it."""
+    return node.target is ATEN.detach.default and bool(node.users) and all(map(_is_backward_detach, node.users))
+
+
+def _unpacks(node: fx.Node) -> list[fx.Node]:
+    """The unpacking detaches of ``node``, and theirs, users before their users (each erased after its users)."""
+    found = []
+    for user in node.users:
+        if _is_backward_detach(user):
+            found.extend(_unpacks(user))
+            found.append(user)
+    return found
 
 
 def _refusal(captured: Captured, forward: fx.GraphModule, sites: list[MixingSite]) -> Exception:

@@ -99,3 +99,53 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
         rule="convolution_backward[weight]", node=node, inputs=[g, x, w], per_sample=per_sample_weight,
         linear_arg=0, linear_layout=(0, layout), rebuild=rebuild, factor_shape=factor_shape,
     )
+
+
+@torch.library.custom_op("compiled_psg::conv_channel_batch_per_sample", mutates_args=())
+def conv_channel_batch_per_sample(a: torch.Tensor, w: torch.Tensor, stride: list[int], padding: list[int],
+                                  dilation: list[int]) -> torch.Tensor:
+    """Per-sample ``convolution(a[n], w[n])`` ``[n, c, o, *s']`` from ``a [n, c, r, *s]`` and ``w [n, o, r, *k]``.
+
+    The samples become the groups of one convolution (groups = n); opaque to the compiler for the same reason as
+    ``conv_weight_per_sample`` (Inductor's lowering specializes ``groups``).
+    """
+    n, c, r = a.shape[0], a.shape[1], a.shape[2]
+    x1 = a.movedim(0, 1).reshape(c, n * r, *a.shape[3:])
+    w1 = w.reshape(n * w.shape[1], r, *w.shape[3:])
+    out = ATEN.convolution(x1, w1, None, stride, padding, dilation, False, [0] * len(stride), n)
+    return out.view(c, n, w.shape[1], *out.shape[2:]).movedim(1, 0).contiguous()  # the strides of the fake
+
+
+@conv_channel_batch_per_sample.register_fake
+def _(a, w, stride, padding, dilation):
+    out = ATEN.convolution(a[0], w[0], None, stride, padding, dilation, False, [0] * len(stride), 1)
+    return a.new_empty([a.shape[0], *out.shape])
+
+
+@contraction_rule(ATEN.convolution.default)
+def convolution_over_channels(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """``convolution(a, w)`` whose input and weight hold the batch as channels: a conv weight gradient of a loss
+    with an inner gradient (the double backward of ``convolution_backward`` contracts the batch this way).
+
+    Before::
+
+        ga = aten.convolution(a [c, n, *s], w [o, n, *k], None, stride, padding, dilation, False, _, 1)   # [c, o, *s']
+
+    After: the samples become the groups of one convolution (``compiled_psg.conv_channel_batch_per_sample``)::
+
+        ps = aten.convolution(a' [c, n*r, *s], w' [n*o, r, *k], ..., groups=n).view(c, n, o, *s').movedim(1, 0)
+    """
+    a, w, bias, stride, padding, dilation, transposed, output_padding, groups = node.args
+    if bias is not None or transposed or groups != 1 or batch.dims(a) != (1,) or batch.dims(w) != (1,):
+        return None
+    layout = batch_layout(a, 1, batch)
+    if layout is None or layout != batch_layout(w, 1, batch):
+        return None
+
+    def per_sample(a, w):
+        return conv_channel_batch_per_sample(split_batch(a, 1, layout), split_batch(w, 1, layout), list(stride),
+                                             list(padding), list(dilation))
+
+    # No book-keeping form (``rebuild``): the convolution over batch channels, re-emitted for clip_sum, has a
+    # symbolic channel count, which Inductor's lowering fixes. Reductions materialize this small gradient.
+    return Contraction(rule="convolution[channels]", node=node, inputs=[a, w], per_sample=per_sample)
