@@ -180,7 +180,50 @@ _aot_backend = aot_autograd(fw_compiler=_fw_compiler)
 def _backend(gm, example_inputs):
     _pending["real"] = list(example_inputs)
     _pending["inner_grads"] = _inner_grad_calls(gm)
+    _detach_values_from_no_grad(gm)
     return _aot_backend(gm, example_inputs)
+
+
+def _is_tensor_value(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("example_value"), torch.Tensor)
+
+
+def _detach_values_from_no_grad(gm: fx.GraphModule) -> int:
+    """Detach every value computed with grad disabled (``torch.no_grad()``, ``set_grad_enabled(False)``,
+    ``inference_mode()``) where code with grad enabled uses it; returns how many were detached.
+
+    Why: AOT autograd's joint graph carries no grad mode, and the per-sample backward is re-derived from its forward
+    ops (``retrace.py``), which would differentiate through a no-grad region. An explicit ``detach`` keeps the
+    user's meaning in the ATen graph.
+    Post: no node that runs with grad enabled reads a value computed with grad disabled except through ``detach``.
+    """
+    enabled, no_grad, detached, outer = True, set(), {}, []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+            continue
+        if node.op == "call_function" and node.target is torch.autograd.grad_mode._enter_inference_mode:
+            outer.append(enabled)
+            enabled = enabled and not node.args[0]
+            continue
+        if node.op == "call_function" and node.target is torch.autograd.grad_mode._exit_inference_mode:
+            enabled = outer.pop() if outer else True
+            continue
+        if not enabled:
+            if node.op in ("call_function", "call_method", "call_module"):
+                no_grad.add(node)
+            continue
+        for value in [a for a in node.all_input_nodes if a in no_grad and _is_tensor_value(a)]:
+            if value not in detached:
+                with gm.graph.inserting_before(node):
+                    detached[value] = gm.graph.call_method("detach", (value,))
+                    if "example_value" in value.meta:
+                        detached[value].meta["example_value"] = value.meta["example_value"]
+            node.replace_input_with(value, detached[value])
+    if detached:
+        gm.graph.lint()
+        gm.recompile()
+    return len(detached)
 
 
 _GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)
