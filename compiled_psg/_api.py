@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -124,6 +125,16 @@ def _guard_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tup
     return tuple(a.detach().contiguous() if pos in batch_dims else a for pos, a in enumerate(args))
 
 
+@dataclass(frozen=True)
+class PreparedCall:
+    """One call, ready to run: the cached (or new) compiled entry and the inputs it takes."""
+
+    entry: CompiledPerSample
+    params: dict[str, torch.Tensor]  # the parameters, read from their source at this call
+    args: tuple  # the call's arguments
+    batch_size: int
+
+
 class PerSampleFunction:
     """A loss function whose call returns per-sample gradients (or a reduction of them)."""
 
@@ -186,6 +197,12 @@ class PerSampleFunction:
         return None, entries[0].rewritten.captured.guards.why(self.fn, tensors, guard_args)
 
     def compiled_for(self, *args) -> tuple[CompiledPerSample, dict, tuple, int]:
+        """``(entry, params, args, batch_size)`` for this call (public, for inspection); the library itself uses
+        ``prepare_call``, which names them."""
+        call = self.prepare_call(*args)
+        return call.entry, call.params, call.args, call.batch_size
+
+    def prepare_call(self, *args) -> PreparedCall:
         """The compiled graph for this call: cached while its key matches and its guards hold, else captured now.
 
         Post: the entry's graph describes what the loss would compute now (module structure, hooks, Python
@@ -195,7 +212,7 @@ class PerSampleFunction:
         key = self._key(params, args, batch_dims)
         entry, _ = self._valid(self._cache.get(key, []), params, args, batch_dims, batch_size)
         if entry is not None:
-            return entry, params, args, batch_size
+            return PreparedCall(entry, params, args, batch_size)
         with CAPTURE_LOCK:  # one capture at a time; another thread may have captured it meanwhile
             entries = self._cache.get(key, [])
             entry, reason = self._valid(entries, params, args, batch_dims, batch_size)
@@ -213,7 +230,7 @@ class PerSampleFunction:
                     self._retired_compiles += old.compiles
                     self._retired_seconds += old.compile_seconds
                 self._cache[key] = [entry, *entries[:MAX_ENTRIES_PER_KEY - 1]]
-        return entry, params, args, batch_size
+        return PreparedCall(entry, params, args, batch_size)
 
     def _build(self, params, args, batch_dims, batch_size) -> Rewritten:
         capture_args = _capture_args(args, batch_dims, batch_size)
@@ -230,8 +247,8 @@ class PerSampleFunction:
             ref = params[next(iter(params))]
             empty = torch.zeros(0, dtype=ref.dtype, device=ref.device)
             return torch.zeros((), dtype=ref.dtype, device=ref.device), empty, self.reduce.empty(shapes)
-        entry, params, args, batch_size = self.compiled_for(*args)
-        return entry(params, args, batch_size)
+        call = self.prepare_call(*args)
+        return call.entry(call.params, call.args, call.batch_size)
 
     def __call__(self, *args, **kwargs):
         return self.with_losses(*args, **kwargs)[2]

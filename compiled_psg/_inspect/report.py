@@ -210,7 +210,7 @@ def explain(fn, *args) -> Report:
         raise BatchInputError(f"psg.explain expects a function decorated with @psg.per_sample(model), got "
                               f"{type(fn).__name__} {getattr(fn, '__name__', '')!s}. Fix: explain(psg.per_sample("
                               "model)(loss_fn), *batch), or decorate loss_fn with @psg.per_sample(model)")
-    entry, *_ = fn.compiled_for(*args)
+    entry = fn.prepare_call(*args).entry
     return Report.from_rewritten(entry.rewritten)
 
 

@@ -457,15 +457,16 @@ class DPStep:
             sums, self.last_norms = _split_result(result, self.names, self.params)
             self._run_eager_update(config, [sums[n] for n in self.names], 0)
             return loss
-        pieces = [f.compiled_for(*piece) for piece in self._micro_batches(batch, f.in_dims, batch_size)]
-        sizes = [n for *_, n in pieces]
+        pieces = [f.prepare_call(*piece) for piece in self._micro_batches(batch, f.in_dims, batch_size)]
+        sizes = [c.batch_size for c in pieces]
         losses, norms, partial = [], [], None
-        *head, (entry, params, args, size) = pieces
+        *head, last = pieces
+        entry, params, args, size = last.entry, last.params, last.args, last.batch_size
         accumulate = self._max_physical_batch_size is not None
         built = self._program_for(entry, config, accumulate) if self.fused and self._state_ready else None
         if built is not None:
-            for e, p, a, n in head:  # the earlier micro-batches: the compiled per-sample graph, summed here
-                loss, _, result = self._run_per_sample(e, config, p, a, n)
+            for c in head:  # the earlier micro-batches: the compiled per-sample graph, summed here
+                loss, _, result = self._run_per_sample(c.entry, config, c.params, c.args, c.batch_size)
                 sums, piece_norms = _split_result(result, self.names, self.params)
                 partial = _add_into(partial, sums, self.names)
                 losses.append(loss)
@@ -475,8 +476,9 @@ class DPStep:
             return _combine_losses([*losses, loss], sizes, config.loss_reduction)
         # the first step (optimizer state does not exist yet), and the eager update when the program cannot be
         # built: the per-sample graph on every micro-batch, then optimizer.step()
-        for e, p, a, n in pieces:
-            loss, _, result = self._run_per_sample(self._eager_runner(e), config, p, a, n)
+        for c in pieces:
+            loss, _, result = self._run_per_sample(self._eager_runner(c.entry), config, c.params, c.args,
+                                                   c.batch_size)
             sums, piece_norms = _split_result(result, self.names, self.params)
             partial = _add_into(partial, sums, self.names)
             losses.append(loss)
