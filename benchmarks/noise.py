@@ -1,0 +1,72 @@
+"""``python -m benchmarks.noise``: Gaussian noise drawn outside the compiled step (as ``compile_step`` does) against
+noise drawn inside it.
+
+For each number of parameters P, side by side in one process (medians of ``--repeats`` calls after warm-up):
+
+- ``outside``: ``torch.randn(P)`` eagerly, then a compiled ``g + sigma * noise`` (the step's layout: the noise is
+  an input of the program);
+- ``inside``: one compiled function ``g + sigma * torch.randn_like(g)`` (Inductor's own random generator).
+
+Outside is also the only way to keep seeded runs resumable (the noise comes from a ``torch.Generator`` whose state
+is saved) and to use ``secure_rng`` (``os.urandom``), which cannot run inside a graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _median_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
+    g = torch.randn(size, device=device)
+    sigma = 1.3
+    add = torch.compile(lambda g, noise: g + sigma * noise, dynamic=False)
+    draw_inside = torch.compile(lambda g: g + sigma * torch.randn_like(g), dynamic=False)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def outside():
+        return add(g, torch.randn(size, device=device, generator=generator))
+
+    def sync(fn):
+        def run():
+            out = fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return out
+        return run
+
+    return {"outside": _median_ms(sync(outside), repeats), "inside": _median_ms(sync(lambda: draw_inside(g)), repeats)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.noise", description=__doc__.split("\n\n")[1])
+    p.add_argument("--sizes", nargs="+", type=int, default=[100_000, 1_000_000, 10_000_000])
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = p.parse_args(argv)
+    if args.repeats < 7:
+        p.error("--repeats must be at least 7")
+    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats} "
+          "calls; ms")
+    print(f"{'P':>10} | {'outside':>8} {'inside':>8} | inside/outside")
+    for size in args.sizes:
+        r = measure(size, args.repeats, args.device)
+        print(f"{size:>10} | {r['outside']:8.3f} {r['inside']:8.3f} | {r['inside'] / r['outside']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
