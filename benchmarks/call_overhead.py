@@ -14,8 +14,6 @@ graph. On a tiny model, where the graph itself costs little, this prints, side b
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn as nn
@@ -23,17 +21,7 @@ import torch.nn.functional as F
 
 import compiled_psg as psg
 
-
-def _median_us(fn, repeats: int, inner: int = 20) -> float:
-    for _ in range(inner):  # warm-up
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner * 1e6)
-    return statistics.median(samples)
+from .timing import median_seconds
 
 
 def measure(repeats: int = 15, batch: int = 8, backend: str = "eager") -> dict[str, float]:
@@ -50,10 +38,10 @@ def measure(repeats: int = 15, batch: int = 8, backend: str = "eager") -> dict[s
     guards = entry.rewritten.captured.guards
     tensors = list(params.values())
     return {
-        "call": _median_us(lambda: loss(x, y), repeats),
-        "lookup": _median_us(lambda: loss.compiled_for(x, y), repeats),
-        "guards": _median_us(lambda: guards.check(loss.fn, tensors, args), repeats),
-        "graph": _median_us(lambda: entry(params, args, size), repeats),
+        "call": median_seconds(lambda: loss(x, y), repeats, 20, 20) * 1e6,
+        "lookup": median_seconds(lambda: loss.compiled_for(x, y), repeats, 20, 20) * 1e6,
+        "guards": median_seconds(lambda: guards.check(loss.fn, tensors, args), repeats, 20, 20) * 1e6,
+        "graph": median_seconds(lambda: entry(params, args, size), repeats, 20, 20) * 1e6,
     }
 
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import statistics
-import time
 
 import torch
 import torch.nn as nn
 
 import compiled_psg as psg
 from compiled_psg._reduce import strategies
+
+from .timing import median_seconds
 
 SHAPES = [(n, t, i, o) for n, t, (i, o) in itertools.product((16, 64), (1, 16, 128), ((64, 64), (256, 1024)))]
 QUICK_SHAPES = [(16, 1, 32, 32), (16, 64, 32, 32), (16, 8, 256, 256)]
@@ -49,24 +49,13 @@ def _norms_fn(shape, backend: str):
     return loss, torch.randn(n, t, i) if t > 1 else torch.randn(n, i)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
 def measure_shape(shape, backend: str, repeats: int) -> dict:
     row: dict = {"shape": shape}
     for name in ("ghost", "materialize"):
         with only("sq_norm", name):
             fn, x = _norms_fn(shape, backend)
             fn(x)  # capture and compile under the forced choice
-        row[name] = _median_ms(lambda fn=fn, x=x: fn(x), repeats)
+        row[name] = median_seconds(lambda fn=fn, x=x: fn(x), repeats) * 1e3
     fn, x = _norms_fn(shape, backend)
     fn(x)
     choice = fn.compiled_for(x)[0].rewritten.choices["weight"][0]

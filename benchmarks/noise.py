@@ -14,21 +14,10 @@ is saved) and to use ``secure_rng`` (``os.urandom``), which cannot run inside a 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-
-def _median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+from .timing import median_seconds
 
 
 def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
@@ -49,7 +38,8 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
             return out
         return run
 
-    return {"outside": _median_ms(sync(outside), repeats), "inside": _median_ms(sync(lambda: draw_inside(g)), repeats)}
+    return {"outside": median_seconds(sync(outside), repeats) * 1e3,
+            "inside": median_seconds(sync(lambda: draw_inside(g)), repeats) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,6 @@ no protection (it is treated as public). Prints a progress bar, perplexity befor
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .cli_train import _optimizer
+from .cli_train import _optimizer, write_metrics_and_plot
 
 HF_MISSING = ("python -m compiled_psg finetune needs transformers and peft (the hf extra): "
               'pip install -e ".[hf]"  (or: pip install "transformers==5.23.0" "peft==0.21.2")')
@@ -242,32 +241,14 @@ def unigram_perplexity(corpus) -> float:
 
 def write_outputs(metrics: dict, out: Path) -> None:
     """``metrics.json`` and ``perplexity.png`` (held-out perplexity against epsilon and against the step)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     rows = metrics["history"]
-    ppl = [r["perplexity"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    if rows[-1]["epsilon"] is not None:
-        left.plot([r["epsilon"] for r in rows], ppl, marker="o")
-        left.set_xlabel(f"epsilon (delta={metrics['mechanism']['delta']:g})")
-    else:
-        left.plot([r["step"] for r in rows], ppl, marker="o")
-        left.set_xlabel("step (non-private: epsilon is infinite)")
-    left.set_ylabel("held-out perplexity per byte")
-    left.set_title("perplexity against privacy spent")
-    right.plot([r["step"] for r in rows], ppl, marker="o")
-    right.set_xlabel("fine-tuning step")
-    right.set_ylabel("held-out perplexity per byte")
-    right.set_title("perplexity during fine-tuning")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-    fig.savefig(out / "perplexity.png", dpi=100)
-    plt.close(fig)
+    private = rows[-1]["epsilon"] is not None
+    write_metrics_and_plot(
+        metrics, out, "perplexity.png", [r["perplexity"] for r in rows], "held-out perplexity per byte",
+        ([r["epsilon"] for r in rows] if private else None, [r["step"] for r in rows],
+         "step (non-private: epsilon is infinite)"),
+        ([r["step"] for r in rows], "fine-tuning step"),
+        ("perplexity against privacy spent", "perplexity during fine-tuning"))
 
 
 def main(argv: list[str] | None = None) -> int:

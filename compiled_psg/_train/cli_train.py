@@ -160,8 +160,11 @@ def train(args) -> dict:
     return metrics
 
 
-def write_outputs(metrics: dict, out: Path) -> None:
-    """``metrics.json`` and ``accuracy.png`` (test accuracy against epsilon, and against wall time)."""
+def write_metrics_and_plot(metrics: dict, out: Path, png: str, y: list, y_label: str,
+                           left: tuple[list | None, list, str], right: tuple[list, str],
+                           titles: tuple[str, str]) -> None:
+    """``out/metrics.json`` and ``out/png``: ``y`` against epsilon (``left``: (epsilons or None when non-private,
+    the fallback x values, the fallback x label)) and against ``right`` ((x values, x label))."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,25 +172,35 @@ def write_outputs(metrics: dict, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    rows = metrics["epochs"]
-    accuracy = [r["test_accuracy"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    if rows and rows[0]["epsilon"] is not None:
-        left.plot([r["epsilon"] for r in rows], accuracy, marker="o")
-        left.set_xlabel(f"epsilon (delta={metrics['mechanism']['delta']:g})")
+    fig, (ax_eps, ax_right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    epsilons, fallback_x, fallback_label = left
+    if epsilons is not None:
+        ax_eps.plot(epsilons, y, marker="o")
+        ax_eps.set_xlabel(f"epsilon (delta={metrics['mechanism']['delta']:g})")
     else:
-        left.plot([r["epoch"] for r in rows], accuracy, marker="o")
-        left.set_xlabel("epoch (non-private: epsilon is infinite)")
-    left.set_ylabel("test accuracy")
-    left.set_title("accuracy against privacy spent")
-    right.plot([r["elapsed_seconds"] for r in rows], accuracy, marker="o")
-    right.set_xlabel("wall time (s, compilation included)")
-    right.set_ylabel("test accuracy")
-    right.set_title("accuracy against time")
-    for ax in (left, right):
+        ax_eps.plot(fallback_x, y, marker="o")
+        ax_eps.set_xlabel(fallback_label)
+    ax_eps.set_title(titles[0])
+    ax_right.plot(right[0], y, marker="o")
+    ax_right.set_xlabel(right[1])
+    ax_right.set_title(titles[1])
+    for ax in (ax_eps, ax_right):
+        ax.set_ylabel(y_label)
         ax.grid(alpha=0.3)
-    fig.savefig(out / "accuracy.png", dpi=100)
+    fig.savefig(out / png, dpi=100)
     plt.close(fig)
+
+
+def write_outputs(metrics: dict, out: Path) -> None:
+    """``metrics.json`` and ``accuracy.png`` (test accuracy against epsilon, and against wall time)."""
+    rows = metrics["epochs"]
+    private = bool(rows) and rows[0]["epsilon"] is not None
+    write_metrics_and_plot(
+        metrics, out, "accuracy.png", [r["test_accuracy"] for r in rows], "test accuracy",
+        ([r["epsilon"] for r in rows] if private else None, [r["epoch"] for r in rows],
+         "epoch (non-private: epsilon is infinite)"),
+        ([r["elapsed_seconds"] for r in rows], "wall time (s, compilation included)"),
+        ("accuracy against privacy spent", "accuracy against time"))
 
 
 def main(argv: list[str] | None = None) -> int:
