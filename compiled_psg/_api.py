@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._capture import torch_caches
+from ._capture import backward_semantics, torch_caches
 from ._capture.dynamo import CAPTURE_LOCK
 from ._compile.build import Rewritten, build
 from ._compile.run import BACKENDS, CompiledPerSample
@@ -208,6 +208,7 @@ class PerSampleFunction:
         Post: the entry's graph describes what the loss would compute now (module structure, hooks, Python
         attributes and globals it read are as at its capture)."""
         params = self._params()
+        backward_semantics.refuse_parameter_hooks(params)
         batch_dims, batch_size = batch_dims_of(args, self.in_dims)
         key = self._key(params, args, batch_dims)
         entry, _ = self._valid(self._cache.get(key, []), params, args, batch_dims, batch_size)

@@ -54,8 +54,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from .._analyze.source import where
-from .._errors import BatchInputError, CaptureError, InternalError
-from . import identity_guards, torch_caches
+from .._errors import BatchInputError, CaptureError, InternalError, UnsupportedError
+from . import backward_semantics, identity_guards, torch_caches
 
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
 #: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
@@ -180,6 +180,8 @@ _aot_backend = aot_autograd(fw_compiler=_fw_compiler)
 def _backend(gm, example_inputs):
     _pending["real"] = list(example_inputs)
     _pending["inner_grads"] = _inner_grad_calls(gm)
+    _pending["backward_changes"] = backward_semantics.custom_backward_sites(gm)
+    backward_semantics.detach_in_place(gm)
     _detach_values_from_no_grad(gm)
     return _aot_backend(gm, example_inputs)
 
@@ -386,6 +388,10 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
     """Label the captured graph's inputs and check the contract; ``manager``: the frame's guards."""
     if "gm" not in _pending or manager is None:
         raise InternalError("the capture stopped before Dynamo installed the captured graph")
+    if _pending.get("backward_changes"):
+        raise UnsupportedError("the loss uses what per-sample gradients derived from its forward ops would "
+                               "get wrong:\n  - "
+                               + "\n  - ".join(_pending["backward_changes"]))
     roles, constants = _label(_pending["real"], params, args, set(batch_dims))
     fake = _pending["fake"]
     if len(roles) != len(fake):

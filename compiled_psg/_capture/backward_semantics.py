@@ -1,0 +1,91 @@
+"""What in the loss changes autograd's backward without showing in the forward ATen graph.
+
+The per-sample backward is re-derived from the forward ops (``retrace.py``), so whatever makes eager autograd
+compute something else than the derivative of those ops would be lost, silently. Dynamo's graph still shows it:
+
+- a custom ``torch.autograd.Function`` (``autograd_function_apply``): its own ``backward`` (gradient reversal,
+  straight-through estimators, clipped gradients) replaces the forward's derivative. Refused.
+- ``tensor.register_hook`` inside the loss: the hook rewrites the gradient flowing through that tensor. Refused.
+- ``h.detach_()``: later uses of ``h`` carry no gradient. Rewritten into ``h.detach()`` for those uses.
+- ``squeeze()`` without a dim on a batched value: a batch of one (the per-sample loss) drops the batch dimension
+  too, so its loss differs from what the graph computes for larger batches. Refused.
+
+Hooks on parameters live outside the loss; ``refuse_parameter_hooks`` checks them at each call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .._analyze.source import where
+from .._errors import UnsupportedError
+
+
+def _is_call(node: fx.Node, name: str) -> bool:
+    if node.op == "call_method":
+        return node.target == name
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", None) == name
+    return False
+
+
+def _has_symbolic_size(node: fx.Node) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and any(not isinstance(s, int) for s in value.shape)
+
+
+def custom_backward_sites(gm: fx.GraphModule) -> list[str]:
+    """One line per site in Dynamo's graph whose backward (or batch-of-one meaning) the re-derived backward would
+    miss, naming the construct, the user's line and the fix."""
+    sites = []
+    for node in gm.graph.nodes:
+        if _is_call(node, "autograd_function_apply"):
+            sites.append(f"a custom torch.autograd.Function at {where(node)}: its backward replaces the derivative "
+                         "of its forward, and compiled_psg derives per-sample gradients from the forward ops. Fix: "
+                         "write the custom gradient as a differentiable expression (straight-through: "
+                         "x + (f(x) - x).detach(); gradient reversal: (1 + a) * x.detach() - a * x)")
+        elif _is_call(node, "register_hook"):
+            sites.append(f"tensor.register_hook at {where(node)}: the hook rewrites the gradient, and compiled_psg "
+                         "derives per-sample gradients from the forward ops. Fix: remove the hook, or express "
+                         "its effect in the loss (scale with x.detach() * (1 - s) + x * s)")
+        elif (_is_call(node, "squeeze") or _is_call(node, "squeeze_")) and len(node.args) == 1 \
+                and "dim" not in node.kwargs and _has_symbolic_size(node.args[0]):
+            sites.append(f"squeeze() without a dim at {where(node)}: for a batch of one (a sample's own loss) it "
+                         "also drops the batch dimension, so the loss differs from the batched one. Fix: name the "
+                         "dimension, squeeze(-1)")
+    return sites
+
+
+def detach_in_place(gm: fx.GraphModule) -> int:
+    """Rewrite ``h.detach_()`` into ``d = h.detach()`` read by every later use of ``h``; returns how many.
+
+    Post: no ``detach_`` remains; nodes after it read the detached value, nodes before it the original."""
+    count = 0
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in [n for n in gm.graph.nodes if _is_call(n, "detach_")]:
+        source = node.args[0]
+        with gm.graph.inserting_before(node):
+            detached = gm.graph.call_method("detach", (source,))
+            detached.meta.update(node.meta)
+        node.replace_all_uses_with(detached)
+        for user in list(source.users):
+            if user is not detached and user is not node and order.get(user, -1) > order[node]:
+                user.replace_input_with(source, detached)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def refuse_parameter_hooks(params: dict[str, torch.Tensor]) -> None:
+    """Gradient hooks on parameters (``p.register_hook``) change what autograd returns for them."""
+    hooked = [name for name, p in params.items() if getattr(p, "_backward_hooks", None)]
+    if hooked:
+        raise UnsupportedError(
+            f"parameter{'s' if len(hooked) > 1 else ''} {', '.join(hooked)} "
+            f"{'have' if len(hooked) > 1 else 'has'} a gradient hook (register_hook), which rewrites the gradient; "
+            "compiled_psg derives per-sample gradients from the forward ops and cannot apply it per sample. Fix: "
+            "remove the hook and apply its transformation to the per-sample result")
