@@ -89,7 +89,9 @@ class Guards:
 
     def check(self, loss_fn, tensors: list, args: tuple) -> bool:
         f_locals = self._locals(loss_fn, tensors, args)
-        with torch.enable_grad():  # the capture ran with grad enabled; so does every call of the graph
+        # the capture ran with grad enabled; so does every call of the graph. Functions the capture replaced
+        # (``_replaced_functions``) are guarded by identity: evaluate the guards with the same stand-ins.
+        with CAPTURE_LOCK, _replaced_functions(), torch.enable_grad():
             if self._manager.check(f_locals):
                 return True
             return not self._failing(f_locals)
@@ -104,7 +106,7 @@ class Guards:
 
     def why(self, loss_fn, tensors: list, args: tuple) -> str:
         """The failing guard's text (what changed since the capture)."""
-        with torch.enable_grad():
+        with CAPTURE_LOCK, _replaced_functions(), torch.enable_grad():
             parts = self._failing(self._locals(loss_fn, tensors, args))
         return "; ".join(parts) or "a guard failed"
 
@@ -208,6 +210,28 @@ def _opt_einsum_disabled():
         module.enabled = before
 
 
+def _no_causal_mask_detection(mask, is_causal=None, size=None) -> bool:
+    """``nn.modules.transformer._detect_is_causal_mask`` without looking at the mask's values: the hint as given.
+
+    The original compares the mask with a causal one (``bool((mask == causal).all())``), a data-dependent guard
+    that Dynamo cannot trace. Its answer only picks an implementation (``is_causal=True`` lets attention skip the
+    explicit mask); with ``False`` the mask given is applied as is, which computes the same attention."""
+    return is_causal is True
+
+
+@contextlib.contextmanager
+def _replaced_functions():
+    """Library functions that Dynamo cannot trace, replaced by equivalent ones while capturing (and while checking
+    the capture's guards, which hold the stand-ins' identity)."""
+    module = torch.nn.modules.transformer
+    before = module._detect_is_causal_mask
+    module._detect_is_causal_mask = _no_causal_mask_detection
+    try:
+        yield
+    finally:
+        module._detect_is_causal_mask = before
+
+
 def _ignored_logging_functions() -> set:
     """Logging calls that become no-ops in the traced loss (library code logs, e.g. transformers' warning_once)."""
     names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log",
@@ -263,7 +287,8 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     settings = dict(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
                     skip_nnmodule_hook_guards=False, ignore_logging_functions=_ignored_logging_functions())
     try:
-        with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), torch.enable_grad():
+        with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), \
+                _replaced_functions(), torch.enable_grad():
             out = compiled(*args)
     except _Abort:  # the expected way out: the graph was captured, and nothing ran
         entries = _debug_get_cache_entry_list(joint.__code__)
