@@ -219,17 +219,38 @@ def _no_causal_mask_detection(mask, is_causal=None, size=None) -> bool:
     return is_causal is True
 
 
+_original_linear_cross_entropy = torch.nn.functional.linear_cross_entropy
+
+
+def _linear_cross_entropy_reference(*args, options=None, **kwargs):
+    """``F.linear_cross_entropy`` on its reference path (``options=None``): ``cross_entropy(linear(x))``.
+
+    With ``options`` the loss runs a chunked custom op that computes its gradients inside the forward, opaque to
+    autograd tracing (``torch.func.grad`` fails on it too). The reference path computes the same loss; torch itself
+    falls back to it under ``torch.jit.trace``. Chunking would save no memory here: per-sample gradients of the
+    projection are as large as the logits it avoids."""
+    return _original_linear_cross_entropy(*args, **kwargs)
+
+
+def _stand_ins() -> list[tuple[object, str, object]]:
+    """``(module, attribute, stand-in)``: library functions Dynamo cannot trace, and equivalent ones it can."""
+    return [(torch.nn.modules.transformer, "_detect_is_causal_mask", _no_causal_mask_detection),
+            (torch.nn.functional, "linear_cross_entropy", _linear_cross_entropy_reference)]
+
+
 @contextlib.contextmanager
 def _replaced_functions():
-    """Library functions that Dynamo cannot trace, replaced by equivalent ones while capturing (and while checking
-    the capture's guards, which hold the stand-ins' identity)."""
-    module = torch.nn.modules.transformer
-    before = module._detect_is_causal_mask
-    module._detect_is_causal_mask = _no_causal_mask_detection
+    """The stand-ins installed while capturing, and while checking the capture's guards (which hold the
+    stand-ins' identity). Process-wide, like every switch here: another thread's eager call in that window takes
+    the stand-in, which computes the same values."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in _stand_ins()]
     try:
+        for module, name, stand_in in _stand_ins():
+            setattr(module, name, stand_in)
         yield
     finally:
-        module._detect_is_causal_mask = before
+        for module, name, before in saved:
+            setattr(module, name, before)
 
 
 def _ignored_logging_functions() -> set:
