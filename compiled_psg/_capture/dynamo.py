@@ -50,9 +50,10 @@ import torch
 import torch._dynamo
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.comptime import comptime
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from .._errors import BatchInputError, CaptureError, InternalError
+from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError
 
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
 #: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
@@ -263,6 +264,20 @@ def _ignored_logging_functions() -> set:
     return functions
 
 
+def _note_not_a_tensor(ctx) -> None:
+    _pending["refusal"] = BatchInputError(
+        "the loss function must return a tensor (a scalar loss or per-sample losses [B]), got "
+        f"{ctx.get_local('loss').python_type().__name__}. Fix: return one tensor; compute other outputs outside the "
+        "loss function")
+
+
+def _note_no_gradient(ctx) -> None:
+    _pending["refusal"] = BatchInputError(
+        "the loss has no gradient with respect to the parameters: it is a constant, detached (.detach(), "
+        "torch.no_grad(), a Python number turned back into a tensor), or uses no parameter. Fix: return the "
+        "differentiable loss, as loss.backward() would need it")
+
+
 def _make_joint(loss_fn, tensors: list, batched: list):
     """The function Dynamo traces; its locals are what ``Guards`` evaluates."""
 
@@ -271,8 +286,14 @@ def _make_joint(loss_fn, tensors: list, batched: list):
         for pos, dim in batched[1:]:  # one batch symbol for every batched argument
             torch._check(call_args[pos].shape[dim] == call_args[first_pos].shape[first_dim])
         loss = loss_fn(*call_args)
+        # A refusal is noted while tracing (comptime runs at trace time only): raising here would be a graph break
+        # reported in Dynamo's words.
         if not isinstance(loss, torch.Tensor):
-            return (loss,)
+            comptime(_note_not_a_tensor)
+            return (None,)
+        if not loss.requires_grad:  # known while tracing: the loss is constant in the parameters (or detached)
+            comptime(_note_no_gradient)
+            return (None,)
         total = loss.sum() if loss.dim() > 0 else loss
         grads = torch.autograd.grad(total, tensors, allow_unused=True)
         return (loss.detach(), *grads)
@@ -315,13 +336,18 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         entries = _debug_get_cache_entry_list(joint.__code__)
         manager = entries[0].guard_manager if len(entries) == 1 else None
     except torch._dynamo.exc.Unsupported as e:
-        raise CaptureError(
-            "compiled_psg needs the loss function as one graph, and Dynamo could not capture it (a graph break):\n"
-            f"{e}\nFix: remove the Python construct named above (data-dependent control flow, .item(), "
-            "printing tensors) from the loss function; if it is in a library you do not own, report it to "
-            "compiled_psg with this message.") from None
+        raise _graph_break(e) from None
+    except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the fake (symbolic) values
+        raise _runtime_failure(e) from None
     except torch._dynamo.exc.UserError as e:
         text = str(e)
+        if "data-dependent" in text and "nn/modules/batchnorm.py" in text:
+            # the cumulative average of BatchNorm(momentum=None) in train mode: batch statistics anyway
+            raise SampleMixingError(
+                "per-sample gradients are undefined for this loss: samples are mixed. BatchNorm in training mode "
+                "normalizes each sample with statistics of the whole batch (Dynamo stopped at its cumulative "
+                "average, momentum=None). Fix: call model.eval() so BatchNorm uses its running statistics, or "
+                "replace BatchNorm with GroupNorm or LayerNorm") from None
         if "ConstraintViolation" not in text and "marked dynamic" not in text:
             raise CaptureError(
                 "compiled_psg needs the loss function as one graph, and Dynamo could not capture it:\n"
@@ -341,15 +367,85 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     finally:
         if manager is None:
             torch._dynamo.reset_code(joint.__code__)
-    if out is not None:  # the compiled function returned: Dynamo found no graph to hand to our backend
-        if not isinstance(out[0], torch.Tensor):
-            raise BatchInputError(f"the loss function must return a tensor, got {type(out[0]).__name__}")
-        raise InternalError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
     try:
+        if "refusal" in _pending:  # noted while tracing (_note_not_a_tensor, _note_no_gradient)
+            raise _pending["refusal"]
+        if out is not None:  # the compiled function returned: Dynamo found no graph to hand to our backend
+            raise InternalError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
         return _finish(manager, joint.__code__, params, args, batch_dims, batched)
     except BaseException:
         torch._dynamo.reset_code(joint.__code__)  # a refused capture leaves no cache entry (nor globals) behind
         raise
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def _frames(text: str) -> list[tuple[str, str, str, str]]:
+    """The ``from user code`` frames of a Dynamo message, outermost first, without compiled_psg's own."""
+    part = text.split("from user code:", 1)[1] if "from user code:" in text else ""
+    return [f for f in _FRAME.findall(part) if "compiled_psg/_capture" not in f[0]]
+
+
+def _is_library(path: str) -> bool:
+    return "site-packages" in path or "dist-packages" in path or "/lib/python3" in path
+
+
+def _show(frame) -> str:
+    return f"{frame[0]}:{frame[1]} in {frame[2]}: {frame[3].strip()}"
+
+
+def _graph_break(e: Exception) -> CaptureError:
+    """A graph break: where it is (the user's line, or a library's line and the user's call of it) and the fix."""
+    text = str(e)
+    reason = " ".join(text.strip().splitlines()[:2]).strip()
+    frames = _frames(text)
+    user = [f for f in frames if not _is_library(f[0])]
+    if frames and _is_library(frames[-1][0]):
+        where = f"inside library code at {_show(frames[-1])}" + (f", called from {_show(user[-1])}" if user else "")
+        fix = ("call that library function outside the loss function and pass its result in, or use a version "
+               "of it without the construct above; logging and warnings.warn are ignored during the capture "
+               "already (docs/limits.md, Graph breaks)")
+    else:
+        where = f"at {_show(user[-1])}" if user else "in the loss function"
+        lowered = text.lower()
+        if "print" in lowered and "builtin" in lowered:
+            fix = ("print outside the loss function: compiled_psg runs the captured graph, not the function's "
+                   "Python code, so a print in the loss would not run on later calls anyway")
+        elif any(k in lowered for k in (".item()", "item()", "tolist", "data-dependent", "data dependent",
+                                        "numpy")):
+            fix = ("keep tensor values as tensors: no .item(), .tolist(), float(t) or bool(t) in the loss; use "
+                   "torch.where for data-dependent choices")
+        else:
+            fix = "rewrite this line with torch operations (no Python control flow on tensor values)"
+    return CaptureError(f"compiled_psg needs the loss function as one graph, and Dynamo cannot capture it "
+                        f"(a graph break) {where}: {reason}\nFix: {fix}. Details from Dynamo:\n{text}")
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    seen = {id(e)}
+    while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        e = nxt
+    return e
+
+
+def _runtime_failure(e: Exception) -> PerSampleError:
+    """A torch op failed while Dynamo ran the loss on fake values with a symbolic batch size."""
+    root = _root_cause(e)
+    first = (str(root).strip().splitlines() or [""])[0]
+    user = [f for f in _frames(str(e)) if not _is_library(f[0])]
+    where = f" at {_show(user[-1])}" if user else ""
+    if "SymInt" in first or "SymFloat" in first:
+        return CaptureError(
+            f"the loss uses the batch size as a number in an op that torch cannot trace with a symbolic batch size"
+            f"{where} ({type(root).__name__}: {first}). Per-sample gradients also need the loss of a batch of one, "
+            "where that number would be 1. Fix: do not use x.shape[0] (or len(x)) in the loss's math, e.g. "
+            "h ** x.shape[0]; a mean over the batch (loss.mean()) is fine")
+    return CaptureError(
+        f"torch failed while tracing the loss on fake tensors with a symbolic batch size{where}: "
+        f"{type(root).__name__}: {first}\nFix: check that the loss runs eagerly on this batch and on a batch of "
+        "two; if it does, report this message to compiled_psg")
 
 
 def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int], batched: list) -> Captured:

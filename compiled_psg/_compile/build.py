@@ -18,7 +18,7 @@ from .._analyze.mixing import MixingSite, find_mixing
 from .._analyze.source import where
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
-from .._errors import CaptureError, InternalError, SampleMixingError, UnsupportedError
+from .._errors import CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
 from .._reduce.context import ReduceContext, collect_param_grads
 from .._reduce.reductions import Reduction
 from .._rewrite.loss_head import per_sample_loss_head
@@ -69,10 +69,13 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     names = [roles[i].key for i in param_positions]
     try:
         joint = retrace_joint(forward, captured.fake_inputs, param_positions)
-    except Exception as e:  # e.g. numpy or .tolist() inside the loss: Dynamo captured it, ATen tracing cannot
-        raise CaptureError(f"the captured loss could not be re-traced for its gradient ({type(e).__name__}: {e}). "
-                           "Fix: keep the loss in torch operations (no numpy, .tolist() or Python math on "
-                           "tensor values).") from e
+    except PerSampleError:  # an op without a derivative, named by the retrace
+        raise
+    except Exception as e:  # e.g. .item() in the loss: Dynamo captured the number, autograd cannot differentiate it
+        raise CaptureError(f"the captured loss could not be re-traced for its gradient ({type(e).__name__}: "
+                           f"{(str(e).strip().splitlines() or [''])[0]}). If the loss turns tensor values into "
+                           "Python numbers (.item(), float(t), .tolist(), numpy), keep them as tensors; otherwise "
+                           "please report this message.") from e
     rewritten = copy.deepcopy(joint)
     graph = rewritten.graph
     loss_node, per_sample_loss, *grads = graph.output_node().args[0]
