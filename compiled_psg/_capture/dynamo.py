@@ -33,6 +33,10 @@ process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide,
   ops whose backward does not trace.
 - ``torch.backends.opt_einsum.enabled = False``: opt_einsum plans contractions from concrete sizes, which would
   fix the batch size. (Another thread's eager ``einsum`` during a capture uses the default contraction order.)
+- stand-ins (``_stand_ins``) for ``nn.modules.transformer._detect_is_causal_mask`` (a data-dependent guard) and
+  ``F.linear_cross_entropy`` (its chunked path is opaque), also installed while a call checks the guards.
+
+The list is in docs/semantics.md ("Switches the capture sets"); keep both in step.
 """
 
 from __future__ import annotations
