@@ -81,9 +81,10 @@ class Guards:
     contiguous, with at least two samples (``_api.guard_args``).
     """
 
-    def __init__(self, manager, batched: list, code):
+    def __init__(self, manager, batched: list, code, stand_ins: bool = False):
         self._manager = manager
         self._batched = batched
+        self._stand_ins = stand_ins  # the loss called a stand-in: its guards hold the stand-in's identity
         # The guards read names Dynamo installed in this module's globals, which Dynamo deletes with the frame's
         # cache entry; the entry lives on ``code`` (unique to this capture) until these guards die. Dynamo keeps
         # code objects referenced, so the entry (and the graph it holds) is dropped explicitly.
@@ -94,12 +95,22 @@ class Guards:
 
     def check(self, loss_fn, tensors: list, args: tuple) -> bool:
         f_locals = self._locals(loss_fn, tensors, args)
-        # the capture ran with grad enabled; so does every call of the graph. Functions the capture replaced
-        # (``_replaced_functions``) are guarded by identity: evaluate the guards with the same stand-ins.
-        with CAPTURE_LOCK, _replaced_functions(), torch.enable_grad():
+        # the capture ran with grad enabled; so does every call of the graph
+        with self._as_captured():
             if self._manager.check(f_locals):
                 return True
             return not self._failing(f_locals)
+
+    @contextlib.contextmanager
+    def _as_captured(self):
+        """Grad mode and, when the loss called one, the stand-ins of the capture (``_replaced_functions``): the
+        guards hold their identity."""
+        if not self._stand_ins:
+            with torch.enable_grad():
+                yield
+            return
+        with CAPTURE_LOCK, _replaced_functions(), torch.enable_grad():
+            yield
 
     def _failing(self, f_locals: dict) -> list[str]:
         """The failing guards, less those on the batch size alone: the shape environment's guards (``16 <= B``
@@ -111,7 +122,7 @@ class Guards:
 
     def why(self, loss_fn, tensors: list, args: tuple) -> str:
         """The failing guard's text (what changed since the capture)."""
-        with CAPTURE_LOCK, _replaced_functions(), torch.enable_grad():
+        with self._as_captured():
             parts = self._failing(self._locals(loss_fn, tensors, args))
         return "; ".join(parts) or "a guard failed"
 
@@ -215,12 +226,18 @@ def _opt_einsum_disabled():
         module.enabled = before
 
 
+def _note_stand_in(ctx) -> None:
+    """Runs while Dynamo traces a stand-in (a no-op in eager calls): the capture's guards will need it."""
+    _pending["stand_ins"] = True
+
+
 def _no_causal_mask_detection(mask, is_causal=None, size=None) -> bool:
     """``nn.modules.transformer._detect_is_causal_mask`` without looking at the mask's values: the hint as given.
 
     The original compares the mask with a causal one (``bool((mask == causal).all())``), a data-dependent guard
     that Dynamo cannot trace. Its answer only picks an implementation (``is_causal=True`` lets attention skip the
     explicit mask); with ``False`` the mask given is applied as is, which computes the same attention."""
+    comptime(_note_stand_in)
     return is_causal is True
 
 
@@ -234,6 +251,7 @@ def _linear_cross_entropy_reference(*args, options=None, **kwargs):
     autograd tracing (``torch.func.grad`` fails on it too). The reference path computes the same loss; torch itself
     falls back to it under ``torch.jit.trace``. Chunking would save no memory here: per-sample gradients of the
     projection are as large as the logits it avoids."""
+    comptime(_note_stand_in)
     return _original_linear_cross_entropy(*args, **kwargs)
 
 
@@ -472,7 +490,7 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
                               "batch as an argument (not through a closure or global)")
     return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
-                    guards=Guards(manager, batched, code))
+                    guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins"))))
 
 
 def _mutated_inputs(meta, roles: list[Role]) -> list[int]:
