@@ -256,3 +256,36 @@ def test_keyword_arguments_are_batch_input_error():
     fn = psg.per_sample(model, backend="eager")(lambda x: model(x).sum())
     with pytest.raises(BatchInputError, match="keyword arguments are not supported"):
         fn(x=torch.randn(4, 4, dtype=DTYPE))
+
+
+def test_data_dependent_branches_are_refused_with_the_fix():
+    model = _mlp()
+
+    def branch(x):
+        h = model(x)
+        if h.sum() > 0:
+            return h.pow(2).sum()
+        return h.sum()
+
+    def branch_on_item(x):
+        h = model(x)
+        if h.sum().item() > 0:
+            return h.pow(2).sum()
+        return h.sum()
+
+    _refuse(model, branch, CaptureError, "graph break", "if h.sum() > 0", "torch.where")
+    _refuse(model, branch_on_item, CaptureError, "data-dependent", "torch.where")
+
+
+def test_stand_ins_are_restored_after_a_refused_capture():
+    detect, lce = torch.nn.modules.transformer._detect_is_causal_mask, F.linear_cross_entropy
+    model = _mlp()
+
+    def loss(x):
+        h = model(x)
+        print(h)
+        return h.sum()
+
+    _refuse(model, loss, CaptureError, "graph break")
+    assert torch.nn.modules.transformer._detect_is_causal_mask is detect
+    assert F.linear_cross_entropy is lce
