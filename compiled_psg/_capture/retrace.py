@@ -38,15 +38,21 @@ def _copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
     return torch.where(keep, src.to(dtype=self.dtype, device=self.device), self)
 
 
+_MISSING: dict[object, bool] = {}  # op overload -> autograd has no derivative for it (a property of the op)
+
+
 def _missing_derivative(target, args, kwargs) -> bool:
-    """Whether autograd has no derivative for this call (its output's grad_fn raises "not implemented"); probed on
-    the fake values, outside the trace."""
+    """Whether autograd has no derivative for this call (its output's grad_fn raises "not implemented"); probed
+    once per op on the fake values, outside the trace."""
+    if target in _MISSING:
+        return _MISSING[target]
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
         return False
     with disable_proxy_modes_tracing():
         out = target(*args, **kwargs)
-    return any(isinstance(t, torch.Tensor) and t.grad_fn is not None and "NotImplemented" in t.grad_fn.name()
-               for t in tree_leaves(out))
+    _MISSING[target] = any(isinstance(t, torch.Tensor) and t.grad_fn is not None
+                           and "NotImplemented" in t.grad_fn.name() for t in tree_leaves(out))
+    return _MISSING[target]
 
 
 class _Differentiable(fx.Interpreter):
