@@ -56,8 +56,8 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
     if target in (ATEN.mm.default, ATEN.addmm.default):
         a, b = args[-2:]
         return batch_layout(a, 0, batch, depth + 1) if dim == 0 else batch_layout(b, 1, batch, depth + 1)
-    if target is ATEN.bmm.default:
-        a, b = args
+    if target in (ATEN.bmm.default, ATEN.baddbmm.default):  # baddbmm(input, a, b): as a @ b (input broadcasts)
+        a, b = args if target is ATEN.bmm.default else args[1:3]
         if dim == 0:
             return batch_layout(a, 0, batch, depth + 1)
         return batch_layout(a, 1, batch, depth + 1) if dim == 1 else batch_layout(b, 2, batch, depth + 1)

@@ -33,6 +33,10 @@ process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide,
   ops whose backward does not trace.
 - ``torch.backends.opt_einsum.enabled = False``: opt_einsum plans contractions from concrete sizes, which would
   fix the batch size. (Another thread's eager ``einsum`` during a capture uses the default contraction order.)
+- stand-ins (``_stand_ins``) for ``nn.modules.transformer._detect_is_causal_mask`` (a data-dependent guard) and
+  ``F.linear_cross_entropy`` (its chunked path is opaque), also installed while a call checks the guards.
+
+The list is in docs/semantics.md ("Switches the capture sets"); keep both in step.
 """
 
 from __future__ import annotations
@@ -51,10 +55,11 @@ import torch
 import torch._dynamo
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.comptime import comptime
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from .._analyze.source import where
-from .._errors import BatchInputError, CaptureError, InternalError, UnsupportedError
+from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
 from . import backward_semantics, identity_guards, torch_caches
 
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
@@ -79,9 +84,10 @@ class Guards:
     contiguous, with at least two samples (``_api.guard_args``).
     """
 
-    def __init__(self, manager, batched: list, code):
+    def __init__(self, manager, batched: list, code, stand_ins: bool = False):
         self._manager = manager
         self._batched = batched
+        self._stand_ins = stand_ins  # the loss called a stand-in: its guards hold the stand-in's identity
         # The guards read names Dynamo installed in this module's globals, which Dynamo deletes with the frame's
         # cache entry; the entry lives on ``code`` (unique to this capture) until these guards die. Dynamo keeps
         # code objects referenced, so the entry (and the graph it holds) is dropped explicitly.
@@ -100,10 +106,22 @@ class Guards:
         if self._stale is not None:
             return False
         f_locals = self._locals(loss_fn, tensors, args)
-        with torch.enable_grad():  # the capture ran with grad enabled; so does every call of the graph
+        # the capture ran with grad enabled; so does every call of the graph
+        with self._as_captured():
             if self._manager.check(f_locals):
                 return True
             return not self._failing(f_locals)
+
+    @contextlib.contextmanager
+    def _as_captured(self):
+        """Grad mode and, when the loss called one, the stand-ins of the capture (``_replaced_functions``): the
+        guards hold their identity."""
+        if not self._stand_ins:
+            with torch.enable_grad():
+                yield
+            return
+        with CAPTURE_LOCK, _replaced_functions(), torch.enable_grad():
+            yield
 
     def _failing(self, f_locals: dict) -> list[str]:
         """The failing guards, less those on the batch size alone: the shape environment's guards (``16 <= B``
@@ -117,7 +135,7 @@ class Guards:
         """The failing guard's text (what changed since the capture)."""
         if self._stale is not None:
             return self._stale
-        with torch.enable_grad():
+        with self._as_captured():
             parts = self._failing(self._locals(loss_fn, tensors, args))
         return "; ".join(parts) or "a guard failed"
 
@@ -285,6 +303,56 @@ def _opt_einsum_disabled():
         module.enabled = before
 
 
+def _note_stand_in(ctx) -> None:
+    """Runs while Dynamo traces a stand-in (a no-op in eager calls): the capture's guards will need it."""
+    _pending["stand_ins"] = True
+
+
+def _no_causal_mask_detection(mask, is_causal=None, size=None) -> bool:
+    """``nn.modules.transformer._detect_is_causal_mask`` without looking at the mask's values: the hint as given.
+
+    The original compares the mask with a causal one (``bool((mask == causal).all())``), a data-dependent guard
+    that Dynamo cannot trace. Its answer only picks an implementation (``is_causal=True`` lets attention skip the
+    explicit mask); with ``False`` the mask given is applied as is, which computes the same attention."""
+    comptime(_note_stand_in)
+    return is_causal is True
+
+
+_original_linear_cross_entropy = torch.nn.functional.linear_cross_entropy
+
+
+def _linear_cross_entropy_reference(*args, options=None, **kwargs):
+    """``F.linear_cross_entropy`` on its reference path (``options=None``): ``cross_entropy(linear(x))``.
+
+    With ``options`` the loss runs a chunked custom op that computes its gradients inside the forward, opaque to
+    autograd tracing (``torch.func.grad`` fails on it too). The reference path computes the same loss; torch itself
+    falls back to it under ``torch.jit.trace``. Chunking would save no memory here: per-sample gradients of the
+    projection are as large as the logits it avoids."""
+    comptime(_note_stand_in)
+    return _original_linear_cross_entropy(*args, **kwargs)
+
+
+def _stand_ins() -> list[tuple[object, str, object]]:
+    """``(module, attribute, stand-in)``: library functions Dynamo cannot trace, and equivalent ones it can."""
+    return [(torch.nn.modules.transformer, "_detect_is_causal_mask", _no_causal_mask_detection),
+            (torch.nn.functional, "linear_cross_entropy", _linear_cross_entropy_reference)]
+
+
+@contextlib.contextmanager
+def _replaced_functions():
+    """The stand-ins installed while capturing, and while checking the capture's guards (which hold the
+    stand-ins' identity). Process-wide, like every switch here: another thread's eager call in that window takes
+    the stand-in, which computes the same values."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in _stand_ins()]
+    try:
+        for module, name, stand_in in _stand_ins():
+            setattr(module, name, stand_in)
+        yield
+    finally:
+        for module, name, before in saved:
+            setattr(module, name, before)
+
+
 def _ignored_logging_functions() -> set:
     """Logging calls that become no-ops in the traced loss (library code logs, e.g. transformers' warning_once)."""
     names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log",
@@ -295,6 +363,20 @@ def _ignored_logging_functions() -> set:
     return functions
 
 
+def _note_not_a_tensor(ctx) -> None:
+    _pending["refusal"] = BatchInputError(
+        "the loss function must return a tensor (a scalar loss or per-sample losses [B]), got "
+        f"{ctx.get_local('loss').python_type().__name__}. Fix: return one tensor; compute other outputs outside the "
+        "loss function")
+
+
+def _note_no_gradient(ctx) -> None:
+    _pending["refusal"] = BatchInputError(
+        "the loss has no gradient with respect to the parameters: it is a constant, detached (.detach(), "
+        "torch.no_grad(), a Python number turned back into a tensor), or uses no parameter. Fix: return the "
+        "differentiable loss, as loss.backward() would need it")
+
+
 def _make_joint(loss_fn, tensors: list, batched: list):
     """The function Dynamo traces; its locals are what ``Guards`` evaluates."""
 
@@ -303,8 +385,14 @@ def _make_joint(loss_fn, tensors: list, batched: list):
         for pos, dim in batched[1:]:  # one batch symbol for every batched argument
             torch._check(call_args[pos].shape[dim] == call_args[first_pos].shape[first_dim])
         loss = loss_fn(*call_args)
+        # A refusal is noted while tracing (comptime runs at trace time only): raising here would be a graph break
+        # reported in Dynamo's words.
         if not isinstance(loss, torch.Tensor):
-            return (loss,)
+            comptime(_note_not_a_tensor)
+            return (None,)
+        if not loss.requires_grad:  # known while tracing: the loss is constant in the parameters (or detached)
+            comptime(_note_no_gradient)
+            return (None,)
         total = loss.sum() if loss.dim() > 0 else loss
         grads = torch.autograd.grad(total, tensors, allow_unused=True)
         return (loss.detach(), *grads)
@@ -341,19 +429,25 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     settings = dict(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
                     skip_nnmodule_hook_guards=False, ignore_logging_functions=_ignored_logging_functions())
     try:
-        with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), torch.enable_grad():
+        with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), \
+                _replaced_functions(), torch.enable_grad():
             out = compiled(*args)
     except _Abort:  # the expected way out: the graph was captured, and nothing ran
         entries = _debug_get_cache_entry_list(joint.__code__)
         manager = entries[0].guard_manager if len(entries) == 1 else None
     except torch._dynamo.exc.Unsupported as e:
-        raise CaptureError(
-            "compiled_psg needs the loss function as one graph, and Dynamo could not capture it (a graph break):\n"
-            f"{e}\nFix: remove the Python construct named above (data-dependent control flow, .item(), "
-            "printing tensors) from the loss function; if it is in a library you do not own, report it to "
-            "compiled_psg with this message.") from None
+        raise _graph_break(e) from None
+    except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the fake (symbolic) values
+        raise _runtime_failure(e) from None
     except torch._dynamo.exc.UserError as e:
         text = str(e)
+        if "data-dependent" in text and "nn/modules/batchnorm.py" in text:
+            # the cumulative average of BatchNorm(momentum=None) in train mode: batch statistics anyway
+            raise SampleMixingError(
+                "per-sample gradients are undefined for this loss: samples are mixed. BatchNorm in training mode "
+                "normalizes each sample with statistics of the whole batch (Dynamo stopped at its cumulative "
+                "average, momentum=None). Fix: call model.eval() so BatchNorm uses its running statistics, or "
+                "replace BatchNorm with GroupNorm or LayerNorm") from None
         if "ConstraintViolation" not in text and "marked dynamic" not in text:
             raise CaptureError(
                 "compiled_psg needs the loss function as one graph, and Dynamo could not capture it:\n"
@@ -373,15 +467,85 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     finally:
         if manager is None:
             torch._dynamo.reset_code(joint.__code__)
-    if out is not None:  # the compiled function returned: Dynamo found no graph to hand to our backend
-        if not isinstance(out[0], torch.Tensor):
-            raise BatchInputError(f"the loss function must return a tensor, got {type(out[0]).__name__}")
-        raise InternalError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
     try:
+        if "refusal" in _pending:  # noted while tracing (_note_not_a_tensor, _note_no_gradient)
+            raise _pending["refusal"]
+        if out is not None:  # the compiled function returned: Dynamo found no graph to hand to our backend
+            raise InternalError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
         return _finish(manager, joint.__code__, params, args, batch_dims, batched)
     except BaseException:
         torch._dynamo.reset_code(joint.__code__)  # a refused capture leaves no cache entry (nor globals) behind
         raise
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def _frames(text: str) -> list[tuple[str, str, str, str]]:
+    """The ``from user code`` frames of a Dynamo message, outermost first, without compiled_psg's own."""
+    part = text.split("from user code:", 1)[1] if "from user code:" in text else ""
+    return [f for f in _FRAME.findall(part) if "compiled_psg/_capture" not in f[0]]
+
+
+def _is_library(path: str) -> bool:
+    return "site-packages" in path or "dist-packages" in path or "/lib/python3" in path
+
+
+def _show(frame) -> str:
+    return f"{frame[0]}:{frame[1]} in {frame[2]}: {frame[3].strip()}"
+
+
+def _graph_break(e: Exception) -> CaptureError:
+    """A graph break: where it is (the user's line, or a library's line and the user's call of it) and the fix."""
+    text = str(e)
+    reason = " ".join(text.strip().splitlines()[:2]).strip()
+    frames = _frames(text)
+    user = [f for f in frames if not _is_library(f[0])]
+    if frames and _is_library(frames[-1][0]):
+        where = f"inside library code at {_show(frames[-1])}" + (f", called from {_show(user[-1])}" if user else "")
+        fix = ("call that library function outside the loss function and pass its result in, or use a version "
+               "of it without the construct above; logging and warnings.warn are ignored during the capture "
+               "already (docs/limits.md, Graph breaks)")
+    else:
+        where = f"at {_show(user[-1])}" if user else "in the loss function"
+        lowered = text.lower()
+        if "print" in lowered and "builtin" in lowered:
+            fix = ("print outside the loss function: compiled_psg runs the captured graph, not the function's "
+                   "Python code, so a print in the loss would not run on later calls anyway")
+        elif any(k in lowered for k in (".item()", "item()", "tolist", "data-dependent", "data dependent",
+                                        "numpy")):
+            fix = ("keep tensor values as tensors: no .item(), .tolist(), float(t) or bool(t) in the loss; use "
+                   "torch.where for data-dependent choices")
+        else:
+            fix = "rewrite this line with torch operations (no Python control flow on tensor values)"
+    return CaptureError(f"compiled_psg needs the loss function as one graph, and Dynamo cannot capture it "
+                        f"(a graph break) {where}: {reason}\nFix: {fix}. Details from Dynamo:\n{text}")
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    seen = {id(e)}
+    while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        e = nxt
+    return e
+
+
+def _runtime_failure(e: Exception) -> PerSampleError:
+    """A torch op failed while Dynamo ran the loss on fake values with a symbolic batch size."""
+    root = _root_cause(e)
+    first = (str(root).strip().splitlines() or [""])[0]
+    user = [f for f in _frames(str(e)) if not _is_library(f[0])]
+    where = f" at {_show(user[-1])}" if user else ""
+    if "SymInt" in first or "SymFloat" in first:
+        return CaptureError(
+            f"the loss uses the batch size as a number in an op that torch cannot trace with a symbolic batch size"
+            f"{where} ({type(root).__name__}: {first}). Per-sample gradients also need the loss of a batch of one, "
+            "where that number would be 1. Fix: do not use x.shape[0] (or len(x)) in the loss's math, e.g. "
+            "h ** x.shape[0]; a mean over the batch (loss.mean()) is fine")
+    return CaptureError(
+        f"torch failed while tracing the loss on fake tensors with a symbolic batch size{where}: "
+        f"{type(root).__name__}: {first}\nFix: check that the loss runs eagerly on this batch and on a batch of "
+        "two; if it does, report this message to compiled_psg")
 
 
 def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int], batched: list) -> Captured:
@@ -408,7 +572,8 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
                               "batch as an argument (not through a closure or global)")
     return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
-                    guards=Guards(manager, batched, code), inner_grads=_pending.get("inner_grads", []))
+                    guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins"))),
+                    inner_grads=_pending.get("inner_grads", []))
 
 
 def _mutated_inputs(meta, roles: list[Role]) -> list[int]:

@@ -5,6 +5,13 @@
 3. ``retrace_joint``: ``make_fx`` of ``autograd.grad(sum(per-sample losses), params)`` on the same fake inputs
    (the batch stays symbolic). Its backward sums exactly the batch-of-one gradients, so every contraction in it
    is a sum of per-sample gradients as the user defines them, whatever mean or mask the loss applied.
+
+The forward is functionalized: the in-place ops eager autograd differentiates (``out[..., :p] = x[..., -p:]`` in
+circular padding, ``x.normal_()``) appear as their functional forms, and some of those have no derivative
+(``aten.copy``, ``aten.normal_functional``, ``aten.bernoulli.p``). ``_Differentiable`` runs them as eager autograd
+differentiates the in-place forms: ``copy`` as a differentiable selection of ``src``; a random op whose derivative
+is missing on its detached inputs (eager autograd gives ``normal_`` and ``bernoulli_`` zero gradients). Any other
+op without a derivative is refused by name.
 """
 
 from __future__ import annotations
@@ -15,9 +22,57 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from .._analyze.source import source_line
+from .._errors import UnsupportedError
 
 ATEN = torch.ops.aten
+
+
+def _copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy(self, src)`` (``self``'s shape, dtype and layout, ``src``'s values), differentiable as
+    ``self.copy_(src)`` is: the gradient goes to ``src`` (summed over broadcast dims), none to ``self``."""
+    keep = torch.ones((), dtype=torch.bool, device=self.device)
+    return torch.where(keep, src.to(dtype=self.dtype, device=self.device), self)
+
+
+_MISSING: dict[object, bool] = {}  # op overload -> autograd has no derivative for it (a property of the op)
+
+
+def _missing_derivative(target, args, kwargs) -> bool:
+    """Whether autograd has no derivative for this call (its output's grad_fn raises "not implemented"); probed
+    once per op on the fake values, outside the trace."""
+    if target in _MISSING:
+        return _MISSING[target]
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
+        return False
+    with disable_proxy_modes_tracing():
+        out = target(*args, **kwargs)
+    _MISSING[target] = any(isinstance(t, torch.Tensor) and t.grad_fn is not None
+                           and "NotImplemented" in t.grad_fn.name() for t in tree_leaves(out))
+    return _MISSING[target]
+
+
+class _Differentiable(fx.Interpreter):
+    """Runs the functionalized forward so that autograd differentiates what it differentiates in eager mode."""
+
+    def run_node(self, n: fx.Node):
+        self._node = n
+        return super().run_node(n)
+
+    def call_function(self, target, args, kwargs):
+        if target is ATEN.copy.default:
+            return _copy(*args, **kwargs)
+        if isinstance(target, torch._ops.OpOverload) and _missing_derivative(target, args, kwargs):
+            if torch.Tag.nondeterministic_seeded not in target.tags:
+                raise UnsupportedError(
+                    f"autograd has no derivative for {target} (at {source_line(self._node)}), the functional form "
+                    "of an in-place op in the loss; per-sample gradients cannot be formed through it. Fix: write "
+                    "this step out of place, or open an issue naming the op")
+            args, kwargs = tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+        return super().call_function(target, args, kwargs)
 
 
 def forward_slice(joint: fx.GraphModule, loss_output: int) -> tuple[fx.GraphModule, fx.Node]:
@@ -40,7 +95,7 @@ def retrace_joint(forward: fx.GraphModule, fake_inputs: list, param_positions: l
 
     def joint(*inputs):
         with fx_traceback.preserve_node_meta():  # keep the user's stack traces on the forward nodes
-            loss, per_sample = fx.Interpreter(forward).run(*inputs)
+            loss, per_sample = _Differentiable(forward).run(*inputs)
         wrt = [inputs[i] for i in param_positions]
         grads = torch.autograd.grad(per_sample.sum(), wrt, allow_unused=True)
         return (loss.detach(), per_sample.detach(), *grads)

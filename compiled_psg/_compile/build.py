@@ -17,7 +17,7 @@ from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
-from .._errors import CaptureError, InternalError, SampleMixingError, UnsupportedError
+from .._errors import CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
 from .._reduce.context import ReduceContext, collect_param_grads
 from .._reduce.reductions import Reduction
 from .._rewrite.loss_head import per_sample_loss_head
@@ -69,16 +69,19 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     names = [roles[i].key for i in param_positions]
     try:
         joint = retrace_joint(forward, captured.fake_inputs, param_positions)
-    except Exception as e:  # e.g. numpy or .tolist() inside the loss: Dynamo captured it, ATen tracing cannot
+    except PerSampleError:  # an op without a derivative, named by the retrace
+        raise
+    except Exception as e:  # e.g. .item() in the loss: Dynamo captured the number, autograd cannot differentiate it
         if differentiates_inside:  # e.g. loss.backward(create_graph=True) inside the loss writes x.grad (a copy)
             raise UnsupportedError(
                 f"the loss differentiates inside itself, and its gradient could not be traced again "
                 f"({type(e).__name__}: {e}). Fix: differentiate with torch.autograd.grad(..., create_graph=True) "
                 "and use its result (not .backward(), which writes .grad); an op with no double backward in "
                 "PyTorch cannot be differentiated twice at all") from e
-        raise CaptureError(f"the captured loss could not be re-traced for its gradient ({type(e).__name__}: {e}). "
-                           "Fix: keep the loss in torch operations (no numpy, .tolist() or Python math on "
-                           "tensor values).") from e
+        raise CaptureError(f"the captured loss could not be re-traced for its gradient ({type(e).__name__}: "
+                           f"{(str(e).strip().splitlines() or [''])[0]}). If the loss turns tensor values into "
+                           "Python numbers (.item(), float(t), .tolist(), numpy), keep them as tensors; otherwise "
+                           "please report this message.") from e
     rewritten = copy.deepcopy(joint)
     graph = rewritten.graph
     loss_node, per_sample_loss, *grads = graph.output_node().args[0]
