@@ -139,3 +139,26 @@ def test_keyword_arguments_refused(call):
 
     with pytest.raises(psg.BatchInputError, match="keyword arguments"):
         (loss if call == "kwargs" else loss.with_losses)(x, y=y)
+
+
+def test_replaced_tensor_attribute_or_closure_entry_recaptures():
+    """Dynamo guards a graph input's metadata, not which tensor object it is; the graph kept the old tensor
+    (2.0 abs error) until the capture also checked identity."""
+
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3).double()
+    m.temp = torch.tensor(2.0, dtype=torch.float64)
+    scales = {"s": torch.tensor(1.5, dtype=torch.float64)}
+
+    def loss(x, y):
+        return F.cross_entropy(m(x) / m.temp * scales["s"], y)
+
+    fn = psg.per_sample(m, backend="eager")(loss)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    fn(x, y)
+    m.temp = torch.tensor(3.0, dtype=torch.float64)
+    scales["s"] = torch.tensor(-4.0, dtype=torch.float64)
+    got = fn(x, y)
+    ref = reference_per_sample(loss, dict(m.named_parameters()), (x, y))
+    torch.testing.assert_close(got["weight"], ref["weight"])
+    assert fn.captures == 2

@@ -84,8 +84,14 @@ class Guards:
     contiguous, with at least two samples (``_api.guard_args``).
     """
 
-    def __init__(self, manager, batched: list, code, stand_ins: bool = False):
+    def __init__(self, manager, batched: list, code, stand_ins: bool = False,
+                 tensor_sources: list[tuple[str, torch.Tensor]] = ()):
         self._manager = manager
+        # Tensors the graph took from the loss's closure, globals or module attributes, with Dynamo's source for
+        # each: Dynamo's guards check their metadata, not which tensor object is there, and the runner keeps
+        # passing the captured object. A replaced tensor (``model.temp = torch.tensor(3.)``) must recapture.
+        self._tensor_sources = [(name, compile(name, "<tensor source>", "eval"), t) for name, t in tensor_sources
+                                if _evaluable(name)]
         self._batched = batched
         self._stand_ins = stand_ins  # the loss called a stand-in: its guards hold the stand-in's identity
         # The guards read names Dynamo installed in this module's globals, which Dynamo deletes with the frame's
@@ -102,10 +108,24 @@ class Guards:
     def _locals(self, loss_fn, tensors: list, args: tuple) -> dict:
         return {"call_args": args, "loss_fn": loss_fn, "tensors": tensors, "batched": self._batched}
 
+    def _replaced_tensor(self, f_locals: dict) -> str | None:
+        """The source of the first captured tensor that is no longer the object the loss would read."""
+        scope = {"G": globals(), "L": f_locals}
+        for name, code, tensor in self._tensor_sources:
+            try:
+                current = eval(code, scope)  # noqa: S307 - Dynamo's own source expression for a graph input
+            except Exception:  # the path no longer resolves: the metadata guards decide
+                continue
+            if current is not tensor:
+                return name
+        return None
+
     def check(self, loss_fn, tensors: list, args: tuple) -> bool:
         if self._stale is not None:
             return False
         f_locals = self._locals(loss_fn, tensors, args)
+        if self._replaced_tensor(f_locals) is not None:
+            return False
         # the capture ran with grad enabled; so does every call of the graph
         with self._as_captured():
             if self._manager.check(f_locals):
@@ -135,6 +155,9 @@ class Guards:
         """The failing guard's text (what changed since the capture)."""
         if self._stale is not None:
             return self._stale
+        replaced = self._replaced_tensor(self._locals(loss_fn, tensors, args))
+        if replaced is not None:
+            return f"{replaced} is another tensor object than at capture"
         with self._as_captured():
             parts = self._failing(self._locals(loss_fn, tensors, args))
         return "; ".join(parts) or "a guard failed"
@@ -142,6 +165,14 @@ class Guards:
 
 _SIZE = re.compile(r"L\['call_args'\]\[\d+\]\.size\(\)\[\d+\]")
 _ARITHMETIC = re.compile(r"^[\d\s()<>=!+*/%-]*$")
+
+
+_SOURCE = re.compile(r"^[GL]\[[^\]]+\](\.[A-Za-z_]\w*|\[('[^']*'|\d+)\])*$")
+
+
+def _evaluable(name: str) -> bool:
+    """A Dynamo source made of item and attribute reads from ``G``/``L`` only (no helper functions)."""
+    return bool(_SOURCE.match(name))
 
 
 def _on_batch_size_only(part: str) -> bool:
@@ -197,6 +228,8 @@ _aot_backend = aot_autograd(fw_compiler=_fw_compiler)
 
 def _backend(gm, example_inputs):
     _pending["real"] = list(example_inputs)
+    _pending["sources"] = [getattr(getattr(n.meta.get("grapharg"), "source", None), "name", None)
+                           for n in gm.graph.nodes if n.op == "placeholder"]
     _pending["inner_grads"] = _inner_grad_calls(gm)
     _pending["backward_changes"] = backward_semantics.custom_backward_sites(gm)
     backward_semantics.detach_in_place(gm)
@@ -572,8 +605,16 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
                               "batch as an argument (not through a closure or global)")
     return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
-                    guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins"))),
+                    guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins")),
+                                  tensor_sources=_constant_sources(constants)),
                     inner_grads=_pending.get("inner_grads", []))
+
+
+def _constant_sources(constants: dict[int, object]) -> list[tuple[str, torch.Tensor]]:
+    """(Dynamo's source, the tensor) for each tensor the graph takes as a constant input."""
+    sources = _pending.get("sources") or []
+    return [(sources[i], value) for i, value in constants.items()
+            if isinstance(value, torch.Tensor) and i < len(sources) and sources[i]]
 
 
 def _mutated_inputs(meta, roles: list[Role]) -> list[int]:
