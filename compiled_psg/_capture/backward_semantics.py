@@ -7,6 +7,7 @@ compute something else than the derivative of those ops would be lost, silently.
   straight-through estimators, clipped gradients) replaces the forward's derivative. Refused.
 - ``tensor.register_hook`` inside the loss: the hook rewrites the gradient flowing through that tensor. Refused.
 - ``h.detach_()``: later uses of ``h`` carry no gradient. Rewritten into ``h.detach()`` for those uses.
+- ``t.backward()`` inside the loss: it writes ``.grad`` as well. Refused (``torch.autograd.grad`` is supported).
 - ``squeeze()`` without a dim on a batched value: a batch of one (the per-sample loss) drops the batch dimension
   too, so its loss differs from what the graph computes for larger batches. Refused.
 
@@ -35,6 +36,14 @@ def _has_symbolic_size(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and any(not isinstance(s, int) for s in value.shape)
 
 
+def _called_as_backward(node: fx.Node) -> bool:
+    """Dynamo records ``t.backward()`` as ``torch.autograd.grad`` plus writes to ``.grad``; only the user's line
+    tells them apart."""
+    lines = [line for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip()]
+    code = [line for line in lines if not line.strip().startswith(("File ", "^", "~"))]
+    return bool(code) and ".backward(" in code[-1]
+
+
 def custom_backward_sites(gm: fx.GraphModule) -> list[str]:
     """One line per site in Dynamo's graph whose backward (or batch-of-one meaning) the re-derived backward would
     miss, naming the construct, the user's line and the fix."""
@@ -45,6 +54,10 @@ def custom_backward_sites(gm: fx.GraphModule) -> list[str]:
                          "of its forward, and compiled_psg derives per-sample gradients from the forward ops. Fix: "
                          "write the custom gradient as a differentiable expression (straight-through: "
                          "x + (f(x) - x).detach(); gradient reversal: (1 + a) * x.detach() - a * x)")
+        elif node.op == "call_function" and node.target is torch.autograd.grad and _called_as_backward(node):
+            sites.append(f".backward() inside the loss at {where(node)}: it also writes .grad, which the per-sample "
+                         "gradients cannot follow. Fix: differentiate with torch.autograd.grad(..., "
+                         "create_graph=True) and use its result")
         elif _is_call(node, "register_hook"):
             sites.append(f"tensor.register_hook at {where(node)}: the hook rewrites the gradient, and compiled_psg "
                          "derives per-sample gradients from the forward ops. Fix: remove the hook, or express "

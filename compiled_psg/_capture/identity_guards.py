@@ -12,6 +12,7 @@ which marks every live ``Guards`` that matched it as stale when it dies (the nex
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 # id(watched object) -> (a weak reference to it, the Guards that matched it by identity)
@@ -28,7 +29,14 @@ def adopt(manager, guards) -> int:
     if registry is None:
         return 0
     moved = 0
-    for finalizer, info in list(registry.items()):
+    enabled = gc.isenabled()
+    gc.disable()  # a collection while listing could run a finalizer, which changes the registry under us
+    try:
+        entries = list(registry.items())
+    finally:
+        if enabled:
+            gc.enable()
+    for finalizer, info in entries:
         owner = getattr(getattr(info.func, "func", None), "__self__", None)
         if owner is None or getattr(owner, "guard_manager", None) is not manager:
             continue
