@@ -8,8 +8,8 @@ optimizer's ``step`` by Dynamo and AOT autograd (``update_graph.py``), so any ``
 
 The noise itself is drawn outside the program (``torch.randn``, or ``os.urandom`` with ``secure_rng``) and
 enters as an input: the secure source cannot run inside a graph, a seeded ``torch.Generator`` keeps runs
-resumable, and on CPU Inductor's in-graph generator was 2.7-5.5x slower than ``torch.randn`` plus a compiled add
-for 1e5 to 1e7 parameters (``python -m benchmarks.noise``; 2 cores, under load).
+resumable, and on CPU Inductor's in-graph generator was 2.9-5.6x slower than ``torch.randn`` plus a compiled add
+for 1e5 to 1e7 parameters (``python -m benchmarks.noise``; 2 cores, quiet machine).
 
 The first step runs eagerly (the rewritten graph without a compiler, then ``optimizer.step()``): optimizers
 create their state lazily, and the program reads that state. The program is built and compiled at the end of
