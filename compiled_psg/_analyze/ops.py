@@ -137,7 +137,8 @@ for _names, _spec in [
     (("baddbmm",), (("hmk", "hkn"), "hmn", ("batch1", "batch2"), "input")),
     (("mv",), (("mk", "k"), "m", ("input", "vec"), None)),
     (("addmv",), (("mk", "k"), "m", ("mat", "vec"), "input")),
-    (("dot", "vdot"), (("k", "k"), "", ("input", "tensor"), None)),
+    (("dot",), (("k", "k"), "", ("input", "tensor"), None)),
+    (("vdot",), (("k", "k"), "", ("input", "other"), None)),
     (("outer",), (("m", "n"), "mn", ("input", "vec2"), None)),
 ]:
     for _op in _overloads(*_names):

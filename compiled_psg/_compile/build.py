@@ -17,7 +17,7 @@ from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
-from .._errors import CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
+from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
 from .._reduce.context import ReduceContext, collect_param_grads
 from .._reduce.reductions import Reduction
 from .._rewrite.loss_head import per_sample_loss_head
@@ -62,7 +62,16 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     if mixing:
         raise _refusal(captured, forward, mixing)
     _refuse_branches_on_batch_size(captured, batched_fakes)
-    head = per_sample_loss_head(forward, loss, batch)
+    try:
+        head = per_sample_loss_head(forward, loss, batch)
+    except PerSampleError:
+        raise
+    except Exception as e:  # an op of the loss failed on one sample's slice (e.g. kthvalue(2) over the batch)
+        raise BatchInputError(
+            f"the loss could not be computed for one sample ({type(e).__name__}: "
+            f"{(str(e).strip().splitlines() or [''])[0]}). A sample's own loss is the loss of a batch of one; if the "
+            "loss is undefined for one sample (kthvalue with k > 1 over the batch, a statistic that needs two "
+            "samples), per-sample gradients are undefined too. Fix: compute that statistic outside the loss") from e
     _check_still_symbolic(captured, batch, "the loss-head pass")
 
     param_positions = [i for i, r in enumerate(roles) if r.kind == "param"]

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .._capture import torch_caches
 from .._capture.dynamo import CAPTURE_LOCK
-from .._errors import CompileError, InternalError, PerSampleError
+from .._errors import BatchInputError, CompileError, InternalError, PerSampleError
 from .build import Rewritten
 from .prepare import for_inductor
 
@@ -110,7 +110,17 @@ class CompiledPerSample:
         inputs = self._inputs(params, args, batch_size) + list(extra)
         fn = self._callable(batch_size, inputs)
         with torch.no_grad():
-            outputs = list(fn(*inputs))
+            try:
+                outputs = list(fn(*inputs))
+            except PerSampleError:
+                raise
+            except Exception as e:  # the graph ran ops the capture only saw on fake tensors
+                raise BatchInputError(
+                    f"running the rewritten per-sample graph on this batch failed ({type(e).__name__}: "
+                    f"{(str(e).strip().splitlines() or [''])[0]}). A sample's own loss is the loss of a batch of "
+                    "one: if the loss is undefined for one sample (kthvalue with k > 1 over the batch, a statistic "
+                    "that needs two samples), per-sample gradients are undefined too; compute that statistic "
+                    "outside the loss. Otherwise please report this message.") from e
             if self.rewritten.captured.mutated:
                 self._apply_mutations(params, args, inputs)
         return outputs

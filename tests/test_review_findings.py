@@ -1,0 +1,34 @@
+"""Cases from the adversarial review that gave raw torch errors: now exact, or refused in our words."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import reference_per_sample
+
+import compiled_psg as psg
+
+
+def test_kthvalue_over_the_batch_is_refused_in_our_words():
+    """A sample's own loss is undefined (kthvalue(2) of one value): BatchInputError, not torch's RuntimeError."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with pytest.raises(psg.BatchInputError, match="batch of one"):
+        psg.per_sample(m, backend="eager")(lambda x: m(x).kthvalue(2, 0).values.pow(2).sum())(x)
+
+
+def test_spectral_norm_eval_is_exact():
+    """spectral_norm's power iteration uses ``vdot``, whose second argument is ``other`` (``dot``'s is ``tensor``):
+    the analysis raised a raw KeyError."""
+    torch.manual_seed(0)
+    lin = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 3).double()).eval()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss(x, y):
+        return F.cross_entropy(lin(x), y)
+
+    got = psg.per_sample(lin, backend="eager")(loss)(x, y)
+    ref = reference_per_sample(loss, dict(lin.named_parameters()), (x, y))
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12)
