@@ -71,7 +71,8 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
             f"the loss could not be computed for one sample ({type(e).__name__}: "
             f"{(str(e).strip().splitlines() or [''])[0]}). A sample's own loss is the loss of a batch of one; if the "
             "loss is undefined for one sample (kthvalue with k > 1 over the batch, a statistic that needs two "
-            "samples), per-sample gradients are undefined too. Fix: compute that statistic outside the loss") from e
+            "samples), per-sample gradients are undefined too: compute that statistic outside the loss. Otherwise this "
+            "is a compiled_psg bug: please report this message") from e
     _check_still_symbolic(captured, batch, "the loss-head pass")
 
     param_positions = [i for i, r in enumerate(roles) if r.kind == "param"]
