@@ -15,7 +15,7 @@ from ._capture import backward_semantics, torch_caches
 from ._capture.dynamo import CAPTURE_LOCK
 from ._compile.build import Rewritten, build
 from ._compile.run import BACKENDS, CompiledPerSample
-from ._errors import BatchInputError
+from ._errors import BatchInputError, CaptureError, PerSampleError
 from ._reduce.reductions import PerSampleGrads, Reduction
 
 InDims = int | None | tuple[int | None, ...]
@@ -235,7 +235,18 @@ class PerSampleFunction:
 
     def _build(self, params, args, batch_dims, batch_size) -> Rewritten:
         capture_args = _capture_args(args, batch_dims, batch_size)
-        return build(self.fn, params, capture_args, batch_dims, self.reduce)
+        try:
+            return build(self.fn, params, capture_args, batch_dims, self.reduce)
+        except PerSampleError:
+            raise
+        except Exception as e:  # the last line of "no raw torch traceback": name what failed, and who can fix it
+            text = (str(e).strip().splitlines() or [""])[0]
+            hint = ("Fix: use dense gradients (nn.Embedding(..., sparse=False)); sparse gradients are not supported. "
+                    if "Sparse" in text else "")
+            raise CaptureError(
+                f"capturing and rewriting the loss failed ({type(e).__name__}: {text}). {hint}If the loss raises "
+                "this when called eagerly on the batch, fix it there; otherwise this is a compiled_psg bug: please "
+                "report this message.") from e
 
     def with_losses(self, *args, **kwargs):
         """``(loss, per_sample_losses [B], result)``: the loss as the function computes it, and each sample's

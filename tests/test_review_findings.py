@@ -32,3 +32,13 @@ def test_spectral_norm_eval_is_exact():
     ref = reference_per_sample(loss, dict(lin.named_parameters()), (x, y))
     for name, g in ref.items():
         torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12)
+
+
+def test_sparse_embedding_gradients_refused_in_our_words():
+    """Sparse gradients failed deep in torch (NotImplementedError on SparseCPU); refused with the fix."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(10, 4, sparse=True).double(), nn.Linear(4, 3).double()
+    params = nn.ModuleDict({"emb": emb, "head": head})
+    ids, y = torch.randint(0, 10, (5, 3)), torch.randint(0, 3, (5,))
+    with pytest.raises(psg.CaptureError, match="sparse=False"):
+        psg.per_sample(params, backend="eager")(lambda i, y: F.cross_entropy(head(emb(i).sum(1)), y))(ids, y)
