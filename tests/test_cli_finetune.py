@@ -3,12 +3,12 @@ plot, with finite perplexities and a finite epsilon; without transformers/peft i
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
 import pytest
 import torch
+from cli_runs import keep_threads, read_outputs  # noqa: F401 (keep_threads: autouse)
 
 from compiled_psg.__main__ import main
 
@@ -20,24 +20,10 @@ QUICK = ["--steps", "3", "--pretrain-steps", "3", "--layers", "1", "--hidden", "
          "--batch-size", "16", "--evals", "1", "--no-progress"]
 
 
-@pytest.fixture(autouse=True)
-def keep_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def read_outputs(out):
-    metrics = json.loads((out / "metrics.json").read_text())
-    png = (out / "perplexity.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
-    return metrics
-
-
 def test_finetune_dp_writes_json_and_plot(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["finetune", *QUICK, "--epsilon", "4", "--out", str(out)]) == 0
-    metrics = read_outputs(out)
+    metrics = read_outputs(out, "perplexity.png")
     final = metrics["final"]
     assert final["steps"] == 3 and metrics["pretrain"]["steps"] == 3
     for key in ("perplexity_before", "perplexity_after"):

@@ -2,36 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
-import torch
+from cli_runs import keep_threads, read_outputs  # noqa: F401 (keep_threads: autouse)
 
 from compiled_psg.__main__ import main
 
 QUICK = ["--epochs", "2", "--train-subset", "300", "--batch-size", "64", "--backend", "eager"]
 
 
-@pytest.fixture(autouse=True)
-def keep_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def read_outputs(out):
-    metrics = json.loads((out / "metrics.json").read_text())
-    png = (out / "accuracy.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
-    return metrics
-
-
 def test_train_dp_writes_json_and_plot(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *QUICK, "--epsilon", "4", "--out", str(out)]) == 0
-    metrics = read_outputs(out)
+    metrics = read_outputs(out, "accuracy.png")
     assert [r["epoch"] for r in metrics["epochs"]] == [1, 2]
     for row in metrics["epochs"]:
         assert 0 <= row["test_accuracy"] <= 1 and row["samples_per_second"] > 0 and row["compile_seconds"] > 0
@@ -50,7 +35,7 @@ def test_train_no_dp_baseline(tmp_path):
     out = tmp_path / "baseline"
     assert main(["train", *QUICK, "--no-dp", "--no-progress", "--optimizer", "adam", "--lr", "0.01",
                  "--out", str(out)]) == 0
-    metrics = read_outputs(out)
+    metrics = read_outputs(out, "accuracy.png")
     assert metrics["final"]["epsilon"] is None and metrics["mechanism"]["noise_multiplier"] == 0.0
     assert metrics["final"]["test_accuracy"] > 0.5  # 2 epochs of plain Adam already learn something
 
