@@ -60,7 +60,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from .._analyze.source import where
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
-from . import backward_semantics, identity_guards, torch_caches
+from . import backward_semantics, batch_size_branches, identity_guards, torch_caches
 
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
 #: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
@@ -199,6 +199,8 @@ class Captured:
     guards: Guards | None = None
     #: ``torch.autograd.grad`` calls inside the loss (not the capture's own): (create_graph, the user's line)
     inner_grads: list[tuple[bool, str]] = field(default_factory=list)
+    #: decisions on the batch size that a batch of one makes differently (``batch_size_branches``)
+    batch_size_branches: list[str] = field(default_factory=list)
 
 
 class _Abort(Exception):
@@ -458,12 +460,12 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         torch._dynamo.mark_dynamic(args[pos], dim)
     # torch.compile would wrap _backend in a new object per call, which Dynamo caches for the whole process.
     compiled = torch._dynamo.optimize(_backend, nopython=True, dynamic=False)(joint)
-    manager, out = None, None
+    manager, out, branches = None, None, []
     settings = dict(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
                     skip_nnmodule_hook_guards=False, ignore_logging_functions=_ignored_logging_functions())
     try:
         with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), \
-                _replaced_functions(), torch.enable_grad():
+                _replaced_functions(), batch_size_branches.watched(branches), torch.enable_grad():
             out = compiled(*args)
     except _Abort:  # the expected way out: the graph was captured, and nothing ran
         entries = _debug_get_cache_entry_list(joint.__code__)
@@ -505,7 +507,7 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
             raise _pending["refusal"]
         if out is not None:  # the compiled function returned: Dynamo found no graph to hand to our backend
             raise InternalError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
-        return _finish(manager, joint.__code__, params, args, batch_dims, batched)
+        return _finish(manager, joint.__code__, params, args, batch_dims, batched, branches)
     except BaseException:
         torch._dynamo.reset_code(joint.__code__)  # a refused capture leaves no cache entry (nor globals) behind
         raise
@@ -581,7 +583,8 @@ def _runtime_failure(e: Exception) -> PerSampleError:
         "two; if it does, report this message to compiled_psg")
 
 
-def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int], batched: list) -> Captured:
+def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int], batched: list,
+            branches: list[str]) -> Captured:
     """Label the captured graph's inputs and check the contract; ``manager``: the frame's guards."""
     if "gm" not in _pending or manager is None:
         raise InternalError("the capture stopped before Dynamo installed the captured graph")
@@ -607,7 +610,7 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
                     guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins")),
                                   tensor_sources=_constant_sources(constants)),
-                    inner_grads=_pending.get("inner_grads", []))
+                    inner_grads=_pending.get("inner_grads", []), batch_size_branches=branches)
 
 
 def _constant_sources(constants: dict[int, object]) -> list[tuple[str, torch.Tensor]]:

@@ -121,7 +121,16 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
 def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> None:
     """The graph serves every batch size only under Dynamo's guards. A guard that a batch of one would fail
     (``if x.shape[0] > 3``, ``x.shape[0] == 1``, an even batch for ``view(2, -1)``) means the batch took another
-    branch than each sample alone would: the per-sample gradients would silently follow the batch's branch."""
+    branch than each sample alone would: the per-sample gradients would silently follow the batch's branch.
+    Comparisons with 1 that Dynamo decided without a guard were recorded while tracing. Checked after the mixing
+    analysis: BatchNorm in training mode also branches on a batch of one, and mixing is the real cause there."""
+    if captured.batch_size_branches:
+        raise CaptureError(
+            "the loss branches on the batch size, and a batch of one takes the other branch: "
+            f"{captured.batch_size_branches[0]}. A sample's gradient is the gradient of the loss on the batch made "
+            "of that sample alone, so the batch's branch would give wrong per-sample gradients. Fix: keep the "
+            "batch size out of the loss's control flow (no x.shape[0] == 1 or len(x) > 1 tests; torch.where on "
+            "tensors is fine)")
     env = getattr(detect_fake_mode(captured.fake_inputs), "shape_env", None)
     if env is None:
         return

@@ -98,9 +98,13 @@ def _effective_op(node: fx.Node) -> fx.Node:
 
 
 def _batch_value(value, batch: BatchDims):
-    """A SymInt/SymFloat that depends on the batch size, evaluated for a batch of one (per-sample semantics)."""
-    if isinstance(value, (torch.SymInt, torch.SymFloat)) and batch.symbol in value.node.expr.free_symbols:
+    """A SymInt/SymFloat/SymBool that depends on the batch size, evaluated for a batch of one (per-sample
+    semantics: ``loss / len(x)``, ``loss * (len(x) > 1)``)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) \
+            and batch.symbol in value.node.expr.free_symbols:
         result = value.node.expr.subs(batch.symbol, 1)
+        if isinstance(value, torch.SymBool):
+            return bool(result)
         return int(result) if isinstance(value, torch.SymInt) else float(sympy.N(result))
     return None
 

@@ -1,0 +1,102 @@
+"""Decisions on the batch size that a batch of one would take the other way.
+
+A sample's gradient is defined on the batch made of that sample alone, so the per-sample program is the batched
+program with the batch size read as 1. Where the loss's Python code (or a library's) turns an expression in the
+batch size into a constant (``if x.shape[0] == 1``, ``int(len(x) > 1)``, ``x.numel() == d``), the trace decides
+it for the traced batch. Dynamo assumes a dynamic size is at least 2 (0/1 specialization), so a comparison with 1
+is decided *without a guard*: nothing in the captured graph or its guards shows that the batch took a branch no
+sample alone would take. So every decision on the batch size made while tracing is watched, and one that a batch
+of one would decide differently is refused, unless it is made inside a tensor op.
+
+Allowed, by where the decision is made: tensor ops' shape functions (fake tensors' dispatch, meta functions,
+decompositions, the autograd engine's shape checks) compare sizes with 1 to pick layouts (contiguity, strides,
+broadcasting) and give the same values at every size. Anything else is the program's own control flow.
+Batch-size values that stay symbolic (``loss * (len(x) > 1)``) reach the graph and read 1 per sample there
+(``_rewrite.per_sample_pass.substitute_batch_values``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import sympy
+import torch
+from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+# The shape environment between a decision's maker and the evaluation.
+_MACHINERY = ("torch/fx/experimental/", "compiled_psg/_capture/batch_size_branches.py")
+# Python-level conversions of symbolic values (``SymBool.__bool__``, ``SymInt.__int__``, ``torch.sym_int``).
+_CONVERSIONS = ("torch/__init__.py",)
+# torch's Python shape code: its decisions pick layouts (contiguity, strides, broadcasting), not values.
+_SHAPE_CODE = ("torch/_subclasses/", "torch/_meta_registrations.py", "torch/_prims_common/", "torch/_prims/",
+               "torch/_refs/", "torch/_decomp/")
+
+
+@contextlib.contextmanager
+def watched(found: list[str]):
+    """While this thread traces, append to ``found`` each decision on the batch size that a batch of one would
+    make differently, outside tensor ops. Process-wide patch, restored on exit; other threads pass through."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    before = ShapeEnv.evaluate_expr
+    owner = threading.get_ident()
+
+    def evaluate_expr(self, orig_expr, hint=None, fx_node=None, size_oblivious=False, fallback_value=None, *,
+                      forcing_spec=False):
+        value = before(self, orig_expr, hint, fx_node, size_oblivious, fallback_value, forcing_spec=forcing_spec)
+        if threading.get_ident() == owner and not size_oblivious and fallback_value is None:
+            at_one = _at_batch_of_one(orig_expr)
+            if at_one is not None and at_one != value and _made_by_the_program():
+                found.append(f"{orig_expr} is {value} for this batch but {at_one} for a batch of one, at "
+                             f"{_user_line()}")
+        return value
+
+    ShapeEnv.evaluate_expr = evaluate_expr
+    try:
+        yield found
+    finally:
+        ShapeEnv.evaluate_expr = before
+
+
+def _at_batch_of_one(expr):
+    """``expr`` with every batch size 1 (every backed size of a capture is one), or None where it does not depend
+    on the batch size alone."""
+    sizes = {s for s in getattr(expr, "free_symbols", ()) if symbol_is_type(s, SymT.SIZE)}
+    if not sizes:
+        return None
+    at_one = expr.xreplace(dict.fromkeys(sizes, sympy.Integer(1)))
+    return None if getattr(at_one, "free_symbols", None) else at_one
+
+
+def _made_by_the_program() -> bool:
+    """Whether the decision is the traced Python code's own: Dynamo deciding its control flow, or a Python-level
+    conversion (``bool``/``int`` of a symbolic value) outside torch's shape code. A C++ op's shape function calls
+    the shape environment directly, so its caller frame is the op's Python caller: a layout decision."""
+    frame = sys._getframe(2)
+    while frame is not None and _in(frame, _MACHINERY):
+        frame = frame.f_back
+    if frame is None:
+        return False
+    if _in(frame, ("torch/_dynamo/variables/",)):
+        return True
+    if not _in(frame, _CONVERSIONS):
+        return False
+    while frame is not None and _in(frame, _CONVERSIONS):
+        frame = frame.f_back
+    return frame is not None and not _in(frame, _SHAPE_CODE)
+
+
+def _in(frame, parts: tuple[str, ...]) -> bool:
+    name = frame.f_code.co_filename.replace("\\", "/")
+    return any(part in name for part in parts)
+
+
+def _user_line() -> str:
+    """The innermost line of the user's (or a library's) code Dynamo was tracing."""
+    frames = [f for f in torch._guards.TracingContext.extract_stack() if "compiled_psg/_capture" not in f.filename]
+    if not frames:
+        return "unknown source line"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
