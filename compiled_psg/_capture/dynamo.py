@@ -33,6 +33,8 @@ process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide,
   ops whose backward does not trace.
 - ``torch.backends.opt_einsum.enabled = False``: opt_einsum plans contractions from concrete sizes, which would
   fix the batch size. (Another thread's eager ``einsum`` during a capture uses the default contraction order.)
+- ``ShapeEnv.evaluate_expr`` wrapped (``batch_size_branches.watched``) to record decisions on the batch size that
+  a batch of one would make differently (only on the capturing thread).
 - stand-ins (``_stand_ins``) for ``nn.modules.transformer._detect_is_causal_mask`` (a data-dependent guard) and
   ``F.linear_cross_entropy`` (its chunked path is opaque), also installed while a call checks the guards.
 
