@@ -97,6 +97,10 @@ def _refusals(rank: int) -> dict:
         compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
                      distributed=False)
     out["local"] = str(e.value)
+    with pytest.raises(DPConfigError, match="clipping='automatic'") as e:
+        compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     max_grad_norm=1.0, clipping="automatic")
+    out["variant"] = str(e.value)
     return out
 
 
@@ -189,4 +193,4 @@ def test_noise_is_added_once(ranks):
 def test_unsupported_shardings_are_refused_with_the_fix(ranks):
     for r in ranks:
         assert "Fix:" in r["refusals"]["mixed"] and "Fix:" in r["refusals"]["partial"]
-        assert "Fix:" in r["refusals"]["local"]
+        assert "Fix:" in r["refusals"]["local"] and "Fix:" in r["refusals"]["variant"]

@@ -15,7 +15,7 @@ s rank, j parameter:
    gradient across ranks would need, tensor parallelism, which FSDP is not.)
 3. rank 0 adds the noise ``N(0, sigma^2 C^2)`` to its full sums (drawn exactly as one process draws it), so
    the noise is added once per coordinate;
-4. ONE ``reduce_scatter_tensor`` over the mesh's group sums the ranks' sums and hands rank s only its shard:
+4. ONE ``reduce_scatter_single`` over the mesh's group sums the ranks' sums and hands rank s only its shard:
    row s of the input is ``cat_j(pad(shard_s(S^r_j)).view(-1), [B_r])``, so the output on rank s is
    ``cat_j(shard_s(noise + sum_r S^r_j)), sum_r B_r``: the shard of the union's noisy clipped sum and the
    global batch size;
@@ -27,7 +27,8 @@ the ranks' batches with the unsharded model and the same noise generator (``test
 itself does, the ranks must start from the same model (same seed, or a loaded checkpoint): the shards are not
 broadcast. What is not done: the optimizer update runs eagerly after the compiled per-sample graph (two programs,
 ``step.fused`` is False) instead of being fused into one program; hybrid sharding (2-D meshes), grouped
-``fully_shard([a, b])``, mixed-precision policies and parameters outside every ``fully_shard`` are refused.
+``fully_shard([a, b])``, mixed-precision policies, parameters outside every ``fully_shard`` and the clipping
+variants other than flat (and custom reductions) are refused.
 """
 
 from __future__ import annotations
@@ -144,14 +145,14 @@ class _Layout:
 
 def reduce_scatter_sums(sums: list[torch.Tensor], count: torch.Tensor, layouts: list[_Layout],
                         group) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``(shards of sum_r sums[j], sum_r count)`` on every rank: one ``reduce_scatter_tensor`` whose row ``s`` is
+    """``(shards of sum_r sums[j], sum_r count)`` on every rank: one ``reduce_scatter_single`` whose row ``s`` is
     ``cat_j(pad(shard_s(sums[j])), [count])`` (the count in every row, so every rank gets the global one)."""
     world = dist.get_world_size(group)
     dtype = count.dtype
     rows = [torch.cat([lay.padded_piece(g.to(dtype), s) for g, lay in zip(sums, layouts, strict=True)]
                       + [count.reshape(1)]) for s in range(world)]
     out = torch.empty_like(rows[0])
-    dist.reduce_scatter_tensor(out, torch.cat(rows), op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(out, torch.cat(rows), op=dist.ReduceOp.SUM, group=group)
     parts = out.split([lay.numel() for lay in layouts] + [1])
     return [lay.unpad(part) for lay, part in zip(layouts, parts, strict=False)], parts[-1].view(())
 
@@ -175,7 +176,11 @@ class ShardedStep(DPStep):
         self._check_modules()
         # distributed=False: DPStep would broadcast rank 0's parameters; the shards are each rank's own
         super().__init__(loss_fn, model, optimizer, distributed=False, **options)
-        self.distributed = True  # adaptive clipping sums its counts over the ranks
+        if self._config.clipping != "flat":
+            raise DPConfigError(f"clipping={self._config.clipping!r} on a fully_shard model is not tested against "
+                                "one process, so it is refused. Fix: clipping='flat' (max_grad_norm=C or "
+                                "reduce=psg.clip_sum(C)), or train the model unsharded (DDP)")
+        self.distributed = True
         self._layouts_key: tuple = ()
         self._layouts: list[_Layout] = []
         self._group = None
