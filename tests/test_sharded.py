@@ -26,13 +26,25 @@ def model_for(seed: int = 0, hidden: int = 5) -> nn.Module:
     return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 3)).double()
 
 
-def shard_model(model: nn.Module, *, policy=None) -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def by_columns(p: torch.Tensor):
+    """The first layer's weight is sharded along its columns (FSDP's ``shard_placement_fn``; FSDP shards other
+    dims than 0 only evenly)."""
+    from torch.distributed.tensor import Shard
 
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=policy or MixedPrecisionPolicy())
-    return fully_shard(model, mp_policy=policy or MixedPrecisionPolicy())
+    return Shard(p.dim() - 1)
+
+
+def shard_model(model: nn.Module, **options) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0], shard_placement_fn=by_columns, **options)
+    fully_shard(model[2], **options)
+    return fully_shard(model, **options)
+
+
+def shards(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """FSDP's shards of a full parameter: rows, or columns for the first layer's weight."""
+    return t.chunk(WORLD, dim=1 if t.dim() == 2 and t.shape[1] == 4 else 0)
 
 
 def data():
@@ -79,14 +91,18 @@ def clipped_sums(model, x, y, rank) -> dict:
 
 
 def _refusals(rank: int) -> dict:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     out = {}
     loss = F.cross_entropy
-    model = shard_model(model_for(), policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    model = shard_model(model_for(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     with pytest.raises(UnsupportedError, match="MixedPrecisionPolicy") as e:
         compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1))
     out["mixed"] = str(e.value)
+    model = shard_model(model_for(), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    with pytest.raises(UnsupportedError, match="CPUOffloadPolicy") as e:
+        compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out["offload"] = str(e.value)
     model = model_for()
     fully_shard(model[0])  # model[2] left unsharded: its update would need an all-reduce
     with pytest.raises(UnsupportedError, match="not sharded") as e:
@@ -110,14 +126,13 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     try:
         results = {}
-        for key, options in (("whole", {}), ("micro", {"max_physical_batch_size": 2})):
-            model = shard_model(model_for())  # FSDP: every rank builds the same model, then keeps its shards
-            step = train(model, data(), SIGMA, rank, WORLD, **options)
-            x = data()[0][0]
-            results[key] = dict(params=full(model), sharded=step.sharded, fused=step.fused,
-                                captures=step.captures, last_batch_size=step.last_batch_size,
+        # micro-batches of at most 4: the second batch's 6 local samples run as 4 + 2 on each rank
+        model = shard_model(model_for())  # FSDP: every rank builds the same model, then keeps its shards
+        step = train(model, data(), SIGMA, rank, WORLD, max_physical_batch_size=4)
+        results["whole"] = dict(params=full(model), sharded=step.sharded, fused=step.fused, captures=step.captures,
+                                last_batch_size=step.last_batch_size,
                                 local=[p.to_local().clone() for p in model.parameters()],
-                                forward=model(x).detach())  # FSDP's own forward still works after the steps
+                                forward=model(data()[0][0]).detach())  # FSDP's own forward still works
         # the clip bound and the noise: SGD(lr=0) leaves the parameters as they are and the sums in .grad
         g = torch.Generator().manual_seed(3)
         x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
@@ -149,26 +164,25 @@ def one_process():
     return model, step
 
 
-@pytest.mark.parametrize("key", ["whole", "micro"])
-def test_two_sharded_ranks_equal_one_process_on_the_union(ranks, one_process, key):
+def test_two_sharded_ranks_equal_one_process_on_the_union(ranks, one_process):
     model, step = one_process
     expected = [p.detach() for p in model.parameters()]
     for rank, r in enumerate(ranks):
-        got = r[key]
+        got = r["whole"]
         assert got["sharded"] and not got["fused"] and got["last_batch_size"] == step.last_batch_size == BATCHES[-1]
         assert got["captures"] == 1  # the unsharded parameters are the same tensors every step: no recapture
         for g, want, local in zip(got["params"], expected, got["local"], strict=True):
             # the same generator draws the same noise, added once (on rank 0) before the reduce-scatter; the
             # sums differ from one process's only in their order
             torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
-            assert torch.equal(local, g.chunk(WORLD)[rank])  # the shard is FSDP's rows of the full tensor
+            assert torch.equal(local, shards(g)[rank])  # the shard is FSDP's rows (columns) of the full tensor
         torch.testing.assert_close(got["forward"], model(data()[0][0]).detach(), rtol=1e-10, atol=1e-12)
 
 
 def test_shards_are_the_rows_fsdp_holds(ranks):
-    """Rank r's local shard is rows [r c, (r+1) c) of the full parameter: uneven sizes 3 + 2 and 2 + 1."""
-    shapes = [[tuple(t.shape) for t in r["whole"]["local"]] for r in ranks]
-    assert shapes == [[(3, 4), (3,), (2, 5), (2,)], [(2, 4), (2,), (1, 5), (1,)]]
+    """The first weight's 4 columns as 2 + 2; uneven rows: 5 as 3 + 2 and 3 as 2 + 1."""
+    got = [[tuple(t.shape) for t in r["whole"]["local"]] for r in ranks]
+    assert got == [[(5, 2), (3,), (2, 5), (2,)], [(5, 2), (2,), (1, 5), (1,)]]
 
 
 def test_a_planted_outlier_moves_the_sum_by_at_most_C(ranks):
@@ -192,5 +206,5 @@ def test_noise_is_added_once(ranks):
 
 def test_unsupported_shardings_are_refused_with_the_fix(ranks):
     for r in ranks:
-        assert "Fix:" in r["refusals"]["mixed"] and "Fix:" in r["refusals"]["partial"]
+        assert all("Fix:" in r["refusals"][k] for k in ("mixed", "offload", "partial"))
         assert "Fix:" in r["refusals"]["local"] and "Fix:" in r["refusals"]["variant"]

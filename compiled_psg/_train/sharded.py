@@ -27,7 +27,7 @@ the ranks' batches with the unsharded model and the same noise generator (``test
 itself does, the ranks must start from the same model (same seed, or a loaded checkpoint): the shards are not
 broadcast. What is not done: the optimizer update runs eagerly after the compiled per-sample graph (two programs,
 ``step.fused`` is False) instead of being fused into one program; hybrid sharding (2-D meshes), grouped
-``fully_shard([a, b])``, mixed-precision policies, parameters outside every ``fully_shard`` and the clipping
+``fully_shard([a, b])``, mixed-precision and CPU-offload policies, parameters outside every ``fully_shard`` and the clipping
 variants other than flat (and custom reductions) are refused.
 """
 
@@ -192,6 +192,11 @@ class ShardedStep(DPStep):
             if len(state._modules) > 1:
                 raise UnsupportedError(f"fully_shard was applied to a group of modules ({len(state._modules)} "
                                        f"modules share one state). {FIX}")
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            if any(isinstance(g.offload_policy, CPUOffloadPolicy) for g in state._fsdp_param_groups):
+                raise UnsupportedError(f"fully_shard with CPUOffloadPolicy is not supported by the sharded step. "
+                                       f"{FIX}")
             policy = state._mp_policy
             if policy.param_dtype is not None or policy.reduce_dtype is not None:
                 raise UnsupportedError("fully_shard with a MixedPrecisionPolicy: the step clips and sums in the "
