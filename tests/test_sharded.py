@@ -137,6 +137,21 @@ def _worker(rank: int, port: int, out: str) -> None:
         g = torch.Generator().manual_seed(3)
         x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
         results["sums"] = clipped_sums(shard_model(model_for(hidden=64)), x, y, rank)
+        # make_private builds its step with compile_step: a sharded one, with the global sampling rate
+        from torch.utils.data import DataLoader, TensorDataset
+
+        from compiled_psg._train.distributed import shard
+        from compiled_psg._train.private import make_private
+
+        union = TensorDataset(torch.randn(40, 4, dtype=torch.float64), torch.randint(0, 3, (40,)))
+        model = shard_model(model_for())
+        private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               DataLoader(shard(union), batch_size=4), lambda x, y: F.cross_entropy(model(x), y),
+                               max_grad_norm=C, noise_multiplier=1.0, backend="eager")
+        for _, (xb, yb) in zip(range(2), private.data_loader, strict=False):  # every rank: the same step count
+            private.step(xb, yb)
+        results["private"] = dict(sharded=private.dp_step.sharded, steps=private.steps,
+                                  sample_rate=private.sample_rate, epsilon=private.epsilon())
         results["refusals"] = _refusals(rank)
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
@@ -208,3 +223,11 @@ def test_unsupported_shardings_are_refused_with_the_fix(ranks):
     for r in ranks:
         assert all("Fix:" in r["refusals"][k] for k in ("mixed", "offload", "partial"))
         assert "Fix:" in r["refusals"]["local"] and "Fix:" in r["refusals"]["variant"]
+
+
+def test_make_private_on_a_sharded_model(ranks):
+    for r in ranks:
+        got = r["private"]
+        assert got["sharded"] and got["steps"] == 2
+        assert got["sample_rate"] == pytest.approx(4 / 20)  # each rank: 20 examples, batches of 4
+        assert 0 < got["epsilon"] < float("inf")

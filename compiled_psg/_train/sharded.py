@@ -27,8 +27,8 @@ the ranks' batches with the unsharded model and the same noise generator (``test
 itself does, the ranks must start from the same model (same seed, or a loaded checkpoint): the shards are not
 broadcast. What is not done: the optimizer update runs eagerly after the compiled per-sample graph (two programs,
 ``step.fused`` is False) instead of being fused into one program; hybrid sharding (2-D meshes), grouped
-``fully_shard([a, b])``, mixed-precision and CPU-offload policies, parameters outside every ``fully_shard`` and the clipping
-variants other than flat (and custom reductions) are refused.
+``fully_shard([a, b])``, mixed-precision and CPU-offload policies, parameters outside every ``fully_shard``, and
+the clipping variants other than flat (and custom reductions) are refused.
 """
 
 from __future__ import annotations
@@ -157,6 +157,30 @@ def reduce_scatter_sums(sums: list[torch.Tensor], count: torch.Tensor, layouts: 
     return [lay.unpad(part) for lay, part in zip(layouts, parts, strict=False)], parts[-1].view(())
 
 
+class UnshardedCalls:
+    """``step.per_sample`` of a sharded step: the per-sample function, whose calls run with the parameters
+    unsharded (``make_private`` captures the loss through it before the first step); other attributes
+    (``captures``, ``compiles``) are the function's."""
+
+    def __init__(self, fn, modules: list[nn.Module]):
+        self._fn, self._modules = fn, modules
+
+    def __getattr__(self, name: str):
+        value = getattr(self._fn, name)
+        if name not in ("prepare_call", "compiled_for", "with_losses"):
+            return value
+
+        def unsharded_call(*args, **kwargs):
+            with unsharded(self._modules):
+                return value(*args, **kwargs)
+
+        return unsharded_call
+
+    def __call__(self, *args, **kwargs):
+        with unsharded(self._modules):
+            return self._fn(*args, **kwargs)
+
+
 class ShardedStep(DPStep):
     """``compile_step`` for a ``fully_shard`` model (see the module docstring): the per-sample graph on the
     all-gathered parameters, the clipped sums reduce-scattered, the noise added once, each rank's shard
@@ -221,6 +245,10 @@ class ShardedStep(DPStep):
                                    "parallel group would differ from the sharding group. Fix: fully_shard over "
                                    "every rank (the default mesh)")
         self._group, self._layouts_key = group, key
+
+    @property
+    def per_sample(self) -> UnshardedCalls:
+        return UnshardedCalls(self._per_sample_for(self._config), self._fsdp_modules)
 
     # DPStep's fused program is not built for sharded parameters: the update runs eagerly
     fused = property(lambda self: False)
