@@ -59,8 +59,11 @@ def train(model, shards, sigma, rank=0, world=1, **options):
     step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, opt, max_grad_norm=C,
                         noise_multiplier=sigma, backend="eager", generator=torch.Generator().manual_seed(5),
                         **options)
-    for x, y in shards:
+    for k, (x, y) in enumerate(shards):
         step(x[rank::world], y[rank::world])
+        if k == 1:
+            with torch.no_grad():
+                model(x)  # an evaluation between steps: FSDP's own forward (lazy init, its hooks) runs
     return step
 
 

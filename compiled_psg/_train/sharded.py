@@ -33,6 +33,7 @@ the clipping variants other than flat (and custom reductions) are refused.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Iterator
@@ -148,7 +149,8 @@ def reduce_scatter_sums(sums: list[torch.Tensor], count: torch.Tensor, layouts: 
     """``(shards of sum_r sums[j], sum_r count)`` on every rank: one ``reduce_scatter_single`` whose row ``s`` is
     ``cat_j(pad(shard_s(sums[j])), [count])`` (the count in every row, so every rank gets the global one)."""
     world = dist.get_world_size(group)
-    dtype = count.dtype
+    dtype = functools.reduce(torch.promote_types, [g.dtype for g in sums])  # float64 sums stay float64
+    count = count.to(dtype)
     rows = [torch.cat([lay.padded_piece(g.to(dtype), s) for g, lay in zip(sums, layouts, strict=True)]
                       + [count.reshape(1)]) for s in range(world)]
     out = torch.empty_like(rows[0])
