@@ -120,6 +120,12 @@ def _refusals(rank: int) -> dict:
         compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
                      max_grad_norm=1.0, clipping="automatic")
     out["variant"] = str(e.value)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(model_for(), device_id=torch.device("cpu"))
+    with pytest.raises(UnsupportedError, match="FSDP1") as e:
+        compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out["fsdp1"] = str(e.value)
     return out
 
 
@@ -224,7 +230,7 @@ def test_noise_is_added_once(ranks):
 
 def test_unsupported_shardings_are_refused_with_the_fix(ranks):
     for r in ranks:
-        assert all("Fix:" in r["refusals"][k] for k in ("mixed", "offload", "partial"))
+        assert all("Fix:" in r["refusals"][k] for k in ("mixed", "offload", "partial", "fsdp1"))
         assert "Fix:" in r["refusals"]["local"] and "Fix:" in r["refusals"]["variant"]
 
 

@@ -60,6 +60,16 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """True for a model with ``fully_shard`` modules; FSDP1's wrapper is refused (its flat parameters would be
+    captured inside its own unshard hooks)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise UnsupportedError("the model is wrapped in FullyShardedDataParallel (FSDP1), which compile_step does "
+                               "not support. Fix: shard it with FSDP2, torch.distributed.fsdp.fully_shard(module) "
+                               "on each block and on the root")
     return bool(fsdp_modules(model))
 
 
