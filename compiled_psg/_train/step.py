@@ -583,7 +583,10 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                "automatic_gamma": automatic_gamma, "target_unclipped_quantile": target_unclipped_quantile,
                "clipbound_learning_rate": clipbound_learning_rate, "unclipped_num_std": unclipped_num_std,
                "min_clipbound": min_clipbound, "max_clipbound": max_clipbound}
-    return DPStep(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
+    from .sharded import ShardedStep, is_sharded
+
+    cls = ShardedStep if is_sharded(model) else DPStep  # fully_shard: see compiled_psg._train.sharded
+    return cls(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
                   noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                   loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,
                   in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size,
