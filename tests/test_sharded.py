@@ -129,6 +129,22 @@ def _refusals(rank: int) -> dict:
     return out
 
 
+def swapped(rank: int = 0, world: int = 1) -> dict:
+    """Two steps with the activation swapped in between (Tanh for ReLU): the changed submodule of the sharded
+    model is seen (Dynamo guards FSDP-managed modules only with ``skip_fsdp_guards=False``) and recaptured."""
+    model = model_for()
+    if world > 1:
+        model = shard_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, opt, max_grad_norm=C, backend="eager")
+    (x, y), (x2, y2) = data()[:2]
+    step(x[rank::world], y[rank::world])
+    model[1] = nn.ReLU()
+    step(x2[rank::world], y2[rank::world])
+    params = full(model) if world > 1 else [p.detach().clone() for p in model.parameters()]
+    return dict(params=params, captures=step.captures)
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
@@ -161,6 +177,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             private.step(xb, yb)
         results["private"] = dict(sharded=private.dp_step.sharded, steps=private.steps,
                                   sample_rate=private.sample_rate, epsilon=private.epsilon())
+        results["swapped"] = swapped(rank, WORLD)
         results["refusals"] = _refusals(rank)
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
@@ -240,3 +257,12 @@ def test_make_private_on_a_sharded_model(ranks):
         assert got["sharded"] and got["steps"] == 2
         assert got["sample_rate"] == pytest.approx(4 / 20)  # each rank: 20 examples, batches of 4
         assert 0 < got["epsilon"] < float("inf")
+
+
+def test_a_swapped_submodule_is_recaptured(ranks):
+    expected = swapped()
+    assert expected["captures"] == 2
+    for r in ranks:
+        assert r["swapped"]["captures"] == 2
+        for got, want in zip(r["swapped"]["params"], expected["params"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -26,6 +26,8 @@ process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide,
 - ``torch._dynamo.config.replay_side_effects = False``: the capture must not write the user's Python objects.
 - ``torch._dynamo.config.skip_nnmodule_hook_guards = False``: guard on modules' hooks, so that adding or removing
   a hook after the capture is seen.
+- ``torch._dynamo.config.skip_fsdp_guards = False``: guard on FSDP-managed modules (``fully_shard``) like any
+  other, so that a changed submodule of a sharded model is seen.
 - ``torch._dynamo.config.ignore_logging_functions``: ``logging.Logger`` methods (and ``warning_once``/
   ``info_once`` where a library such as transformers added them), the ``logging`` module functions, and
   ``warnings.warn`` become no-ops in the traced loss instead of graph breaks.
@@ -464,7 +466,8 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     compiled = torch._dynamo.optimize(_backend, nopython=True, dynamic=False)(joint)
     manager, out, branches = None, None, []
     settings = dict(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
-                    skip_nnmodule_hook_guards=False, ignore_logging_functions=_ignored_logging_functions())
+                    skip_nnmodule_hook_guards=False, skip_fsdp_guards=False,
+                    ignore_logging_functions=_ignored_logging_functions())
     try:
         with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), \
                 _replaced_functions(), batch_size_branches.watched(branches), torch.enable_grad():
