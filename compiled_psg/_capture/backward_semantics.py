@@ -8,8 +8,9 @@ compute something else than the derivative of those ops would be lost, silently.
 - ``tensor.register_hook`` inside the loss: the hook rewrites the gradient flowing through that tensor. Refused.
 - ``h.detach_()``: later uses of ``h`` carry no gradient. Rewritten into ``h.detach()`` for those uses.
 - ``t.backward()`` inside the loss: it writes ``.grad`` as well. Refused (``torch.autograd.grad`` is supported).
-- ``squeeze()`` without a dim on a batched value: a batch of one (the per-sample loss) drops the batch dimension
-  too, so its loss differs from what the graph computes for larger batches. Refused.
+- ``squeeze()`` without a dim on a batched value, or ``squeeze(dim)`` of the batch dimension: a batch of one (the
+  per-sample loss) drops the batch dimension too, so its loss differs from what the graph computes for larger
+  batches. Refused.
 
 Hooks on parameters live outside the loss; ``refuse_parameter_hooks`` checks them at each call.
 """
@@ -67,7 +68,21 @@ def custom_backward_sites(gm: fx.GraphModule) -> list[str]:
             sites.append(f"squeeze() without a dim at {where(node)}: for a batch of one (a sample's own loss) it "
                          "also drops the batch dimension, so the loss differs from the batched one. Fix: name the "
                          "dimension, squeeze(-1)")
+        elif (_is_call(node, "squeeze") or _is_call(node, "squeeze_")) and _squeezes_a_symbolic_dim(node):
+            sites.append(f"squeeze(dim) of the batch dimension at {where(node)}: it does nothing to the batch, but "
+                         "for a batch of one (a sample's own loss) it drops the batch dimension, so the loss differs "
+                         "from the batched one. Fix: remove the squeeze, or squeeze another dimension")
     return sites
+
+
+def _squeezes_a_symbolic_dim(node: fx.Node) -> bool:
+    """``squeeze(dim)`` / ``squeeze(dims)`` naming a dimension whose size is symbolic (the batch)."""
+    value = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not isinstance(value, torch.Tensor) or dims is None or value.dim() == 0:
+        return False
+    dims = dims if isinstance(dims, (tuple, list)) else (dims,)
+    return any(isinstance(d, int) and not isinstance(value.shape[d % value.dim()], int) for d in dims)
 
 
 def detach_in_place(gm: fx.GraphModule) -> int:
