@@ -36,6 +36,18 @@ _SHAPE_CODE = ("torch/_subclasses/", "torch/_meta_registrations.py", "torch/_pri
                "torch/_refs/", "torch/_decomp/")
 
 
+def _not_a_guard_source() -> None:
+    """The shape environment names a guard's source by the innermost frame outside its "uninteresting" files;
+    our wrapper of ``evaluate_expr`` would hide the real one (a meta function's ``n >= 16`` heuristic, which
+    ``_compile.build`` allows by where it comes from). torch's set is cached: add this file to it once."""
+    from torch.fx.experimental.symbolic_shapes import uninteresting_files
+
+    uninteresting_files().add(__file__)
+
+
+_not_a_guard_source()
+
+
 @contextlib.contextmanager
 def watched(found: list[str]):
     """While this thread traces, append to ``found`` each decision on the batch size that a batch of one would
