@@ -238,7 +238,49 @@ def _backend(gm, example_inputs):
     _pending["backward_changes"] = backward_semantics.custom_backward_sites(gm)
     backward_semantics.detach_in_place(gm)
     _detach_values_from_no_grad(gm)
+    _embedding_max_norm_per_row(gm)
     return _aot_backend(gm, example_inputs)
+
+
+def _embedding_with_max_norm(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+                             scale_grad_by_freq=False, sparse=False):
+    """``F.embedding`` with ``max_norm`` as eager computes it, in ops that keep samples apart.
+
+    Eager renormalizes, in place and outside autograd, every weight row the batch looks up, then looks the rows
+    up: the values are the renormed rows, and the weight's gradient is the lookup's (the renorm is not
+    differentiated). Here the rows are looked up first and renormed one by one, as ``embedding_renorm_`` does;
+    the gradient passes them unscaled. A sample's rows are renormed from its own rows only, as on a batch of one
+    (the renorm is idempotent). The in-place update of the weight stays, under ``no_grad`` (AOT autograd then
+    records it as a mutation the runner applies, ``Captured.mutated``); a later read of the weight (tied weights)
+    sees the update from every sample and is refused as mixing."""
+    input = input.contiguous()
+    rows = _original_embedding(input, weight, padding_idx, None, norm_type, scale_grad_by_freq, sparse)
+    with torch.no_grad():
+        torch.embedding_renorm_(weight, input, max_norm, norm_type)
+    values = rows.detach()
+    norms = torch.linalg.vector_norm(values, norm_type, dim=-1, keepdim=True)
+    scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
+    return values * scale + (rows - values)
+
+
+_original_embedding = torch.nn.functional.embedding
+
+
+def _embedding_max_norm_per_row(gm: fx.GraphModule) -> int:
+    """Route ``F.embedding(..., max_norm=...)`` in Dynamo's graph to ``_embedding_with_max_norm``; returns how
+    many. Without it, the renorm of a parameter through ``weight.detach()`` makes AOT autograd split a forward and
+    a backward graph, and the per-sample loss would read rows renormed by the whole batch."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.nn.functional.embedding:
+            continue
+        bound = inspect.signature(_original_embedding).bind(*node.args, **node.kwargs)
+        if bound.arguments.get("max_norm") is not None:
+            node.target = _embedding_with_max_norm
+            count += 1
+    if count:
+        gm.recompile()
+    return count
 
 
 def _is_tensor_value(node: fx.Node) -> bool:

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
+from .._analyze.source import source_line
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
@@ -58,6 +59,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
 
     forward, loss = forward_slice(captured.joint, captured.loss_output)
     differentiates_inside = _inner_gradients(captured, forward)
+    _refuse_reads_after_renorm(forward)
     mixing = find_mixing(forward.graph, batch)
     if mixing:
         raise _refusal(captured, forward, mixing)
@@ -116,6 +118,30 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters",
              len(backward.contractions) + len(head.contractions), n_fallback, len(names))
     return out
+
+
+def _refuse_reads_after_renorm(forward: fx.GraphModule) -> None:
+    """``max_norm`` of an embedding renormalizes, in place, every weight row the batch looks up. One
+    ``nn.Embedding`` lookup is rewritten per row at capture (``dynamo._embedding_with_max_norm``); a loss that
+    still reads the renormed weight (tied weights, a second lookup, ``nn.EmbeddingBag``) would give each sample
+    rows renormed by the whole batch."""
+    renorms = [n for n in forward.graph.nodes if n.target is ATEN.embedding_renorm.default]
+    if not renorms:
+        return
+    line = source_line(next(u for n in renorms for u in n.users))  # where the renormed weight is read
+    if any(u.target in (ATEN._embedding_bag.default, ATEN._embedding_bag_forward_only.default)
+           for n in renorms for u in n.users):
+        raise UnsupportedError(
+            f"nn.EmbeddingBag(max_norm=...) at {line}: compiled_psg computes per-sample gradients of nn.Embedding's "
+            "max_norm, not of EmbeddingBag's, whose in-place renorm of the whole batch's rows feeds the bags. Fix: "
+            "renormalize outside the loss (with torch.no_grad(): bag.weight.renorm_(2, 0, max_norm)) and construct "
+            "the EmbeddingBag with max_norm=None")
+    raise SampleMixingError(
+        f"per-sample gradients are undefined for this loss: at {line}, the loss reads an embedding weight after "
+        "max_norm renormalized it in place from the whole batch's indices (tied weights such as h @ emb.weight.T, "
+        "or a second lookup of the same embedding), so each sample would see rows renormed for other samples. "
+        "Fix: look the rows up once per loss and reuse them, or renormalize outside the loss (with "
+        "torch.no_grad(): emb.weight.renorm_(2, 0, max_norm)) and construct the embedding with max_norm=None")
 
 
 def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> None:
