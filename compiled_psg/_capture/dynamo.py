@@ -12,7 +12,9 @@ Side-effect free: the capture never runs the loss. The compiled function Dynamo 
 its first instruction (the graph call), so neither the graph (buffer updates, in-place ops on inputs) nor
 Dynamo's replay of Python side effects (list appends, attribute writes) happens; ``replay_side_effects`` is off
 as well. In-place updates of inputs and buffers come back as the joint graph's first outputs
-(``Captured.mutated``); the runner applies them on every call (``_compile/run.py``).
+(``Captured.mutated``); the runner applies them on every call (``_compile/run.py``). ``F.embedding`` with
+``max_norm`` renorms its weight that way: Dynamo's graph routes it to ``_embedding_with_max_norm``, whose lookup
+renorms the rows per sample and whose in-place renorm stays a mutation.
 
 Guards: the cache entry Dynamo built for the captured frame holds its guards (module structure, hooks, Python
 attributes and globals the loss read, tensor metadata, grad mode). ``Captured.guards`` keeps that guard manager
