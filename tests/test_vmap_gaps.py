@@ -53,9 +53,9 @@ def _embedding_case(dtype, scale, padding_idx=None, tied=False):
     return model, (_IDX, y)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("scale", [0.2, 3.0], ids=["rows-within-max_norm", "rows-above-max_norm"])
-@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize(("dtype", "scale", "padding_idx"), [
+    (torch.float64, 0.2, None), (torch.float64, 3.0, None), (torch.float64, 3.0, 0), (torch.float32, 3.0, None)],
+    ids=["rows-within-max_norm", "rows-above-max_norm", "padding_idx", "float32"])
 def test_embedding_max_norm_is_the_loop(dtype, scale, padding_idx):
     """Eager renormalizes the rows the batch looks up, in place, before the lookup, and differentiates the lookup
     only. The loop renorms each sample's rows on its own call; the renorm is idempotent, so every sample's loss
@@ -128,8 +128,8 @@ def _losses(m):
     return [divided, multiplied, divided_then_summed, squared_batch_size]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("which", range(4), ids=["divided", "multiplied", "divided_then_summed", "squared"])
+@pytest.mark.parametrize(("dtype", "which"), [(torch.float64, i) for i in range(4)] + [(torch.float32, 0)],
+                         ids=["divided", "multiplied", "divided_then_summed", "squared", "divided-float32"])
 def test_losses_scaled_by_the_batch_size(dtype, which):
     """The batch size reads 1 per sample, and the reported loss keeps the batch's value."""
     torch.manual_seed(0)
