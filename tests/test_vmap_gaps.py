@@ -78,6 +78,8 @@ def test_embedding_max_norm_is_the_loop(dtype, scale, padding_idx):
     torch.testing.assert_close(losses, reference_losses(lambda i, t: F.cross_entropy(looped(i), t), args),
                                **EXACT[dtype])
     _close(fn(*args), ref, dtype)  # a second call reads the renormed weight: the same gradients
+    expected.backward()  # eager autograd on the batch: the mean of the per-sample gradients
+    _close({n: p.grad for n, p in eager.named_parameters()}, {n: g.mean(0) for n, g in got.items()}, dtype)
 
 
 def test_embedding_max_norm_inductor():
