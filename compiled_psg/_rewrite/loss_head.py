@@ -57,9 +57,9 @@ def _batch_values_read_one(graph: fx.Graph, loss: fx.Node, batch: BatchDims) -> 
 
 def _same_mask_dropout(x: torch.Tensor, p: float, train, mask: torch.Tensor):
     """``native_dropout(x, p, train)`` with the mask the batch drew (``mask``), not a new one."""
-    if not train:
+    if train is False:  # None means train, as in ATen
         return x, mask
-    return (x * mask * (1.0 / (1.0 - p)) if p < 1 else x * 0.0), mask
+    return x * mask * (1.0 / (1.0 - p) if p < 1 else 0.0), mask  # ATen's order: input.mul(mask).mul_(scale)
 
 
 def _copy(graph: fx.Graph, node: fx.Node) -> fx.Node:
