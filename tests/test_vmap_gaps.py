@@ -82,6 +82,40 @@ def test_embedding_max_norm_is_the_loop(dtype, scale, padding_idx):
     _close({n: p.grad for n, p in eager.named_parameters()}, {n: g.mean(0) for n, g in got.items()}, dtype)
 
 
+def _fresh_loop(model, loss_with, args) -> dict:
+    """Each sample's gradient on the weights as they were before the call (a fresh copy per sample): the loop
+    of ``reference.py`` would let each call's in-place renorm change what later samples read before their lookup."""
+    rows = []
+    for i in range(len(args[0])):
+        m = copy.deepcopy(model)
+        rows.append(reference_per_sample(lambda *a, m=m: loss_with(m, *a), dict(m.named_parameters()),
+                                         tuple(a[i:i + 1] for a in args)))
+    return {n: torch.cat([r[n] for r in rows]) for n in rows[0]}
+
+
+def test_embedding_max_norm_two_lookups_and_a_read_before():
+    """Two lookups of one embedding (a pair of index sets per sample) and a read of the weight before them: each
+    lookup reads rows renormed per sample (the renorm is idempotent), the earlier read the weight as it was."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, max_norm=1.0).double()
+    fc = nn.Linear(3, 2).double()
+    model = nn.ModuleDict({"emb": emb, "fc": fc})
+    with torch.no_grad():
+        emb.weight.mul_(3)
+    a, b = _IDX, _IDX.flip(1).roll(1, 0)
+    eager = copy.deepcopy(model)
+
+    def loss_with(m, a, b):
+        decay = m["emb"].weight.sum() * 1e-2  # (pow(2) would save the weight: eager autograd then fails)
+        return (m["fc"](m["emb"](a).mean(1)) * m["fc"](m["emb"](b).mean(1))).sum() + decay
+
+    ref = _fresh_loop(model, loss_with, (a, b))
+    value, _, got = psg.per_sample(model, backend="eager")(lambda a, b: loss_with(model, a, b)).with_losses(a, b)
+    _close(got, ref, torch.float64)
+    torch.testing.assert_close(value, loss_with(eager, a, b).detach(), **EXACT[torch.float64])
+    assert torch.equal(emb.weight, eager["emb"].weight)
+
+
 def test_embedding_max_norm_inductor():
     model, args = _embedding_case(torch.float32, 3.0)
     looped = copy.deepcopy(model)

@@ -13,8 +13,8 @@ its first instruction (the graph call), so neither the graph (buffer updates, in
 Dynamo's replay of Python side effects (list appends, attribute writes) happens; ``replay_side_effects`` is off
 as well. In-place updates of inputs and buffers come back as the joint graph's first outputs
 (``Captured.mutated``); the runner applies them on every call (``_compile/run.py``). ``F.embedding`` with
-``max_norm`` renorms its weight that way: Dynamo's graph routes it to ``_embedding_with_max_norm``, whose lookup
-renorms the rows per sample and whose in-place renorm stays a mutation.
+``max_norm`` renorms its weight that way: in Dynamo's graph its lookup renorms the rows per sample
+(``_embedding_rows_renormed``), and the in-place renorm runs at the graph's end (``_embedding_max_norm_per_row``).
 
 Guards: the cache entry Dynamo built for the captured frame holds its guards (module structure, hooks, Python
 attributes and globals the loss read, tensor metadata, grad mode). ``Captured.guards`` keeps that guard manager
@@ -244,45 +244,83 @@ def _backend(gm, example_inputs):
     return _aot_backend(gm, example_inputs)
 
 
-def _embedding_with_max_norm(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+def _embedding_rows_renormed(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
                              scale_grad_by_freq=False, sparse=False):
-    """``F.embedding`` with ``max_norm`` as eager computes it, in ops that keep samples apart.
+    """The values eager ``F.embedding`` with ``max_norm`` returns, in ops that keep samples apart.
 
     Eager renormalizes, in place and outside autograd, every weight row the batch looks up, then looks the rows
     up: the values are the renormed rows, and the weight's gradient is the lookup's (the renorm is not
-    differentiated). Here the rows are looked up first and renormed one by one, as ``embedding_renorm_`` does;
-    the gradient passes them unscaled. A sample's rows are renormed from its own rows only, as on a batch of one
-    (the renorm is idempotent). The in-place update of the weight stays, under ``no_grad`` (AOT autograd then
-    records it as a mutation the runner applies, ``Captured.mutated``); a later read of the weight (tied weights)
-    sees the update from every sample and is refused as mixing."""
-    input = input.contiguous()
+    differentiated). Here the rows are looked up and renormed one by one, as ``embedding_renorm_`` does, and the
+    gradient passes them unscaled. A sample's rows are renormed from its own rows only, as on a batch of one
+    (the renorm is idempotent, so a second lookup reads the same values)."""
     rows = _original_embedding(input, weight, padding_idx, None, norm_type, scale_grad_by_freq, sparse)
-    with torch.no_grad():
-        torch.embedding_renorm_(weight, input, max_norm, norm_type)
     values = rows.detach()
     norms = torch.linalg.vector_norm(values, norm_type, dim=-1, keepdim=True)
     scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
     return values * scale + (rows - values)
 
 
+def _renorm_in_place(weight, input, max_norm, norm_type) -> None:
+    """Eager ``F.embedding``'s update of the weight; AOT autograd records it as a mutation under ``no_grad``,
+    which the runner applies on every call (``Captured.mutated``)."""
+    with torch.no_grad():
+        torch.embedding_renorm_(weight, input, max_norm, norm_type)
+
+
 _original_embedding = torch.nn.functional.embedding
+_EMBEDDING_SIGNATURE = inspect.signature(_original_embedding)
 
 
 def _embedding_max_norm_per_row(gm: fx.GraphModule) -> int:
-    """Route ``F.embedding(..., max_norm=...)`` in Dynamo's graph to ``_embedding_with_max_norm``; returns how
-    many. Without it, the renorm of a parameter through ``weight.detach()`` makes AOT autograd split a forward and
-    a backward graph, and the per-sample loss would read rows renormed by the whole batch."""
-    count = 0
-    for node in gm.graph.nodes:
+    """``F.embedding(..., max_norm=...)`` in Dynamo's graph: each lookup reads the rows renormed one by one
+    (``_embedding_rows_renormed``), and the in-place renorms of the weight run, in order, at the end of the
+    graph. Returns how many lookups. Without it, the renorm of a parameter through ``weight.detach()`` makes AOT
+    autograd split a forward and a backward graph, and a sample would read rows renormed by the whole batch.
+
+    Eager code that reads the weight after a lookup (tied weights, ``h @ emb.weight.T``) reads it renormed from
+    every sample's indices: refused (``SampleMixingError``), noted in ``_pending`` for the capture to raise."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    lookups = []
+    for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.nn.functional.embedding:
             continue
-        bound = inspect.signature(_original_embedding).bind(*node.args, **node.kwargs)
-        if bound.arguments.get("max_norm") is not None:
-            node.target = _embedding_with_max_norm
-            count += 1
-    if count:
+        bound = _EMBEDDING_SIGNATURE.bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        args = bound.arguments
+        if args["max_norm"] is None:
+            continue
+        with graph.inserting_after(node):  # the indices as the lookup saw them
+            contiguous = graph.call_method("contiguous", (args["input"],))
+        with graph.inserting_after(contiguous):
+            indices = graph.call_method("clone", (contiguous,))
+        contiguous.meta.update(node.meta)
+        indices.meta.update(node.meta)
+        node.target = _embedding_rows_renormed
+        lookups.append((node, args["weight"], indices, args["max_norm"], args["norm_type"]))
+    first: dict[fx.Node, fx.Node] = {}
+    for node, weight, *_ in lookups:
+        first.setdefault(weight, node)
+    skip = {n for n, *_ in lookups}
+    for weight, lookup in first.items():
+        if not isinstance(weight, fx.Node):
+            continue
+        for user in weight.users:
+            if user in skip or user.target is torch.autograd.grad or order.get(user, -1) < order[lookup]:
+                continue
+            _pending.setdefault("refusal", SampleMixingError(
+                f"per-sample gradients are undefined for this loss: at {where(user)}, the loss reads an embedding "
+                f"weight after F.embedding(max_norm=...) at {where(lookup)} renormalized it in place from the whole "
+                "batch's indices (tied weights such as h @ emb.weight.T), so each sample would read rows renormed "
+                "for other samples. Fix: renormalize outside the loss (with torch.no_grad(): "
+                "emb.weight.renorm_(2, 0, max_norm)) and construct the embedding with max_norm=None"))
+    with graph.inserting_before(graph.output_node()):
+        for _, weight, indices, max_norm, norm_type in lookups:
+            graph.call_function(_renorm_in_place, (weight, indices, max_norm, norm_type))
+    if lookups:
+        graph.lint()
         gm.recompile()
-    return count
+    return len(lookups)
 
 
 def _is_tensor_value(node: fx.Node) -> bool:

@@ -121,10 +121,10 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
 
 
 def _refuse_reads_after_renorm(forward: fx.GraphModule) -> None:
-    """``max_norm`` of an embedding renormalizes, in place, every weight row the batch looks up. One
-    ``nn.Embedding`` lookup is rewritten per row at capture (``dynamo._embedding_with_max_norm``); a loss that
-    still reads the renormed weight (tied weights, a second lookup, ``nn.EmbeddingBag``) would give each sample
-    rows renormed by the whole batch."""
+    """An in-place ``embedding_renorm_`` renormalizes every weight row the batch's indices name. ``nn.Embedding``'s
+    ``max_norm`` is rewritten per row at capture (``dynamo._embedding_max_norm_per_row``); a loss whose values
+    still read a renormed weight (``nn.EmbeddingBag(max_norm=...)``, ``torch.embedding_renorm_`` called directly)
+    would give each sample rows renormed by the whole batch."""
     renorms = [n for n in forward.graph.nodes if n.target is ATEN.embedding_renorm.default]
     if not renorms:
         return
@@ -137,11 +137,10 @@ def _refuse_reads_after_renorm(forward: fx.GraphModule) -> None:
             "renormalize outside the loss (with torch.no_grad(): bag.weight.renorm_(2, 0, max_norm)) and construct "
             "the EmbeddingBag with max_norm=None")
     raise SampleMixingError(
-        f"per-sample gradients are undefined for this loss: at {line}, the loss reads an embedding weight after "
-        "max_norm renormalized it in place from the whole batch's indices (tied weights such as h @ emb.weight.T, "
-        "or a second lookup of the same embedding), so each sample would see rows renormed for other samples. "
-        "Fix: look the rows up once per loss and reuse them, or renormalize outside the loss (with "
-        "torch.no_grad(): emb.weight.renorm_(2, 0, max_norm)) and construct the embedding with max_norm=None")
+        f"per-sample gradients are undefined for this loss: at {line}, the loss reads a weight that "
+        "embedding_renorm_ renormalized in place from the whole batch's indices, so each sample would read rows "
+        "renormed for other samples. Fix: use nn.Embedding(max_norm=...) (renormed per sample), or renormalize "
+        "outside the loss (with torch.no_grad(): weight.renorm_(2, 0, max_norm))")
 
 
 def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> None:
