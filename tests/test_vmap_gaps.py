@@ -134,6 +134,19 @@ def test_embedding_max_norm_read_again_is_refused_and_changes_nothing():
     assert torch.equal(model.emb.weight, before)
 
 
+def test_embedding_max_norm_view_taken_before_is_refused():
+    """A view of the weight taken before the lookup shares its storage: eager reads it renormed."""
+    model, args = _embedding_case(torch.float64, 3.0)
+
+    def loss(idx, y):
+        wt = model.emb.weight.t()
+        h = model.emb(idx).mean(1)
+        return F.cross_entropy(model.fc(h) + (h @ wt)[:, :4], y)
+
+    with pytest.raises(psg.SampleMixingError, match=r"test_vmap_gaps.py:\d+ in loss: return F.cross_entropy"):
+        psg.per_sample(model, backend="eager")(loss)(*args)
+
+
 def test_embedding_bag_max_norm_is_refused_by_name():
     torch.manual_seed(0)
     bag = nn.EmbeddingBag(10, 3, max_norm=1.0, mode="mean").double()

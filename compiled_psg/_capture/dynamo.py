@@ -61,6 +61,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.comptime import comptime
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analyze.source import where
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
@@ -305,7 +306,9 @@ def _embedding_max_norm_per_row(gm: fx.GraphModule) -> int:
     for weight, lookup in first.items():
         if not isinstance(weight, fx.Node):
             continue
-        for user in weight.users:
+        # a view taken before the lookup (wt = emb.weight.t()) reads the renormed values too
+        readers = [u for alias in _aliases(graph, weight) for u in alias.users]
+        for user in readers:
             if user in skip or user.target is torch.autograd.grad or order.get(user, -1) < order[lookup]:
                 continue
             _pending.setdefault("refusal", SampleMixingError(
@@ -321,6 +324,16 @@ def _embedding_max_norm_per_row(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return len(lookups)
+
+
+def _aliases(graph: fx.Graph, node: fx.Node) -> list[fx.Node]:
+    """``node`` and the nodes of Dynamo's graph whose value shares its storage (views of it)."""
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return [node]
+    storage = StorageWeakRef(value.untyped_storage())
+    return [n for n in graph.nodes if n is node or (isinstance(n.meta.get("example_value"), torch.Tensor)
+            and StorageWeakRef(n.meta["example_value"].untyped_storage()) == storage)]
 
 
 def _is_tensor_value(node: fx.Node) -> bool:
