@@ -12,7 +12,9 @@ Side-effect free: the capture never runs the loss. The compiled function Dynamo 
 its first instruction (the graph call), so neither the graph (buffer updates, in-place ops on inputs) nor
 Dynamo's replay of Python side effects (list appends, attribute writes) happens; ``replay_side_effects`` is off
 as well. In-place updates of inputs and buffers come back as the joint graph's first outputs
-(``Captured.mutated``); the runner applies them on every call (``_compile/run.py``).
+(``Captured.mutated``); the runner applies them on every call (``_compile/run.py``). ``F.embedding`` with
+``max_norm`` renorms its weight that way: in Dynamo's graph its lookup renorms the rows per sample
+(``_embedding_rows_renormed``), and the in-place renorm runs at the graph's end (``_embedding_max_norm_per_row``).
 
 Guards: the cache entry Dynamo built for the captured frame holds its guards (module structure, hooks, Python
 attributes and globals the loss read, tensor metadata, grad mode). ``Captured.guards`` keeps that guard manager
@@ -61,6 +63,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.comptime import comptime
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analyze.source import where
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
@@ -240,7 +243,99 @@ def _backend(gm, example_inputs):
     _pending["backward_changes"] = backward_semantics.custom_backward_sites(gm)
     backward_semantics.detach_in_place(gm)
     _detach_values_from_no_grad(gm)
+    _embedding_max_norm_per_row(gm)
     return _aot_backend(gm, example_inputs)
+
+
+def _embedding_rows_renormed(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+                             scale_grad_by_freq=False, sparse=False):
+    """The values eager ``F.embedding`` with ``max_norm`` returns, in ops that keep samples apart.
+
+    Eager renormalizes, in place and outside autograd, every weight row the batch looks up, then looks the rows
+    up: the values are the renormed rows, and the weight's gradient is the lookup's (the renorm is not
+    differentiated). Here the rows are looked up and renormed one by one, as ``embedding_renorm_`` does, and the
+    gradient passes them unscaled. A sample's rows are renormed from its own rows only, as on a batch of one
+    (the renorm is idempotent, so a second lookup reads the same values)."""
+    rows = _original_embedding(input, weight, padding_idx, None, norm_type, scale_grad_by_freq, sparse)
+    values = rows.detach()
+    norms = torch.linalg.vector_norm(values, norm_type, dim=-1, keepdim=True)
+    scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
+    return values * scale + (rows - values)
+
+
+def _renorm_in_place(weight, input, max_norm, norm_type) -> None:
+    """Eager ``F.embedding``'s update of the weight; AOT autograd records it as a mutation under ``no_grad``,
+    which the runner applies on every call (``Captured.mutated``)."""
+    with torch.no_grad():
+        torch.embedding_renorm_(weight, input, max_norm, norm_type)
+
+
+_original_embedding = torch.nn.functional.embedding
+_EMBEDDING_SIGNATURE = inspect.signature(_original_embedding)
+
+
+def _embedding_max_norm_per_row(gm: fx.GraphModule) -> int:
+    """``F.embedding(..., max_norm=...)`` in Dynamo's graph: each lookup reads the rows renormed one by one
+    (``_embedding_rows_renormed``), and the in-place renorms of the weight run, in order, at the end of the
+    graph. Returns how many lookups. Without it, the renorm of a parameter through ``weight.detach()`` makes AOT
+    autograd split a forward and a backward graph, and a sample would read rows renormed by the whole batch.
+
+    Eager code that reads the weight after a lookup (tied weights, ``h @ emb.weight.T``) reads it renormed from
+    every sample's indices: refused (``SampleMixingError``), noted in ``_pending`` for the capture to raise."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    lookups = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.nn.functional.embedding:
+            continue
+        bound = _EMBEDDING_SIGNATURE.bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        args = bound.arguments
+        if args["max_norm"] is None:
+            continue
+        with graph.inserting_after(node):  # the indices as the lookup saw them
+            contiguous = graph.call_method("contiguous", (args["input"],))
+        with graph.inserting_after(contiguous):
+            indices = graph.call_method("clone", (contiguous,))
+        contiguous.meta.update(node.meta)
+        indices.meta.update(node.meta)
+        node.target = _embedding_rows_renormed
+        lookups.append((node, args["weight"], indices, args["max_norm"], args["norm_type"]))
+    first: dict[fx.Node, fx.Node] = {}
+    for node, weight, *_ in lookups:
+        first.setdefault(weight, node)
+    skip = {n for n, *_ in lookups}
+    for weight, lookup in first.items():
+        if not isinstance(weight, fx.Node):
+            continue
+        # a view taken before the lookup (wt = emb.weight.t()) reads the renormed values too
+        readers = [u for alias in _aliases(graph, weight) for u in alias.users]
+        for user in readers:
+            if user in skip or user.target is torch.autograd.grad or order.get(user, -1) < order[lookup]:
+                continue
+            _pending.setdefault("refusal", SampleMixingError(
+                f"per-sample gradients are undefined for this loss: at {where(user)}, the loss reads an embedding "
+                f"weight after F.embedding(max_norm=...) at {where(lookup)} renormalized it in place from the whole "
+                "batch's indices (tied weights such as h @ emb.weight.T), so each sample would read rows renormed "
+                "for other samples. Fix: renormalize outside the loss (with torch.no_grad(): "
+                "emb.weight.renorm_(2, 0, max_norm)) and construct the embedding with max_norm=None"))
+    with graph.inserting_before(graph.output_node()):
+        for _, weight, indices, max_norm, norm_type in lookups:
+            graph.call_function(_renorm_in_place, (weight, indices, max_norm, norm_type))
+    if lookups:
+        graph.lint()
+        gm.recompile()
+    return len(lookups)
+
+
+def _aliases(graph: fx.Graph, node: fx.Node) -> list[fx.Node]:
+    """``node`` and the nodes of Dynamo's graph whose value shares its storage (views of it)."""
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return [node]
+    storage = StorageWeakRef(value.untyped_storage())
+    return [n for n in graph.nodes if n is node or (isinstance(n.meta.get("example_value"), torch.Tensor)
+            and StorageWeakRef(n.meta["example_value"].untyped_storage()) == storage)]
 
 
 def _is_tensor_value(node: fx.Node) -> bool:
