@@ -209,6 +209,7 @@ class PerSampleFunction:
         attributes and globals it read are as at its capture)."""
         params = self._params()
         backward_semantics.refuse_parameter_hooks(params)
+        backward_semantics.refuse_arguments_from_parameters(args, params)
         batch_dims, batch_size = batch_dims_of(args, self.in_dims)
         key = self._key(params, args, batch_dims)
         entry, _ = self._valid(self._cache.get(key, []), params, args, batch_dims, batch_size)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .._analyze.source import where
-from .._errors import UnsupportedError
+from .._errors import BatchInputError, UnsupportedError
 
 
 def _is_call(node: fx.Node, name: str) -> bool:
@@ -117,3 +117,34 @@ def refuse_parameter_hooks(params: dict[str, torch.Tensor]) -> None:
             f"{'have' if len(hooked) > 1 else 'has'} a gradient hook (register_hook), which rewrites the gradient; "
             "compiled_psg derives per-sample gradients from the forward ops and cannot apply it per sample. Fix: "
             "remove the hook and apply its transformation to the per-sample result")
+
+
+def refuse_arguments_from_parameters(args: tuple, params: dict[str, torch.Tensor]) -> None:
+    """An argument computed from the parameters outside the loss (``feats = model[0](x)``, then ``f(feats, y)``)
+    carries part of their gradient that the loss function never sees: the capture would treat it as data and
+    miss that part (the loop, differentiating through it, does not). Only tensors with a ``grad_fn`` are
+    walked, so ordinary data costs one attribute read."""
+    for pos, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.grad_fn is not None:
+            reached = _parameters_behind(a.grad_fn, {id(p): n for n, p in params.items()})
+            if reached:
+                raise BatchInputError(
+                    f"argument {pos} was computed from the parameters ({', '.join(sorted(reached)[:3])}) outside "
+                    "the loss function, so part of their gradient flows through it, where per-sample gradients "
+                    "cannot follow. Fix: compute it inside the loss function, or pass it .detach()ed if it is "
+                    "meant as data")
+
+
+def _parameters_behind(fn, by_id: dict[int, str]) -> set[str]:
+    """The names of the parameters an autograd graph accumulates into."""
+    found, seen, stack = set(), set(), [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if variable is not None and id(variable) in by_id:
+            found.add(by_id[id(variable)])
+        stack.extend(f for f, _ in node.next_functions)
+    return found

@@ -102,9 +102,12 @@ def _refuse_ambient_autocast() -> None:
 
 
 def _combine_losses(losses: list[torch.Tensor], sizes: list[int], loss_reduction: str) -> torch.Tensor:
-    """The loss of a logical batch from its micro-batches' losses (means weighted by size, or sums)."""
+    """The loss of a logical batch from its micro-batches' losses (means weighted by size, or sums); per-sample
+    losses ``[b_k]`` are concatenated, as the whole batch returns them."""
     if len(losses) == 1:
         return losses[0]
+    if losses[0].dim() > 0:
+        return torch.cat(losses)
     if loss_reduction == "sum":
         return torch.stack(losses).sum()
     weights = torch.tensor(sizes, dtype=losses[0].dtype, device=losses[0].device)
