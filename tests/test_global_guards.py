@@ -3,6 +3,7 @@ globals, global module hooks, a module class's replaced method. Each change made
 with the naive loop, in float64, and must be logged as a recapture."""
 
 import logging
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -174,3 +175,15 @@ def test_a_source_that_cannot_be_rechecked_is_refused():
     joint = torch.fx.symbolic_trace(model)
     with pytest.raises(psg.CaptureError, match="cannot re-check.*Fix: pass it to the loss as an argument"):
         global_guards.capture(None, joint, ["___as_tensor(G['x'])"], {0: torch.zeros(())}, {}, {}, lambda s: False)
+
+
+def test_a_source_read_through_dynamo_helpers_is_checked_by_identity():
+    model, _, _ = _setup()
+    joint = torch.fx.symbolic_trace(model)
+    held, other = torch.zeros(()), torch.ones(())
+    scope = {"d": OrderedDict(w=held)}
+    guards = global_guards.capture(None, joint, ["___odict_getitem(G['d'], 'w')"], {0: held}, scope, {},
+                                   lambda s: False)
+    assert guards.failure({}) is None
+    scope["d"]["w"] = other
+    assert "___odict_getitem(G['d'], 'w')" in guards.failure({})

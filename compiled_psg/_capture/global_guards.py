@@ -68,7 +68,7 @@ def _module_classes(manager, joint: torch.fx.GraphModule) -> set[type]:
     also one that adds no op, like ``nn.Identity``), and those named in the graph's ``nn_module_stack``."""
     classes = set()
     registry = getattr(weakref.finalize, "_registry", None)  # CPython's registry of live finalizers
-    for info in list(registry.values()) if registry is not None else ():
+    for info in list(registry.values()) if registry is not None and manager is not None else ():
         owner = getattr(getattr(info.func, "func", None), "__self__", None)
         if owner is None or getattr(owner, "guard_manager", None) is not manager:
             continue
@@ -104,10 +104,30 @@ class _NumpyInput:
         return False
 
 
+class _SameObject:
+    """A graph input read through a source with Dynamo's helper functions (``___odict_getitem(...)``): still the
+    object the graph holds?"""
+
+    def __init__(self, source: str, code, obj):
+        self.source, self.code, self.obj = source, code, obj
+
+    def holds(self, scope: dict) -> bool:
+        try:
+            return eval(self.code, scope) is self.obj  # noqa: S307 - Dynamo's own source expression
+        except Exception:
+            return False
+
+
+def _dynamo_helpers() -> dict:
+    """The helper functions Dynamo's source expressions call (``___from_numpy``, ``___odict_getitem``, ...)."""
+    get = getattr(torch._dynamo.guards, "_get_closure_vars", None)
+    return dict(get()) if get is not None else {}
+
+
 class GlobalGuards:
     """The per-call check of what ``dynamo.Guards`` does not guard (module docstring)."""
 
-    def __init__(self, classes: set[type], numpy_inputs: list[_NumpyInput], g_scope: dict):
+    def __init__(self, classes: set[type], inputs: list[_NumpyInput | _SameObject], g_scope: dict):
         self._hooks = [(name, d, dict(d)) for name, d in _hook_dicts()]
         self._classes = []
         for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
@@ -115,8 +135,8 @@ class GlobalGuards:
             if names:
                 get = _getter(names)
                 self._classes.append((cls, get, names, get(cls)))
-        self._numpy = numpy_inputs
-        self._g_scope = g_scope
+        self._inputs = inputs
+        self._scope = {**_dynamo_helpers(), "G": g_scope} if inputs else {}
 
     def failure(self, f_locals: dict) -> str | None:
         """None while the captured graph still applies; else what changed since the capture."""
@@ -128,11 +148,12 @@ class GlobalGuards:
             if now != values:  # identity first, element by element
                 changed = [n for n, v, w in zip(names, values, now, strict=False) if v is not w]
                 return f"{cls.__module__}.{cls.__qualname__}.{', '.join(changed)} was replaced"
-        if self._numpy:
-            scope = {"G": self._g_scope, "L": f_locals}
-            for entry in self._numpy:
+        if self._inputs:
+            scope = {**self._scope, "L": f_locals}
+            for entry in self._inputs:
                 if not entry.holds(scope):
-                    return f"the numpy value at {entry.source} is another object or value than at capture"
+                    what = "numpy value" if isinstance(entry, _NumpyInput) else "object"
+                    return f"the {what} at {entry.source} is another object or value than at capture"
         return None
 
 
@@ -142,8 +163,8 @@ def capture(manager, joint: torch.fx.GraphModule, sources: list, constants: dict
     ``dynamo.Guards`` re-checks that source itself (then nothing is added for it).
 
     Raises ``CaptureError`` for a graph input whose source cannot be re-checked on a later call."""
-    numpy_inputs = []
-    scope = {"G": g_scope, "L": f_locals}
+    inputs: list[_NumpyInput | _SameObject] = []
+    scope = {**_dynamo_helpers(), "G": g_scope, "L": f_locals}
     for i, value in constants.items():
         source = sources[i] if i < len(sources) else None
         if source and evaluable(source):
@@ -156,14 +177,23 @@ def capture(manager, joint: torch.fx.GraphModule, sources: list, constants: dict
             except Exception:
                 obj = None
             if isinstance(obj, (np.ndarray, np.generic)):
-                numpy_inputs.append(_NumpyInput(match.group(1), code, obj, value))
+                inputs.append(_NumpyInput(match.group(1), code, obj, value))
+                continue
+        elif source:
+            try:
+                code = compile(source, "<graph input source>", "eval")
+                same = eval(code, scope) is value  # noqa: S307 - Dynamo's own source expression
+            except Exception:
+                same = False
+            if same:
+                inputs.append(_SameObject(source, code, value))
                 continue
         raise CaptureError(
             f"the loss reads a {'tensor' if isinstance(value, torch.Tensor) else type(value).__name__} from "
             f"{source or 'an object Dynamo gave no source for'}, which compiled_psg cannot re-check on later calls, "
             "so a changed value would go unseen. Fix: pass it to the loss as an argument (in_dims None for it), or "
             "keep it as a torch tensor in a global, closure or module attribute")
-    return GlobalGuards(_module_classes(manager, joint), numpy_inputs, g_scope)
+    return GlobalGuards(_module_classes(manager, joint), inputs, g_scope)
 
 
 def backward_hook_refusal(text: str) -> UnsupportedError | None:
