@@ -173,7 +173,7 @@ def test_a_source_that_cannot_be_rechecked_is_refused():
     """The allow-list: a graph input whose source neither Dynamo's guards nor ours can re-evaluate."""
     model, _, _ = _setup()
     joint = torch.fx.symbolic_trace(model)
-    with pytest.raises(psg.CaptureError, match="cannot re-check.*Fix: pass it to the loss as an argument"):
+    with pytest.raises(psg.CaptureError, match="cannot re-check.*Fix: pass it to the loss as a tensor argument"):
         global_guards.capture(None, joint, ["___as_tensor(G['x'])"], {0: torch.zeros(())}, {}, {}, lambda s: False)
 
 

@@ -191,8 +191,8 @@ def capture(manager, joint: torch.fx.GraphModule, sources: list, constants: dict
         raise CaptureError(
             f"the loss reads a {'tensor' if isinstance(value, torch.Tensor) else type(value).__name__} from "
             f"{source or 'an object Dynamo gave no source for'}, which compiled_psg cannot re-check on later calls, "
-            "so a changed value would go unseen. Fix: pass it to the loss as an argument (in_dims None for it), or "
-            "keep it as a torch tensor in a global, closure or module attribute")
+            "so a changed value would go unseen. Fix: pass it to the loss as a tensor argument (in_dims None for "
+            "it), or keep it as a torch tensor in a global, closure or module attribute")
     return GlobalGuards(_module_classes(manager, joint), inputs, g_scope)
 
 
