@@ -17,6 +17,7 @@ as well. In-place updates of inputs and buffers come back as the joint graph's f
 Guards: the cache entry Dynamo built for the captured frame holds its guards (module structure, hooks, Python
 attributes and globals the loss read, tensor metadata, grad mode). ``Captured.guards`` keeps that guard manager
 so a later call can ask whether the graph still applies (``Guards.check``) and, if not, why (``Guards.why``).
+``global_guards`` adds what Dynamo's guards miss (global module hooks, module classes' methods, numpy inputs).
 
 Settings the capture switches on, each restored when it returns (``config.patch`` / ``finally``), under one
 process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide, not thread-safe):
