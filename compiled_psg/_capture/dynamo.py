@@ -19,6 +19,7 @@ as well. In-place updates of inputs and buffers come back as the joint graph's f
 Guards: the cache entry Dynamo built for the captured frame holds its guards (module structure, hooks, Python
 attributes and globals the loss read, tensor metadata, grad mode). ``Captured.guards`` keeps that guard manager
 so a later call can ask whether the graph still applies (``Guards.check``) and, if not, why (``Guards.why``).
+``global_guards`` adds what Dynamo's guards miss (global module hooks, module classes' methods, numpy inputs).
 
 Settings the capture switches on, each restored when it returns (``config.patch`` / ``finally``), under one
 process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide, not thread-safe):
@@ -67,7 +68,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analyze.source import where
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
-from . import backward_semantics, batch_size_branches, identity_guards, torch_caches
+from . import backward_semantics, batch_size_branches, global_guards, identity_guards, torch_caches
 
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
 #: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
@@ -92,8 +93,9 @@ class Guards:
     """
 
     def __init__(self, manager, batched: list, code, stand_ins: bool = False,
-                 tensor_sources: list[tuple[str, torch.Tensor]] = ()):
+                 tensor_sources: list[tuple[str, torch.Tensor]] = (), extra: global_guards.GlobalGuards | None = None):
         self._manager = manager
+        self._extra = extra  # what Dynamo's guards miss (global hooks, module classes' methods, numpy inputs)
         # Tensors the graph took from the loss's closure, globals or module attributes, with Dynamo's source for
         # each: Dynamo's guards check their metadata, not which tensor object is there, and the runner keeps
         # passing the captured object. A replaced tensor (``model.temp = torch.tensor(3.)``) must recapture.
@@ -133,6 +135,8 @@ class Guards:
         f_locals = self._locals(loss_fn, tensors, args)
         if self._replaced_tensor(f_locals) is not None:
             return False
+        if self._extra is not None and self._extra.failure(f_locals) is not None:
+            return False
         # the capture ran with grad enabled; so does every call of the graph
         with self._as_captured():
             if self._manager.check(f_locals):
@@ -165,6 +169,9 @@ class Guards:
         replaced = self._replaced_tensor(self._locals(loss_fn, tensors, args))
         if replaced is not None:
             return f"{replaced} is another tensor object than at capture"
+        extra = self._extra.failure(self._locals(loss_fn, tensors, args)) if self._extra is not None else None
+        if extra is not None:
+            return extra
         with self._as_captured():
             parts = self._failing(self._locals(loss_fn, tensors, args))
         return "; ".join(parts) or "a guard failed"
@@ -571,7 +578,7 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         entries = _debug_get_cache_entry_list(joint.__code__)
         manager = entries[0].guard_manager if len(entries) == 1 else None
     except torch._dynamo.exc.Unsupported as e:
-        raise _graph_break(e) from None
+        raise global_guards.backward_hook_refusal(str(e)) or _graph_break(e) from None
     except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the fake (symbolic) values
         raise _runtime_failure(e) from None
     except torch._dynamo.exc.UserError as e:
@@ -607,7 +614,7 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
             raise _pending["refusal"]
         if out is not None:  # the compiled function returned: Dynamo found no graph to hand to our backend
             raise InternalError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
-        return _finish(manager, joint.__code__, params, args, batch_dims, batched, branches)
+        return _finish(manager, joint.__code__, loss_fn, params, args, batch_dims, batched, branches)
     except BaseException:
         torch._dynamo.reset_code(joint.__code__)  # a refused capture leaves no cache entry (nor globals) behind
         raise
@@ -683,7 +690,7 @@ def _runtime_failure(e: Exception) -> PerSampleError:
         "two; if it does, report this message to compiled_psg")
 
 
-def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int], batched: list,
+def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[int, int], batched: list,
             branches: list[str]) -> Captured:
     """Label the captured graph's inputs and check the contract; ``manager``: the frame's guards."""
     if "gm" not in _pending or manager is None:
@@ -697,6 +704,9 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
     if len(roles) != len(fake):
         raise InternalError(f"{len(roles)} Dynamo inputs but {len(fake)} AOT inputs")
     gm = _pending["gm"]
+    extra = global_guards.capture(manager, gm, _pending.get("sources") or [], constants, globals(),
+                                  {"call_args": args, "loss_fn": loss_fn, "tensors": list(params.values()),
+                                   "batched": batched}, _evaluable)
     mutated = _mutated_inputs(_pending["meta"], roles)
     outputs = gm.graph.output_node().args[0]
     loss = outputs[len(mutated)] if len(outputs) > len(mutated) else None
@@ -709,7 +719,7 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
     return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
                     guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins")),
-                                  tensor_sources=_constant_sources(constants)),
+                                  tensor_sources=_constant_sources(constants), extra=extra),
                     inner_grads=_pending.get("inner_grads", []), batch_size_branches=branches)
 
 
