@@ -154,6 +154,7 @@ class DPStep:
         self.program_cache = ProgramCache(optimizer, self.binding, self.distributed)
         self._check_dtypes()
         self._eager_runners: dict[int, CompiledPerSample] = {}
+        self._zeros: dict[tuple, torch.Tensor] = {}  # _sum_like's
         if self.distributed:
             dist_utils.broadcast_parameters(self.binding.params)
         self._state_ready = False
@@ -359,9 +360,14 @@ class DPStep:
         return extra
 
     def _sum_like(self, j: int) -> torch.Tensor:
-        """Zeros shaped like the clipped sum of the ``j``-th parameter (float32 for a bfloat16 parameter)."""
+        """Zeros shaped like the clipped sum of the ``j``-th parameter (float32 for a bfloat16 parameter). Only
+        read (the noise's template, a program input the graph adds): one tensor per shape serves every step."""
         p = self.params[j]
-        return torch.zeros(p.shape, dtype=sum_dtype(p.dtype, self._acc_dtype()), device=p.device)
+        key = (p.shape, sum_dtype(p.dtype, self._acc_dtype()), p.device)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zeros = self._zeros[key] = torch.zeros(key[0], dtype=key[1], device=key[2])
+        return zeros
 
     def _reduce_inputs(self, config: DPConfig, count: int) -> list[torch.Tensor]:
         """The per-sample graph's own run-time inputs: the clipping bounds under adaptive clipping."""
