@@ -61,6 +61,23 @@ class _Unusual(Exception):
 _NAMED_MODULES = nn.Module.named_modules
 
 
+def _visit(module: nn.Module, prefix: str, named: dict, modes: list, seen_modules: set, seen_params: set) -> None:
+    """``named_modules`` order (depth first, children in registration order), each module and parameter once."""
+    if type(module).named_modules is not _NAMED_MODULES:
+        raise _Unusual
+    seen_modules.add(id(module))
+    modes.append(module.training)
+    for k, p in module._parameters.items():
+        if p is None or id(p) in seen_params:
+            continue
+        seen_params.add(id(p))
+        if p.requires_grad:
+            named[f"{prefix}.{k}" if prefix else k] = p
+    for k, child in module._modules.items():
+        if child is not None and id(child) not in seen_modules:
+            _visit(child, f"{prefix}.{k}" if prefix else k, named, modes, seen_modules, seen_params)
+
+
 def _walk(root: nn.Module) -> tuple[dict[str, torch.Tensor], tuple] | None:
     """``{n: p for n, p in root.named_parameters() if p.requires_grad}`` and the ``training`` flags of
     ``root.modules()`` in one walk of ``_modules``/``_parameters`` (the generators cost more than the loss's
@@ -71,26 +88,8 @@ def _walk(root: nn.Module) -> tuple[dict[str, torch.Tensor], tuple] | None:
         return None
     named: dict[str, torch.Tensor] = {}
     modes: list[bool] = []
-    seen_modules: set[int] = set()
-    seen_params: set[int] = set()
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        if type(module).named_modules is not _NAMED_MODULES:
-            raise _Unusual
-        seen_modules.add(id(module))
-        modes.append(module.training)
-        for k, p in module._parameters.items():
-            if p is None or id(p) in seen_params:
-                continue
-            seen_params.add(id(p))
-            if p.requires_grad:
-                named[f"{prefix}.{k}" if prefix else k] = p
-        for k, child in module._modules.items():
-            if child is not None and id(child) not in seen_modules:
-                visit(child, f"{prefix}.{k}" if prefix else k)
-
     try:
-        visit(root, "")
+        _visit(root, "", named, modes, set(), set())
     except _Unusual:
         return None
     return named, tuple(modes)
@@ -149,7 +148,7 @@ def _arg_signature(args: tuple, batch_dims: dict[int, int]) -> tuple:
 
 
 def _params_signature(params: dict[str, torch.Tensor]) -> tuple:
-    return tuple((n, tuple(p.shape), p.dtype, p.device) for n, p in params.items())
+    return tuple((n, p.shape, p.dtype, p.device) for n, p in params.items())
 
 
 def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tuple:
