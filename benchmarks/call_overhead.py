@@ -55,14 +55,15 @@ def interleaved(variants: dict[str, Callable[[], object]], repeats: int, inner: 
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def _workload(model_name: str, batch: int):
-    """``(model, (x, y), loss_of(model))``: the tiny MLP (8-16-3, tanh) or a benchmark model (quick sizes)."""
+def _workload(model_name: str, batch: int, full: bool = False):
+    """``(model, (x, y), loss_of(model))``: the tiny MLP (8-16-3, tanh) or a benchmark model (its ``--quick``
+    sizes unless ``full``)."""
     torch.manual_seed(0)
     if model_name == "tiny":
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
         data = (torch.randn(batch, 8), torch.randint(0, 3, (batch,)))
         return model, data, lambda m: (lambda x, y: F.cross_entropy(m(x), y))
-    work = build_workload(model_name, quick=True, device=torch.device("cpu"))
+    work = build_workload(model_name, quick=not full, device=torch.device("cpu"))
     criterion = work.criterion
     return work.model, work.batch(batch), lambda m: (lambda x, y: criterion(m(x), y))
 
@@ -80,8 +81,8 @@ def _kernel(entry, params: dict, args: tuple, batch: int, extra: tuple = ()) -> 
 
 
 def measure(repeats: int = 15, batch: int = 8, backend: str = "eager", model_name: str = "tiny",
-            inner: int = 20) -> dict[str, float]:
-    model, (x, y), loss_of = _workload(model_name, batch)
+            inner: int = 20, full: bool = False) -> dict[str, float]:
+    model, (x, y), loss_of = _workload(model_name, batch, full)
     loss = psg.per_sample(model, reduce=psg.norms(), backend=backend)(loss_of(model))
     loss(x, y)
     entry, params, args, size = loss.compiled_for(x, y)
@@ -97,8 +98,8 @@ def measure(repeats: int = 15, batch: int = 8, backend: str = "eager", model_nam
 
 
 def measure_step(repeats: int = 15, batch: int = 16, backend: str = "inductor", model_name: str = "tiny",
-                 inner: int = 20) -> dict[str, float]:
-    model, (x, y), loss_of = _workload(model_name, batch)
+                 inner: int = 20, full: bool = False) -> dict[str, float]:
+    model, (x, y), loss_of = _workload(model_name, batch, full)
     variants: dict[str, Callable[[], object]] = {}
 
     dp_model = copy.deepcopy(model)
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 8; --step: 16)")
     p.add_argument("--model", choices=["tiny", *MODELS], default="tiny",
-                   help="tiny: MLP 8-16-3 (tanh); else a benchmark model at its --quick sizes")
+                   help="tiny: MLP 8-16-3 (tanh); else a benchmark model (benchmarks/models.py) at its --quick sizes")
+    p.add_argument("--full", action="store_true", help="the benchmark model at its full size")
     p.add_argument("--step", action="store_true", help="time a compile_step DP step against the plain step")
     args = p.parse_args(argv)
     if args.repeats < 7:
@@ -144,17 +146,18 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     backend = args.backend or ("inductor" if args.step else "eager")
     batches = args.batch or [16 if args.step else 8]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend {backend}, model {args.model}, "
+    model = args.model + (" (full size)" if args.full else "")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend {backend}, model {model}, "
           f"median of {args.repeats} interleaved rounds x {args.inner} calls, microseconds per call")
     for batch in batches:
         if args.step:
-            t = measure_step(args.repeats, batch, backend, args.model, args.inner)
+            t = measure_step(args.repeats, batch, backend, args.model, args.inner, args.full)
             plain = min(t["plain_eager"], t["plain_compiled"])
             print(f"B={batch}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items())
                   + f"; dp_step / plain {t['dp_step'] / plain:.2f}, dp_step / program {t['dp_step'] / t['program']:.2f}"
                   f", program / plain {t['program'] / plain:.2f}")
         else:
-            t = measure(args.repeats, batch, backend, args.model, args.inner)
+            t = measure(args.repeats, batch, backend, args.model, args.inner, args.full)
             print(f"B={batch}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items())
                   + f"; call / kernel {t['call'] / t['kernel']:.2f}, call - kernel {t['call'] - t['kernel']:.1f}")
 
