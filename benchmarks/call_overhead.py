@@ -127,6 +127,54 @@ def measure_step(repeats: int = 15, batch: int = 16, backend: str = "inductor", 
     return interleaved(variants, repeats, inner)
 
 
+def breakdown(steps: int = 1000, batch: int = 16, backend: str = "inductor", model_name: str = "tiny",
+              full: bool = False) -> dict[str, tuple[float, float]]:
+    """Where a DP step's time goes: each listed method is wrapped with a timer for ``steps`` steps (after
+    warm-up); ``{method: (median microseconds per call, calls per step)}``. The timers add their own cost."""
+    import functools
+
+    from compiled_psg import _api
+    from compiled_psg._compile import run
+    from compiled_psg._train import eager, update_graph
+    from compiled_psg._train import step as step_module
+
+    model, (x, y), loss_of = _workload(model_name, batch, full)
+    step = psg.compile_step(loss_of(model), model, torch.optim.SGD(model.parameters(), lr=1e-3),
+                            max_grad_norm=1.0, noise_multiplier=1.0, backend=backend)
+    for _ in range(20):
+        step(x, y)
+    timed: dict[str, list[int]] = {}
+    targets = [(step_module.DPStep, "__call__", "step"), (step_module.DPStep, "_per_sample_for", "per-sample function"),
+               (_api.PerSampleFunction, "prepare_call", "prepare_call (walk, key, guards)"),
+               (_api.PerSampleFunction, "_valid", "  guard check"),
+               (step_module.DPStep, "_program_for", "program lookup"),
+               (update_graph, "signature", "  optimizer signature"),
+               (step_module.DPStep, "_extra_inputs", "extra inputs"), (eager.NoiseSource, "draw", "  noise draw"),
+               (run.CompiledPerSample, "run", "run the program"), (run.CompiledPerSample, "_inputs", "  inputs")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+
+    def timer(fn, label):
+        @functools.wraps(fn)
+        def timed_fn(*a, **k):
+            start = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                timed.setdefault(label, []).append(time.perf_counter_ns() - start)
+        return timed_fn
+
+    try:
+        for (owner, name, label), (_, _, fn) in zip(targets, saved, strict=True):
+            setattr(owner, name, timer(fn, label))
+        for _ in range(steps):
+            step(x, y)
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return {label: (statistics.median(timed[label]) / 1e3, len(timed[label]) / steps)
+            for _, _, label in targets if label in timed}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.call_overhead", description=__doc__.split("\n\n")[1])
     p.add_argument("--repeats", type=int, default=15, help="timed rounds per variant (median reported; >= 7)")
@@ -139,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="tiny: MLP 8-16-3 (tanh); else a benchmark model (benchmarks/models.py) at its --quick sizes")
     p.add_argument("--full", action="store_true", help="the benchmark model at its full size")
     p.add_argument("--step", action="store_true", help="time a compile_step DP step against the plain step")
+    p.add_argument("--breakdown", action="store_true",
+                   help="with --step: where the step's time goes (timers around its methods; medians)")
     args = p.parse_args(argv)
     if args.repeats < 7:
         p.error("--repeats must be at least 7")
@@ -147,10 +197,16 @@ def main(argv: list[str] | None = None) -> None:
     backend = args.backend or ("inductor" if args.step else "eager")
     batches = args.batch or [16 if args.step else 8]
     model = args.model + (" (full size)" if args.full else "")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend {backend}, model {model}, "
-          f"median of {args.repeats} interleaved rounds x {args.inner} calls, microseconds per call")
+    how = ("timers around the step's methods, median of 1000 steps" if args.step and args.breakdown else
+           f"median of {args.repeats} interleaved rounds x {args.inner} calls, microseconds per call")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend {backend}, model {model}, {how}")
     for batch in batches:
-        if args.step:
+        if args.step and args.breakdown:
+            print(f"B={batch}:")
+            for label, (us, calls) in breakdown(batch=batch, backend=backend, model_name=args.model,
+                                                full=args.full).items():
+                print(f"  {label:<34} {us:8.1f} us x {calls:.0f} per step")
+        elif args.step:
             t = measure_step(args.repeats, batch, backend, args.model, args.inner, args.full)
             plain = min(t["plain_eager"], t["plain_compiled"])
             print(f"B={batch}: " + ", ".join(f"{k} {v:.1f}" for k, v in t.items())
