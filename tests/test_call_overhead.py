@@ -84,8 +84,8 @@ def test_sizes_follow_the_batch():
 
 
 def test_step_noise_template_stays_zero():
-    """The step's zero tensors (noise templates, an absent partial sum) are program inputs shared by every step:
-    they must never be written."""
+    """The step's zero tensors (noise templates, an absent partial sum) and scalars (the scale) are program inputs
+    shared by every step: they must never be written."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -94,3 +94,5 @@ def test_step_noise_template_stays_zero():
     for _ in range(3):
         step(torch.randn(6, 4), torch.randint(0, 2, (6,)))
     assert step._zeros and all(bool((z == 0).all()) for z in step._zeros.values())
+    assert step._scalars and all(t.item() == torch.tensor(value, dtype=dtype).item()
+                                 for (value, dtype, _), t in step._scalars.items())
