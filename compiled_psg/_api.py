@@ -263,6 +263,7 @@ class PerSampleFunction:
     def _prepare(self, params: dict[str, torch.Tensor], modes: tuple, args: tuple, batch_dims: dict[int, int],
                  batch_size: int) -> PreparedCall:
         backward_semantics.refuse_parameter_hooks(params)
+        backward_semantics.refuse_arguments_from_parameters(args, params)
         key = self._key(params, modes, args, batch_dims)
         entry, _ = self._valid(self._cache.get(key, []), params, args, batch_dims, batch_size)
         if entry is not None:

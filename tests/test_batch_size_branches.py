@@ -42,8 +42,25 @@ def _branches(m):
     def shape_tuple_equality(x):
         return m(x).pow(2).sum() * (2.0 if x.shape == (1, 3) else 1.0)
 
+    def truth_of_a_difference(x):  # Dynamo tests `n - 1 != 0` itself, not through a Python bool
+        return m(x).pow(2).sum() if len(x) - 1 else m(x).abs().sum()
+
+    def one_in_shape(x):  # Dynamo compared the constant with constant items only
+        return m(x).pow(2).sum() * (2.0 if 1 in x.shape else 1.0)
+
+    def assert_two_samples(x):  # the loop raises on a sample alone: refused, not a number
+        assert len(x) > 1, "needs two samples"
+        return m(x).pow(2).sum()
+
+    def while_on_batch_size(x):
+        loss, k = m(x).pow(2).sum(), len(x) - 1
+        while k:
+            loss, k = loss * 1.5, 0
+        return loss
+
     return [if_equal_one, if_len_greater_than_one, if_size_not_one, numel_comparison,
-            int_of_comparison, shape_tuple_equality]
+            int_of_comparison, shape_tuple_equality, truth_of_a_difference, one_in_shape, assert_two_samples,
+            while_on_batch_size]
 
 
 def _values(m):
@@ -66,7 +83,7 @@ def _values(m):
     return [times_comparison, times_float_comparison, sqrt_of_batch_size, min_with_one, mean_then_times_batch]
 
 
-@pytest.mark.parametrize("index", range(6), ids=[f.__name__ for f in _branches(None)])
+@pytest.mark.parametrize("index", range(10), ids=[f.__name__ for f in _branches(None)])
 def test_branch_that_a_batch_of_one_takes_the_other_way_is_refused(index):
     m = _model()
     loss = _branches(m)[index]
@@ -103,3 +120,16 @@ def test_branch_on_a_size_other_than_the_batch_is_accepted():
     got = psg.per_sample(m, backend="eager")(loss)(x)
     ref = reference_per_sample(loss, dict(m.named_parameters()), (x,))
     torch.testing.assert_close(got["weight"], ref["weight"], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("squeeze", [lambda h: h.squeeze(0), lambda h: torch.squeeze(h, (0,)),
+                                     lambda h: h.T.squeeze(1).T, lambda h: h.squeeze_(0)],
+                         ids=["squeeze_0", "squeeze_dims", "squeeze_after_transpose", "squeeze_in_place"])
+def test_squeezing_the_batch_dimension_is_refused(squeeze):
+    """A no-op for the batch; for a batch of one it drops the batch dimension (a logsumexp over samples then
+    becomes one over features)."""
+    m = _model()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(psg.UnsupportedError, match="squeeze") as info:
+        psg.per_sample(m, backend="eager")(lambda x: squeeze(m(x)).logsumexp(0).sum())(x)
+    assert "test_batch_size_branches.py" in str(info.value)

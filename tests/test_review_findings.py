@@ -42,3 +42,19 @@ def test_sparse_embedding_gradients_refused_in_our_words():
     ids, y = torch.randint(0, 10, (5, 3)), torch.randint(0, 3, (5,))
     with pytest.raises(psg.CaptureError, match="sparse=False"):
         psg.per_sample(params, backend="eager")(lambda i, y: F.cross_entropy(head(emb(i).sum(1)), y))(ids, y)
+
+
+def test_an_argument_computed_from_the_parameters_is_refused():
+    """``feats = model[0](x)`` outside the loss carries part of model[0]'s gradient: treated as data it would
+    give those parameters 0 (the loop differentiates through it)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    fn = psg.per_sample(m, backend="eager")(lambda feats, y: F.cross_entropy(m[2](m[1](feats)), y))
+    with pytest.raises(psg.BatchInputError, match=r"argument 0 was computed from the parameters \(0.bias, 0.weight"):
+        fn(m[0](x), y)
+    got = fn(m[0](x).detach(), y)  # as data: exact for the parameters it reaches, 0 for the others
+    ref = reference_per_sample(lambda feats, y: F.cross_entropy(m[2](m[1](feats)), y), dict(m.named_parameters()),
+                               (m[0](x).detach(), y))
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-12)

@@ -54,6 +54,26 @@ def test_micro_batches_equal_the_whole_batch():
     assert step_split.captures == 1 and step_split.program_builds == 1
 
 
+def test_per_sample_losses_come_back_whole():
+    """A loss returning ``[B]`` losses: the step returns the whole batch's ``[B]``, with micro-batches too (they
+    were stacked, which failed after the update for uneven micro-batches)."""
+    model = cnn()
+    steps = []
+    for physical in (None, 8):
+        m = copy.deepcopy(model)
+        steps.append((m, compile_step(lambda x, y, m=m: F.cross_entropy(m(x), y, reduction="none"), m,
+                                      torch.optim.SGD(m.parameters(), lr=0.05), max_grad_norm=0.3,
+                                      expected_batch_size=20, backend="eager", max_physical_batch_size=physical)))
+    (whole, step_whole), (split, step_split) = steps
+    for n in (23, 16):  # uneven (8, 8, 7) and even (8, 8) micro-batches
+        x, y = batch(n)
+        got, want = step_split(x, y), step_whole(x, y)
+        assert got.shape == want.shape == (n,)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+        for p, q in zip(whole.parameters(), split.parameters(), strict=True):
+            torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.inductor
 def test_micro_batches_do_not_recompile():
     """Inductor: the per-sample graph (earlier micro-batches) and the step program (the last one) compile once

@@ -8,8 +8,9 @@ compute something else than the derivative of those ops would be lost, silently.
 - ``tensor.register_hook`` inside the loss: the hook rewrites the gradient flowing through that tensor. Refused.
 - ``h.detach_()``: later uses of ``h`` carry no gradient. Rewritten into ``h.detach()`` for those uses.
 - ``t.backward()`` inside the loss: it writes ``.grad`` as well. Refused (``torch.autograd.grad`` is supported).
-- ``squeeze()`` without a dim on a batched value: a batch of one (the per-sample loss) drops the batch dimension
-  too, so its loss differs from what the graph computes for larger batches. Refused.
+- ``squeeze()`` without a dim on a batched value, or ``squeeze(dim)`` of the batch dimension: a batch of one (the
+  per-sample loss) drops the batch dimension too, so its loss differs from what the graph computes for larger
+  batches. Refused.
 
 Hooks on parameters live outside the loss; ``refuse_parameter_hooks`` checks them at each call.
 """
@@ -20,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .._analyze.source import where
-from .._errors import UnsupportedError
+from .._errors import BatchInputError, UnsupportedError
 
 
 def _is_call(node: fx.Node, name: str) -> bool:
@@ -67,7 +68,21 @@ def custom_backward_sites(gm: fx.GraphModule) -> list[str]:
             sites.append(f"squeeze() without a dim at {where(node)}: for a batch of one (a sample's own loss) it "
                          "also drops the batch dimension, so the loss differs from the batched one. Fix: name the "
                          "dimension, squeeze(-1)")
+        elif (_is_call(node, "squeeze") or _is_call(node, "squeeze_")) and _squeezes_a_symbolic_dim(node):
+            sites.append(f"squeeze(dim) of the batch dimension at {where(node)}: it does nothing to the batch, but "
+                         "for a batch of one (a sample's own loss) it drops the batch dimension, so the loss differs "
+                         "from the batched one. Fix: remove the squeeze, or squeeze another dimension")
     return sites
+
+
+def _squeezes_a_symbolic_dim(node: fx.Node) -> bool:
+    """``squeeze(dim)`` / ``squeeze(dims)`` naming a dimension whose size is symbolic (the batch)."""
+    value = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) else None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not isinstance(value, torch.Tensor) or dims is None or value.dim() == 0:
+        return False
+    dims = dims if isinstance(dims, (tuple, list)) else (dims,)
+    return any(isinstance(d, int) and not isinstance(value.shape[d % value.dim()], int) for d in dims)
 
 
 def detach_in_place(gm: fx.GraphModule) -> int:
@@ -102,3 +117,34 @@ def refuse_parameter_hooks(params: dict[str, torch.Tensor]) -> None:
             f"{'have' if len(hooked) > 1 else 'has'} a gradient hook (register_hook), which rewrites the gradient; "
             "compiled_psg derives per-sample gradients from the forward ops and cannot apply it per sample. Fix: "
             "remove the hook and apply its transformation to the per-sample result")
+
+
+def refuse_arguments_from_parameters(args: tuple, params: dict[str, torch.Tensor]) -> None:
+    """An argument computed from the parameters outside the loss (``feats = model[0](x)``, then ``f(feats, y)``)
+    carries part of their gradient that the loss function never sees: the capture would treat it as data and
+    miss that part (the loop, differentiating through it, does not). Only tensors with a ``grad_fn`` are
+    walked, so ordinary data costs one attribute read."""
+    for pos, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.grad_fn is not None:
+            reached = _parameters_behind(a.grad_fn, {id(p): n for n, p in params.items()})
+            if reached:
+                raise BatchInputError(
+                    f"argument {pos} was computed from the parameters ({', '.join(sorted(reached)[:3])}) outside "
+                    "the loss function, so part of their gradient flows through it, where per-sample gradients "
+                    "cannot follow. Fix: compute it inside the loss function, or pass it .detach()ed if it is "
+                    "meant as data")
+
+
+def _parameters_behind(fn, by_id: dict[int, str]) -> set[str]:
+    """The names of the parameters an autograd graph accumulates into."""
+    found, seen, stack = set(), set(), [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if variable is not None and id(variable) in by_id:
+            found.add(by_id[id(variable)])
+        stack.extend(f for f, _ in node.next_functions)
+    return found

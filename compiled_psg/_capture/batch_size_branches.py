@@ -27,11 +27,25 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 # The shape environment between a decision's maker and the evaluation.
 _MACHINERY = ("torch/fx/experimental/", "compiled_psg/_capture/batch_size_branches.py")
+# Dynamo interpreting the traced Python code: its branches, truth tests, ``assert``s and builtins on sizes.
+_DYNAMO = ("torch/_dynamo/variables/", "torch/_dynamo/symbolic_convert.py")
 # Python-level conversions of symbolic values (``SymBool.__bool__``, ``SymInt.__int__``, ``torch.sym_int``).
 _CONVERSIONS = ("torch/__init__.py",)
 # torch's Python shape code: its decisions pick layouts (contiguity, strides, broadcasting), not values.
 _SHAPE_CODE = ("torch/_subclasses/", "torch/_meta_registrations.py", "torch/_prims_common/", "torch/_prims/",
                "torch/_refs/", "torch/_decomp/")
+
+
+def _not_a_guard_source() -> None:
+    """The shape environment names a guard's source by the innermost frame outside its "uninteresting" files;
+    our wrapper of ``evaluate_expr`` would hide the real one (a meta function's ``n >= 16`` heuristic, which
+    ``_compile.build`` allows by where it comes from). torch's set is cached: add this file to it once."""
+    from torch.fx.experimental.symbolic_shapes import uninteresting_files
+
+    uninteresting_files().add(__file__)
+
+
+_not_a_guard_source()
 
 
 @contextlib.contextmanager
@@ -54,10 +68,39 @@ def watched(found: list[str]):
         return value
 
     ShapeEnv.evaluate_expr = evaluate_expr
+    with _membership_compares_sizes():
+        try:
+            yield found
+        finally:
+            ShapeEnv.evaluate_expr = before
+
+
+@contextlib.contextmanager
+def _membership_compares_sizes():
+    """Dynamo answers ``1 in x.shape`` by comparing the constant with the constant items only: False for a
+    symbolic batch size, with no decision to watch (and wrong for a batch of one). Compare with the symbolic
+    items too, through the shape environment, so that the decision is seen."""
+    import torch._dynamo.utils as dynamo_utils
+    import torch._dynamo.variables.lists as dynamo_lists
+    from torch._dynamo.variables import ConstantVariable, SymNodeVariable
+    from torch.fx.experimental.symbolic_shapes import guard_bool
+
+    before = dynamo_utils.iter_contains
+
+    def iter_contains(items, search, tx, check_tensor_identity=False):
+        items = list(items)
+        if search.is_python_constant() and any(isinstance(x, SymNodeVariable) for x in items):
+            value = search.as_python_constant()
+            return ConstantVariable.create(any(
+                guard_bool(x.sym_num == value) if isinstance(x, SymNodeVariable)
+                else x.is_python_constant() and x.as_python_constant() == value for x in items))
+        return before(items, search, tx, check_tensor_identity)
+
+    dynamo_utils.iter_contains = dynamo_lists.iter_contains = iter_contains
     try:
-        yield found
+        yield
     finally:
-        ShapeEnv.evaluate_expr = before
+        dynamo_utils.iter_contains = dynamo_lists.iter_contains = before
 
 
 def _at_batch_of_one(expr):
@@ -79,7 +122,7 @@ def _made_by_the_program() -> bool:
         frame = frame.f_back
     if frame is None:
         return False
-    if _in(frame, ("torch/_dynamo/variables/",)):
+    if _in(frame, _DYNAMO):
         return True
     if not _in(frame, _CONVERSIONS):
         return False

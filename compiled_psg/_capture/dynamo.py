@@ -12,11 +12,14 @@ Side-effect free: the capture never runs the loss. The compiled function Dynamo 
 its first instruction (the graph call), so neither the graph (buffer updates, in-place ops on inputs) nor
 Dynamo's replay of Python side effects (list appends, attribute writes) happens; ``replay_side_effects`` is off
 as well. In-place updates of inputs and buffers come back as the joint graph's first outputs
-(``Captured.mutated``); the runner applies them on every call (``_compile/run.py``).
+(``Captured.mutated``); the runner applies them on every call (``_compile/run.py``). ``F.embedding`` with
+``max_norm`` renorms its weight that way: in Dynamo's graph its lookup renorms the rows per sample
+(``_embedding_rows_renormed``), and the in-place renorm runs at the graph's end (``_embedding_max_norm_per_row``).
 
 Guards: the cache entry Dynamo built for the captured frame holds its guards (module structure, hooks, Python
 attributes and globals the loss read, tensor metadata, grad mode). ``Captured.guards`` keeps that guard manager
 so a later call can ask whether the graph still applies (``Guards.check``) and, if not, why (``Guards.why``).
+``global_guards`` adds what Dynamo's guards miss (global module hooks, module classes' methods, numpy inputs).
 
 Settings the capture switches on, each restored when it returns (``config.patch`` / ``finally``), under one
 process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide, not thread-safe):
@@ -26,6 +29,8 @@ process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide,
 - ``torch._dynamo.config.replay_side_effects = False``: the capture must not write the user's Python objects.
 - ``torch._dynamo.config.skip_nnmodule_hook_guards = False``: guard on modules' hooks, so that adding or removing
   a hook after the capture is seen.
+- ``torch._dynamo.config.skip_fsdp_guards = False``: guard on FSDP-managed modules (``fully_shard``) like any
+  other, so that a changed submodule of a sharded model is seen.
 - ``torch._dynamo.config.ignore_logging_functions``: ``logging.Logger`` methods (and ``warning_once``/
   ``info_once`` where a library such as transformers added them), the ``logging`` module functions, and
   ``warnings.warn`` become no-ops in the traced loss instead of graph breaks.
@@ -59,10 +64,11 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.comptime import comptime
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analyze.source import where
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
-from . import backward_semantics, batch_size_branches, identity_guards, torch_caches
+from . import backward_semantics, batch_size_branches, global_guards, identity_guards, torch_caches
 
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
 #: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
@@ -87,8 +93,9 @@ class Guards:
     """
 
     def __init__(self, manager, batched: list, code, stand_ins: bool = False,
-                 tensor_sources: list[tuple[str, torch.Tensor]] = ()):
+                 tensor_sources: list[tuple[str, torch.Tensor]] = (), extra: global_guards.GlobalGuards | None = None):
         self._manager = manager
+        self._extra = extra  # what Dynamo's guards miss (global hooks, module classes' methods, numpy inputs)
         # Tensors the graph took from the loss's closure, globals or module attributes, with Dynamo's source for
         # each: Dynamo's guards check their metadata, not which tensor object is there, and the runner keeps
         # passing the captured object. A replaced tensor (``model.temp = torch.tensor(3.)``) must recapture.
@@ -128,6 +135,8 @@ class Guards:
         f_locals = self._locals(loss_fn, tensors, args)
         if self._tensor_sources and self._replaced_tensor(f_locals) is not None:
             return False
+        if self._extra is not None and self._extra.failure(f_locals) is not None:
+            return False
         # the capture ran with grad enabled; so does every call of the graph
         if not self._stand_ins:  # the common case, without a context manager's cost
             grad = torch.is_grad_enabled()
@@ -165,6 +174,9 @@ class Guards:
         replaced = self._replaced_tensor(self._locals(loss_fn, tensors, args))
         if replaced is not None:
             return f"{replaced} is another tensor object than at capture"
+        extra = self._extra.failure(self._locals(loss_fn, tensors, args)) if self._extra is not None else None
+        if extra is not None:
+            return extra
         with self._as_captured():
             parts = self._failing(self._locals(loss_fn, tensors, args))
         return "; ".join(parts) or "a guard failed"
@@ -243,7 +255,99 @@ def _backend(gm, example_inputs):
     _pending["backward_changes"] = backward_semantics.custom_backward_sites(gm)
     backward_semantics.detach_in_place(gm)
     _detach_values_from_no_grad(gm)
+    _embedding_max_norm_per_row(gm)
     return _aot_backend(gm, example_inputs)
+
+
+def _embedding_rows_renormed(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+                             scale_grad_by_freq=False, sparse=False):
+    """The values eager ``F.embedding`` with ``max_norm`` returns, in ops that keep samples apart.
+
+    Eager renormalizes, in place and outside autograd, every weight row the batch looks up, then looks the rows
+    up: the values are the renormed rows, and the weight's gradient is the lookup's (the renorm is not
+    differentiated). Here the rows are looked up and renormed one by one, as ``embedding_renorm_`` does, and the
+    gradient passes them unscaled. A sample's rows are renormed from its own rows only, as on a batch of one
+    (the renorm is idempotent, so a second lookup reads the same values)."""
+    rows = _original_embedding(input, weight, padding_idx, None, norm_type, scale_grad_by_freq, sparse)
+    values = rows.detach()
+    norms = torch.linalg.vector_norm(values, norm_type, dim=-1, keepdim=True)
+    scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
+    return values * scale + (rows - values)
+
+
+def _renorm_in_place(weight, input, max_norm, norm_type) -> None:
+    """Eager ``F.embedding``'s update of the weight; AOT autograd records it as a mutation under ``no_grad``,
+    which the runner applies on every call (``Captured.mutated``)."""
+    with torch.no_grad():
+        torch.embedding_renorm_(weight, input, max_norm, norm_type)
+
+
+_original_embedding = torch.nn.functional.embedding
+_EMBEDDING_SIGNATURE = inspect.signature(_original_embedding)
+
+
+def _embedding_max_norm_per_row(gm: fx.GraphModule) -> int:
+    """``F.embedding(..., max_norm=...)`` in Dynamo's graph: each lookup reads the rows renormed one by one
+    (``_embedding_rows_renormed``), and the in-place renorms of the weight run, in order, at the end of the
+    graph. Returns how many lookups. Without it, the renorm of a parameter through ``weight.detach()`` makes AOT
+    autograd split a forward and a backward graph, and a sample would read rows renormed by the whole batch.
+
+    Eager code that reads the weight after a lookup (tied weights, ``h @ emb.weight.T``) reads it renormed from
+    every sample's indices: refused (``SampleMixingError``), noted in ``_pending`` for the capture to raise."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    lookups = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.nn.functional.embedding:
+            continue
+        bound = _EMBEDDING_SIGNATURE.bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        args = bound.arguments
+        if args["max_norm"] is None:
+            continue
+        with graph.inserting_after(node):  # the indices as the lookup saw them
+            contiguous = graph.call_method("contiguous", (args["input"],))
+        with graph.inserting_after(contiguous):
+            indices = graph.call_method("clone", (contiguous,))
+        contiguous.meta.update(node.meta)
+        indices.meta.update(node.meta)
+        node.target = _embedding_rows_renormed
+        lookups.append((node, args["weight"], indices, args["max_norm"], args["norm_type"]))
+    first: dict[fx.Node, fx.Node] = {}
+    for node, weight, *_ in lookups:
+        first.setdefault(weight, node)
+    skip = {n for n, *_ in lookups}
+    for weight, lookup in first.items():
+        if not isinstance(weight, fx.Node):
+            continue
+        # a view taken before the lookup (wt = emb.weight.t()) reads the renormed values too
+        readers = [u for alias in _aliases(graph, weight) for u in alias.users]
+        for user in readers:
+            if user in skip or user.target is torch.autograd.grad or order.get(user, -1) < order[lookup]:
+                continue
+            _pending.setdefault("refusal", SampleMixingError(
+                f"per-sample gradients are undefined for this loss: at {where(user)}, the loss reads an embedding "
+                f"weight after F.embedding(max_norm=...) at {where(lookup)} renormalized it in place from the whole "
+                "batch's indices (tied weights such as h @ emb.weight.T), so each sample would read rows renormed "
+                "for other samples. Fix: renormalize outside the loss (with torch.no_grad(): "
+                "emb.weight.renorm_(2, 0, max_norm)) and construct the embedding with max_norm=None"))
+    with graph.inserting_before(graph.output_node()):
+        for _, weight, indices, max_norm, norm_type in lookups:
+            graph.call_function(_renorm_in_place, (weight, indices, max_norm, norm_type))
+    if lookups:
+        graph.lint()
+        gm.recompile()
+    return len(lookups)
+
+
+def _aliases(graph: fx.Graph, node: fx.Node) -> list[fx.Node]:
+    """``node`` and the nodes of Dynamo's graph whose value shares its storage (views of it)."""
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return [node]
+    storage = StorageWeakRef(value.untyped_storage())
+    return [n for n in graph.nodes if n is node or (isinstance(n.meta.get("example_value"), torch.Tensor)
+            and StorageWeakRef(n.meta["example_value"].untyped_storage()) == storage)]
 
 
 def _is_tensor_value(node: fx.Node) -> bool:
@@ -469,7 +573,8 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     compiled = torch._dynamo.optimize(_backend, nopython=True, dynamic=False)(joint)
     manager, out, branches = None, None, []
     settings = dict(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
-                    skip_nnmodule_hook_guards=False, ignore_logging_functions=_ignored_logging_functions())
+                    skip_nnmodule_hook_guards=False, skip_fsdp_guards=False,
+                    ignore_logging_functions=_ignored_logging_functions())
     try:
         with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), \
                 _replaced_functions(), batch_size_branches.watched(branches), torch.enable_grad():
@@ -478,7 +583,7 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         entries = _debug_get_cache_entry_list(joint.__code__)
         manager = entries[0].guard_manager if len(entries) == 1 else None
     except torch._dynamo.exc.Unsupported as e:
-        raise _graph_break(e) from None
+        raise global_guards.backward_hook_refusal(str(e)) or _graph_break(e) from None
     except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the fake (symbolic) values
         raise _runtime_failure(e) from None
     except torch._dynamo.exc.UserError as e:
@@ -514,7 +619,7 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
             raise _pending["refusal"]
         if out is not None:  # the compiled function returned: Dynamo found no graph to hand to our backend
             raise InternalError("Dynamo did not call the compiled_psg backend (was the function already compiled?)")
-        return _finish(manager, joint.__code__, params, args, batch_dims, batched, branches)
+        return _finish(manager, joint.__code__, loss_fn, params, args, batch_dims, batched, branches)
     except BaseException:
         torch._dynamo.reset_code(joint.__code__)  # a refused capture leaves no cache entry (nor globals) behind
         raise
@@ -590,7 +695,7 @@ def _runtime_failure(e: Exception) -> PerSampleError:
         "two; if it does, report this message to compiled_psg")
 
 
-def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int], batched: list,
+def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[int, int], batched: list,
             branches: list[str]) -> Captured:
     """Label the captured graph's inputs and check the contract; ``manager``: the frame's guards."""
     if "gm" not in _pending or manager is None:
@@ -604,6 +709,9 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
     if len(roles) != len(fake):
         raise InternalError(f"{len(roles)} Dynamo inputs but {len(fake)} AOT inputs")
     gm = _pending["gm"]
+    extra = global_guards.capture(manager, gm, _pending.get("sources") or [], constants, globals(),
+                                  {"call_args": args, "loss_fn": loss_fn, "tensors": list(params.values()),
+                                   "batched": batched}, _evaluable)
     mutated = _mutated_inputs(_pending["meta"], roles)
     outputs = gm.graph.output_node().args[0]
     loss = outputs[len(mutated)] if len(outputs) > len(mutated) else None
@@ -616,7 +724,7 @@ def _finish(manager, code, params: dict, args: tuple, batch_dims: dict[int, int]
     return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
                     guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins")),
-                                  tensor_sources=_constant_sources(constants)),
+                                  tensor_sources=_constant_sources(constants), extra=extra),
                     inner_grads=_pending.get("inner_grads", []), batch_size_branches=branches)
 
 

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
+from .._analyze.source import source_line
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
@@ -58,6 +59,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
 
     forward, loss = forward_slice(captured.joint, captured.loss_output)
     differentiates_inside = _inner_gradients(captured, forward)
+    _refuse_reads_after_renorm(forward)
     mixing = find_mixing(forward.graph, batch)
     if mixing:
         raise _refusal(captured, forward, mixing)
@@ -116,6 +118,29 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters",
              len(backward.contractions) + len(head.contractions), n_fallback, len(names))
     return out
+
+
+def _refuse_reads_after_renorm(forward: fx.GraphModule) -> None:
+    """An in-place ``embedding_renorm_`` renormalizes every weight row the batch's indices name. ``nn.Embedding``'s
+    ``max_norm`` is rewritten per row at capture (``dynamo._embedding_max_norm_per_row``); a loss whose values
+    still read a renormed weight (``nn.EmbeddingBag(max_norm=...)``, ``torch.embedding_renorm_`` called directly)
+    would give each sample rows renormed by the whole batch."""
+    renorms = [n for n in forward.graph.nodes if n.target is ATEN.embedding_renorm.default]
+    if not renorms:
+        return
+    line = source_line(next(u for n in renorms for u in n.users))  # where the renormed weight is read
+    if any(u.target in (ATEN._embedding_bag.default, ATEN._embedding_bag_forward_only.default)
+           for n in renorms for u in n.users):
+        raise UnsupportedError(
+            f"nn.EmbeddingBag(max_norm=...) at {line}: compiled_psg computes per-sample gradients of nn.Embedding's "
+            "max_norm, not of EmbeddingBag's, whose in-place renorm of the whole batch's rows feeds the bags. Fix: "
+            "renormalize outside the loss (with torch.no_grad(): bag.weight.renorm_(2, 0, max_norm)) and construct "
+            "the EmbeddingBag with max_norm=None")
+    raise SampleMixingError(
+        f"per-sample gradients are undefined for this loss: at {line}, the loss reads a weight that "
+        "embedding_renorm_ renormalized in place from the whole batch's indices, so each sample would read rows "
+        "renormed for other samples. Fix: use nn.Embedding(max_norm=...) (renormed per sample), or renormalize "
+        "outside the loss (with torch.no_grad(): weight.renorm_(2, 0, max_norm))")
 
 
 def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> None:

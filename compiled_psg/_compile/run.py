@@ -84,7 +84,7 @@ class CompiledPerSample:
 
     def _callable(self, batch_size: int, inputs: list) -> Callable:
         if self.backend == "eager":
-            return self.graph
+            return self.graph.forward  # not the module call: global module hooks must not run on our graph
         key = "one" if batch_size == 1 else "any"
         if key not in self._compiled:
             with CAPTURE_LOCK:  # Inductor shares Dynamo's process-wide state; one compile at a time
@@ -154,7 +154,7 @@ class CompiledPerSample:
         (the graphs are functional). Post: each mutated argument, parameter or buffer holds what one eager call of
         the loss would have left in it."""
         captured = self.rewritten.captured
-        new_values = captured.mutation_graph(*inputs[:len(captured.roles)])
+        new_values = captured.mutation_graph.forward(*inputs[:len(captured.roles)])  # no module hooks
         for i, value in zip(captured.mutated, new_values, strict=True):
             role = captured.roles[i]
             if role.kind == "param":

@@ -78,8 +78,7 @@ class ClipSum(Reduction):
     def emit(self, ctx):
         norms = _sqrt_of_sum(ctx, [ctx.sq_norms(p) for p in ctx.params])
         max_norm = float(self.max_norm)
-        factors = ctx.emit(lambda n: torch.where(n > max_norm, max_norm / n, torch.ones_like(n)), [norms],
-                           "clip_factors")
+        factors = ctx.emit(lambda n: clip_factor(n, max_norm), [norms], "clip_factors")
         sums = {p.name: ctx.weighted_sum(p, factors) for p in ctx.params}
         return (sums, norms) if self.return_norms else sums
 
@@ -275,10 +274,15 @@ class DPClip(Reduction):
         return sums, torch.zeros(0, dtype=sum_dtype(dtype, self.acc_dtype), device=device)
 
 
+def clip_factor(n: torch.Tensor, c) -> torch.Tensor:
+    """``min(1, c / n)`` per sample: 1 for a zero gradient (no division by zero). Fails closed: a NaN norm gives
+    a NaN factor, so the sum is NaN, never a sample's unclipped gradient."""
+    return torch.where(n <= c, torch.ones_like(n), c / n)
+
+
 def _clip_factors(k: int):
-    """``min(1, C_k / n)`` per sample (1 for a zero gradient: no division by zero)."""
     def factors(n, c):
-        return torch.where(n > c[k], c[k] / n, torch.ones_like(n))
+        return clip_factor(n, c[k])
     return factors
 
 

@@ -15,41 +15,88 @@ Pre-condition: no sample mixing in the forward graph. Post-condition: the graph 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from .._analyze.batch_dims import BatchDims, value_of
-from .._errors import BatchInputError
+from .._analyze.source import source_line
+from .._errors import BatchInputError, UnsupportedError
 from .per_sample_pass import LiftResult, lift_to_per_sample, substitute_batch_values
 
 
-def _batch_values_read_one(graph: fx.Graph, batch: BatchDims) -> None:
-    """Per-sample values that use the batch size as a number (``out / len(x)``) see a batch of one."""
+def _batch_values_read_one(graph: fx.Graph, loss: fx.Node, batch: BatchDims) -> fx.Node:
+    """The loss with per-sample semantics for values that use the batch size as a number (``out / len(x)``):
+    they see a batch of one. Returns the node computing it (``loss`` itself when nothing reads the batch size).
+
+    The reported loss keeps the batch's values: each pointwise batched op with a batch-valued argument gets a
+    twin reading 1, and each node downstream of a twin up to the loss a copy reading the twins. The originals stay
+    (the reported loss uses them; DCE drops those nothing else needs).
+    """
+    twins: dict[fx.Node, fx.Node] = {}
     for node in list(graph.nodes):
+        if node is loss.next or node.op == "output":
+            break
+        if node.op != "call_function":
+            continue
+        twin = node
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
-        if torch.Tag.pointwise not in target.tags or not batch.is_batched(node):
-            continue
-        twin = substitute_batch_values(graph, node, batch)
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags \
+                and batch.is_batched(node):
+            twin = substitute_batch_values(graph, node, batch)
+        if any(a in twins for a in node.all_input_nodes):
+            if twin is node:  # a copy of the node, to read the twins
+                twin = _copy(graph, node)
+            twin.args = fx.map_arg(twin.args, lambda a: twins.get(a, a))
+            twin.kwargs = fx.map_arg(twin.kwargs, lambda a: twins.get(a, a))
         if twin is not node:
-            node.replace_all_uses_with(twin)
-            graph.erase_node(node)
+            twins[node] = twin
+    return twins.get(loss, loss)
+
+
+def _same_mask_dropout(x: torch.Tensor, p: float, train, mask: torch.Tensor):
+    """``native_dropout(x, p, train)`` with the mask the batch drew (``mask``), not a new one."""
+    if train is False:  # None means train, as in ATen
+        return x, mask
+    return x * mask * (1.0 / (1.0 - p) if p < 1 else 0.0), mask  # ATen's order: input.mul(mask).mul_(scale)
+
+
+def _copy(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """A copy of ``node`` (its arguments to be redirected to twins). A random op draws again in a copy: dropout
+    reuses the batch's mask; other random ops on a value computed from the batch size are refused."""
+    target = node.target
+    if target is torch.ops.aten.native_dropout.default:
+        with graph.inserting_after(node):
+            mask = graph.call_function(operator.getitem, (node, 1))
+            mask.meta = {**node.meta, "val": value_of(node)[1]}
+        with graph.inserting_after(mask):
+            twin = graph.call_function(_same_mask_dropout, (*node.args, mask))
+    elif isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+        raise UnsupportedError(
+            f"{target} at {source_line(node)} draws random numbers from a value computed from the batch size "
+            "(x.shape[0], len(x)); each sample's loss reads the batch size as 1, and a second draw would not match "
+            "the batch's. Fix: apply the batch size after the random op (e.g. divide the loss, not the op's input)")
+    else:
+        with graph.inserting_before(node):
+            twin = graph.call_function(target, node.args, node.kwargs)
+    twin.meta = dict(node.meta)
+    return twin
 
 
 def per_sample_loss_head(forward: fx.GraphModule, loss: fx.Node, batch: BatchDims) -> LiftResult:
     graph = forward.graph
-    _batch_values_read_one(graph, batch)
+    own = _batch_values_read_one(graph, loss, batch)
     loss_val = value_of(loss)
     dims = batch.dims(loss_val)
     if loss_val.dim() == 0:
-        result = lift_to_per_sample(graph, [loss], batch)
-        if loss not in result.per_sample:
+        result = lift_to_per_sample(graph, [own], batch)
+        if own not in result.per_sample:
             raise BatchInputError("the loss does not depend on the batch: there is nothing per sample")
-        per_sample = result.per_sample[loss]
+        per_sample = result.per_sample[own]
     elif loss_val.dim() == 1 and dims == (0,) and batch.is_whole(loss_val, 0):
         result = LiftResult()
-        per_sample = loss
+        per_sample = own
     else:
         raise BatchInputError(
             f"the loss function must return a scalar (a sum or mean over samples) or per-sample losses of shape "

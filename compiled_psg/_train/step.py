@@ -102,9 +102,12 @@ def _refuse_ambient_autocast() -> None:
 
 
 def _combine_losses(losses: list[torch.Tensor], sizes: list[int], loss_reduction: str) -> torch.Tensor:
-    """The loss of a logical batch from its micro-batches' losses (means weighted by size, or sums)."""
+    """The loss of a logical batch from its micro-batches' losses (means weighted by size, or sums); per-sample
+    losses ``[b_k]`` are concatenated, as the whole batch returns them."""
     if len(losses) == 1:
         return losses[0]
+    if losses[0].dim() > 0:
+        return torch.cat(losses)
     if loss_reduction == "sum":
         return torch.stack(losses).sum()
     weights = torch.tensor(sizes, dtype=losses[0].dtype, device=losses[0].device)
@@ -600,7 +603,10 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                "automatic_gamma": automatic_gamma, "target_unclipped_quantile": target_unclipped_quantile,
                "clipbound_learning_rate": clipbound_learning_rate, "unclipped_num_std": unclipped_num_std,
                "min_clipbound": min_clipbound, "max_clipbound": max_clipbound}
-    return DPStep(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
+    from .sharded import ShardedStep, is_sharded
+
+    cls = ShardedStep if is_sharded(model) else DPStep  # fully_shard: see compiled_psg._train.sharded
+    return cls(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
                   noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                   loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,
                   in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size,

@@ -7,7 +7,7 @@ import torch.fx as fx
 
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
-from ..contraction import Contraction
+from ..contraction import Contraction, certified_sq_norms
 from ..registry import contraction_rule, lift_rule
 
 ATEN = torch.ops.aten
@@ -60,15 +60,20 @@ def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | N
         return per_sample_table(*tokens(g, idx), num_weights, padding_idx, scale_by_freq)
 
     def sq_norms(g, idx):
+        """The ghost norm over token pairs with the same row; float64 and certified, as ``factored_sq_norms``
+        (two tokens of one row with nearly opposite gradients cancel)."""
         grads, ids = tokens(g, idx)
+        grads64 = grads.double()
         same = ids.unsqueeze(2) == ids.unsqueeze(1)
         if padding_idx is not None and padding_idx >= 0:
             same = same & (ids != padding_idx).unsqueeze(2)
-        gg = torch.bmm(grads, grads.transpose(1, 2))
-        if scale_by_freq:
-            counts = same.sum(2).to(grads.dtype)
+        gg = torch.bmm(grads64, grads64.transpose(1, 2))
+        if scale_by_freq:  # a padding token counts 0 times: clamp, its terms are masked out anyway
+            counts = same.sum(2).clamp_min(1).to(gg.dtype)
             gg = gg / (counts.unsqueeze(2) * counts.unsqueeze(1))
-        return (gg * same.to(gg.dtype)).sum((1, 2))
+        scale = grads64.norm(dim=2).sum(1).square()
+        return certified_sq_norms((gg * same.to(gg.dtype)).sum((1, 2)), scale, 2 * grads.shape[2],
+                                  grads.shape[1], torch.promote_types(grads.dtype, torch.float32))
 
     def rebuild(g, idx):
         return ATEN.embedding_dense_backward(g, idx, num_weights, padding_idx, scale_by_freq)

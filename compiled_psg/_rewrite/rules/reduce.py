@@ -102,8 +102,10 @@ def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
             return losses.sum(1)
         if reduction == 0:
             raise InternalError("unreduced nll_loss cannot contract the batch")
-        valid = (tgt != ignore_index).to(logp.dtype)
-        weights = valid if wt is None else wt[tgt.clamp(min=0)] * valid
+        ignored = tgt == ignore_index
+        valid = (~ignored).to(logp.dtype)
+        # ignored targets may lie outside the classes (ignore_index=9 of 4 classes, or -100): read class 0 there
+        weights = valid if wt is None else wt[tgt.masked_fill(ignored, 0)] * valid
         weights = split_batch(weights.reshape(tgt.shape), 0, layout).flatten(1).sum(1)
         safe = torch.where(weights > 0, weights, torch.ones_like(weights))
         return torch.where(weights > 0, losses.sum(1) / safe, torch.zeros_like(safe))

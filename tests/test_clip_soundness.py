@@ -1,0 +1,98 @@
+"""The clip bound against adversarial inputs: a norm used for clipping never underestimates a sample's gradient.
+
+Ghost norms sum t^2 signed terms; a sample whose tokens contribute large, nearly opposite gradients cancels
+them, and in the input's precision the norm came out 0, negative or NaN, which let that sample's whole gradient
+into the clipped sum (found by an adversarial review: an update of norm 5321 for a bound B*C = 4)."""
+
+import pytest
+import torch
+import torch.nn as nn
+from reference import ref_clip_sum, ref_norms, reference_per_sample
+
+import compiled_psg as psg
+
+B, T, F_IN, F_OUT, C = 4, 2, 8, 4, 1.0
+
+
+def cancelling_batch(dtype: torch.dtype, scale: float):
+    """Token 1 = token 2 + a small delta, opposite output gradients: each sample's gradient is v delta^T, small
+    against its tokens' parts."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(B, 1, F_IN, generator=g, dtype=dtype) * scale
+    delta = torch.randn(B, 1, F_IN, generator=g, dtype=dtype)
+    v1 = torch.randn(B, 1, F_OUT, generator=g, dtype=dtype) * 1e3
+    exact = torch.stack([v1[i, 0].double()[:, None] * delta[i, 0].double()[None, :] for i in range(B)])
+    return torch.cat([base + delta, base], 1), torch.cat([v1, -v1], 1), exact.flatten(1).norm(dim=1)
+
+
+def linear(dtype):
+    torch.manual_seed(0)
+    return nn.Linear(F_IN, F_OUT, bias=False).to(dtype)
+
+
+def test_float32_ghost_norms_survive_cancellation():
+    lin = linear(torch.float32)
+    x, v, _ = cancelling_batch(torch.float32, 1e4)
+
+    def loss(x, v):
+        return (lin(x) * v).sum()
+
+    ours = psg.per_sample(lin, backend="eager", reduce=psg.norms())(loss)(x, v)
+    ref = reference_per_sample(loss, dict(lin.named_parameters()), (x, v))
+    torch.testing.assert_close(ours.double(), ref_norms(ref).double(), rtol=1e-3, atol=0)
+    clipped = psg.per_sample(lin, backend="eager", reduce=psg.clip_sum(C))(loss)(x, v)["weight"]
+    # the sum itself is float32 arithmetic on entries of 1e7 (ours and the loop's alike): compare loosely
+    torch.testing.assert_close(clipped, ref_clip_sum(ref, C)["weight"], rtol=0, atol=5e-3)
+    assert clipped.norm() <= B * C * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_compile_step_update_is_bounded_under_cancellation(clipping):
+    lin = linear(torch.float32)
+    x, v, _ = cancelling_batch(torch.float32, 1e4)
+    before = lin.weight.detach().clone()
+    step = psg.compile_step(lambda x, v: (lin(x) * v).sum(), lin, torch.optim.SGD(lin.parameters(), lr=1.0),
+                            max_grad_norm=C, clipping=clipping, loss_reduction="sum", backend="eager")
+    step(x, v)
+    assert (lin.weight.detach() - before).norm() <= B * C * (1 + 1e-6)
+
+
+def test_float64_ghost_norms_are_upper_bounds_where_precision_runs_out():
+    """Activations of 1e8 need more than float64's digits: the norm is then an upper bound (the sample is clipped
+    more than needed), never below the exact norm."""
+    lin = linear(torch.float64)
+    x, v, exact = cancelling_batch(torch.float64, 1e8)
+    ours = psg.per_sample(lin, backend="eager", reduce=psg.norms())(lambda x, v: (lin(x) * v).sum())(x, v)
+    assert torch.isfinite(ours).all() and (ours >= exact * (1 - 1e-12)).all(), (ours, exact)
+
+
+def test_embedding_with_padding_and_frequency_scaling_is_clipped():
+    """A padding token counts 0 times: its 0/0 made every norm NaN, and NaN norms left samples unclipped."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 6, padding_idx=0, scale_grad_by_freq=True).double()
+    head = nn.Linear(6, 1).double()
+    params = nn.ModuleDict({"emb": emb, "head": head})
+    ids = torch.randint(1, 10, (5, 7))
+    ids[:, -2:] = 0  # padding
+    ids[:, 1] = ids[:, 0]  # a repeated token: frequency 2
+
+    def loss(ids):
+        return head(emb(ids)).pow(2).sum()
+
+    ref = reference_per_sample(loss, dict(params.named_parameters()), (ids,))
+    norms = psg.per_sample(params, backend="eager", reduce=psg.norms())(loss)(ids)
+    torch.testing.assert_close(norms, ref_norms(ref), rtol=1e-10, atol=0)
+    clipped = psg.per_sample(params, backend="eager", reduce=psg.clip_sum(0.5))(loss)(ids)
+    for name, want in ref_clip_sum(ref, 0.5).items():
+        torch.testing.assert_close(clipped[name], want, rtol=1e-9, atol=1e-12)
+
+
+def test_a_nan_norm_fails_closed():
+    """A NaN norm gives a NaN factor (the sum is NaN), never the factor 1 of an unclipped sample; a zero
+    gradient keeps factor 1 and an infinite one gets 0."""
+    from compiled_psg._reduce.reductions import clip_factor
+
+    n = torch.tensor([float("nan"), 0.0, 0.5, 2.0, float("inf")], dtype=torch.float64)
+    got = clip_factor(n, 1.0)
+    assert torch.isnan(got[0])
+    torch.testing.assert_close(got[1:], torch.tensor([1.0, 1.0, 0.5, 0.0], dtype=torch.float64))

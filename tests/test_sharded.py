@@ -1,0 +1,268 @@
+"""compile_step on a fully_shard (FSDP2) model: two gloo processes against one process on the union, float64."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compiled_psg._errors import DPConfigError, UnsupportedError
+from compiled_psg._train.step import compile_step
+
+WORLD = 2
+BATCHES = (7, 12, 1, 0, 5)  # odd sizes, a batch that leaves rank 1 empty, an empty batch
+C, SIGMA = 0.3, 0.8
+
+
+def model_for(seed: int = 0, hidden: int = 5) -> nn.Module:
+    """Odd widths: FSDP shards 5 rows as 3 + 2 and 3 rows as 2 + 1 (uneven, padded shards)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 3)).double()
+
+
+def by_columns(p: torch.Tensor):
+    """The first layer's weight is sharded along its columns (FSDP's ``shard_placement_fn``; FSDP shards other
+    dims than 0 only evenly)."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(p.dim() - 1)
+
+
+def shard_model(model: nn.Module, **options) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0], shard_placement_fn=by_columns, **options)
+    fully_shard(model[2], **options)
+    return fully_shard(model, **options)
+
+
+def shards(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """FSDP's shards of a full parameter: rows, or columns for the first layer's weight."""
+    return t.chunk(WORLD, dim=1 if t.dim() == 2 and t.shape[1] == 4 else 0)
+
+
+def data():
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g))
+            for n in BATCHES]
+
+
+def train(model, shards, sigma, rank=0, world=1, **options):
+    """The run both sides do: momentum SGD, clipping on, noise from a seeded generator (drawn on rank 0)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, opt, max_grad_norm=C,
+                        noise_multiplier=sigma, backend="eager", generator=torch.Generator().manual_seed(5),
+                        **options)
+    for k, (x, y) in enumerate(shards):
+        step(x[rank::world], y[rank::world])
+        if k == 1:
+            with torch.no_grad():
+                model(x)  # an evaluation between steps: FSDP's own forward (lazy init, its hooks) runs
+    return step
+
+
+def full(model: nn.Module) -> list[torch.Tensor]:
+    """The unsharded parameters (an all-gather: every rank calls it)."""
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def clipped_sums(model, x, y, rank) -> dict:
+    """``p.grad`` (full) after steps of SGD(lr=0) with loss 'sum': the clipped sum of the union's gradients
+    without and with a planted outlier, and a step on an empty batch: the noise alone."""
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y, reduction="sum"), model,
+                        torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=C, loss_reduction="sum",
+                        backend="eager", generator=torch.Generator().manual_seed(100 + rank))  # ranks differ
+    grads = lambda: torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])  # noqa: E731
+    out = {}
+    step(x[:5][rank::WORLD], y[:5][rank::WORLD])
+    out["without"] = grads()
+    x_out = x.clone()
+    x_out[5] *= 1e3  # sample 5 is rank 1's (5 = 1 mod 2); its gradient's norm is far above C
+    step(x_out[rank::WORLD], y[rank::WORLD])
+    out["with"] = grads()
+    step.noise_multiplier = 4.0
+    step(x[:0], y[:0])
+    out["noise"] = grads()
+    out["captures"] = step.captures
+    return out
+
+
+def _refusals(rank: int) -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    out = {}
+    loss = F.cross_entropy
+    model = shard_model(model_for(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    with pytest.raises(UnsupportedError, match="MixedPrecisionPolicy") as e:
+        compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out["mixed"] = str(e.value)
+    model = shard_model(model_for(), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    with pytest.raises(UnsupportedError, match="CPUOffloadPolicy") as e:
+        compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out["offload"] = str(e.value)
+    model = model_for()
+    fully_shard(model[0])  # model[2] left unsharded: its update would need an all-reduce
+    with pytest.raises(UnsupportedError, match="not sharded") as e:
+        compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out["partial"] = str(e.value)
+    model = shard_model(model_for())
+    with pytest.raises(DPConfigError, match="distributed=False") as e:
+        compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     distributed=False)
+    out["local"] = str(e.value)
+    with pytest.raises(DPConfigError, match="clipping='automatic'") as e:
+        compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     max_grad_norm=1.0, clipping="automatic")
+    out["variant"] = str(e.value)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(model_for(), device_id=torch.device("cpu"))
+    with pytest.raises(UnsupportedError, match="FSDP1") as e:
+        compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    out["fsdp1"] = str(e.value)
+    return out
+
+
+def swapped(rank: int = 0, world: int = 1) -> dict:
+    """Two steps with the activation swapped in between (Tanh for ReLU): the changed submodule of the sharded
+    model is seen (Dynamo guards FSDP-managed modules only with ``skip_fsdp_guards=False``) and recaptured."""
+    model = model_for()
+    if world > 1:
+        model = shard_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, opt, max_grad_norm=C, backend="eager")
+    (x, y), (x2, y2) = data()[:2]
+    step(x[rank::world], y[rank::world])
+    model[1] = nn.ReLU()
+    step(x2[rank::world], y2[rank::world])
+    params = full(model) if world > 1 else [p.detach().clone() for p in model.parameters()]
+    return dict(params=params, captures=step.captures)
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.set_num_threads(1)
+    try:
+        results = {}
+        # micro-batches of at most 4: the second batch's 6 local samples run as 4 + 2 on each rank
+        model = shard_model(model_for())  # FSDP: every rank builds the same model, then keeps its shards
+        step = train(model, data(), SIGMA, rank, WORLD, max_physical_batch_size=4)
+        results["whole"] = dict(params=full(model), sharded=step.sharded, fused=step.fused, captures=step.captures,
+                                last_batch_size=step.last_batch_size,
+                                local=[p.to_local().clone() for p in model.parameters()],
+                                forward=model(data()[0][0]).detach())  # FSDP's own forward still works
+        # the clip bound and the noise: SGD(lr=0) leaves the parameters as they are and the sums in .grad
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+        results["sums"] = clipped_sums(shard_model(model_for(hidden=64)), x, y, rank)
+        # make_private builds its step with compile_step: a sharded one, with the global sampling rate
+        from torch.utils.data import DataLoader, TensorDataset
+
+        from compiled_psg._train.distributed import shard
+        from compiled_psg._train.private import make_private
+
+        union = TensorDataset(torch.randn(40, 4, dtype=torch.float64), torch.randint(0, 3, (40,)))
+        model = shard_model(model_for())
+        private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               DataLoader(shard(union), batch_size=4), lambda x, y: F.cross_entropy(model(x), y),
+                               max_grad_norm=C, noise_multiplier=1.0, backend="eager")
+        for _, (xb, yb) in zip(range(2), private.data_loader, strict=False):  # every rank: the same step count
+            private.step(xb, yb)
+        results["private"] = dict(sharded=private.dp_step.sharded, steps=private.steps,
+                                  sample_rate=private.sample_rate, epsilon=private.epsilon())
+        results["swapped"] = swapped(rank, WORLD)
+        results["refusals"] = _refusals(rank)
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """One process, the unsharded model, the union of the batches, the same noise generator."""
+    model = model_for()
+    step = train(model, data(), SIGMA)
+    return model, step
+
+
+def test_two_sharded_ranks_equal_one_process_on_the_union(ranks, one_process):
+    model, step = one_process
+    expected = [p.detach() for p in model.parameters()]
+    for rank, r in enumerate(ranks):
+        got = r["whole"]
+        assert got["sharded"] and not got["fused"] and got["last_batch_size"] == step.last_batch_size == BATCHES[-1]
+        assert got["captures"] == 1  # the unsharded parameters are the same tensors every step: no recapture
+        for g, want, local in zip(got["params"], expected, got["local"], strict=True):
+            # the same generator draws the same noise, added once (on rank 0) before the reduce-scatter; the
+            # sums differ from one process's only in their order
+            torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+            assert torch.equal(local, shards(g)[rank])  # the shard is FSDP's rows (columns) of the full tensor
+        torch.testing.assert_close(got["forward"], model(data()[0][0]).detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_shards_are_the_rows_fsdp_holds(ranks):
+    """The first weight's 4 columns as 2 + 2; uneven rows: 5 as 3 + 2 and 3 as 2 + 1."""
+    got = [[tuple(t.shape) for t in r["whole"]["local"]] for r in ranks]
+    assert got == [[(5, 2), (3,), (2, 5), (2,)], [(5, 2), (2,), (1, 5), (1,)]]
+
+
+def test_a_planted_outlier_moves_the_sum_by_at_most_C(ranks):
+    for r in ranks:
+        assert r["sums"]["captures"] == 1
+        moved = (r["sums"]["with"] - r["sums"]["without"]).norm()
+        # the outlier's gradient is clipped to norm C exactly (unclipped, it is ~1e3 times larger)
+        assert moved <= C * (1 + 1e-9)
+        assert moved > 0.99 * C
+
+
+def test_noise_is_added_once(ranks):
+    """An empty global batch: the sum is the noise alone, std sigma C: once, not sqrt(2) times (both ranks'),
+    although the ranks' generators differ; every rank holds the same update."""
+    torch.testing.assert_close(ranks[0]["sums"]["noise"], ranks[1]["sums"]["noise"], rtol=0, atol=0)
+    noise = ranks[0]["sums"]["noise"]
+    assert noise.numel() > 400
+    std = noise.std().item()
+    assert 0.85 * 4.0 * C < std < 1.15 * 4.0 * C, std
+
+
+def test_unsupported_shardings_are_refused_with_the_fix(ranks):
+    for r in ranks:
+        assert all("Fix:" in r["refusals"][k] for k in ("mixed", "offload", "partial", "fsdp1"))
+        assert "Fix:" in r["refusals"]["local"] and "Fix:" in r["refusals"]["variant"]
+
+
+def test_make_private_on_a_sharded_model(ranks):
+    for r in ranks:
+        got = r["private"]
+        assert got["sharded"] and got["steps"] == 2
+        assert got["sample_rate"] == pytest.approx(4 / 20)  # each rank: 20 examples, batches of 4
+        assert 0 < got["epsilon"] < float("inf")
+
+
+def test_a_swapped_submodule_is_recaptured(ranks):
+    expected = swapped()
+    assert expected["captures"] == 2
+    for r in ranks:
+        assert r["swapped"]["captures"] == 2
+        for got, want in zip(r["swapped"]["params"], expected["params"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

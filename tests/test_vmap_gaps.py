@@ -1,0 +1,246 @@
+"""Cases ``torch.func.vmap(grad)``-style per-sample gradients are defined for, that compiled_psg refused or crashed
+on (issue 11): an embedding with ``max_norm``, per-sample losses ``[B]`` scaled by the batch size, and class
+weights with an ``ignore_index`` outside the classes. Each is exact against the per-sample loop, or refused by
+name where the batch makes each sample's value depend on other samples."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import reference_losses, reference_per_sample
+
+import compiled_psg as psg
+
+EXACT = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+
+
+def _close(got: dict, ref: dict, dtype) -> None:
+    assert set(got) == set(ref)
+    for name, r in ref.items():
+        torch.testing.assert_close(got[name], r, **EXACT[dtype], msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------- nn.Embedding(max_norm=...)
+
+
+class _EmbeddingModel(nn.Module):
+    def __init__(self, padding_idx=None, tied=False):
+        super().__init__()
+        self.emb = nn.Embedding(10, 3, max_norm=1.0, padding_idx=padding_idx)
+        self.fc = nn.Linear(3, 4)
+        self.tied = tied
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        out = self.fc(h.mean(1))
+        if self.tied:  # reads the weight the lookup renormed from every sample's indices
+            out = out + (h.mean(1) @ self.emb.weight.T)[:, :4]
+        return out
+
+
+# rows 1 and 2 in several samples; row 0 repeated in one; rows 3..9 in one sample each
+_IDX = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 1], [1, 1, 2, 2, 9], [0, 0, 0, 0, 0]])
+
+
+def _embedding_case(dtype, scale, padding_idx=None, tied=False):
+    torch.manual_seed(0)
+    model = _EmbeddingModel(padding_idx, tied).to(dtype)
+    with torch.no_grad():
+        model.emb.weight.mul_(scale)
+    y = torch.randint(0, 4, (len(_IDX),))
+    return model, (_IDX, y)
+
+
+@pytest.mark.parametrize(("dtype", "scale", "padding_idx"), [
+    (torch.float64, 0.2, None), (torch.float64, 3.0, None), (torch.float64, 3.0, 0), (torch.float32, 3.0, None)],
+    ids=["rows-within-max_norm", "rows-above-max_norm", "padding_idx", "float32"])
+def test_embedding_max_norm_is_the_loop(dtype, scale, padding_idx):
+    """Eager renormalizes the rows the batch looks up, in place, before the lookup, and differentiates the lookup
+    only. The loop renorms each sample's rows on its own call; the renorm is idempotent, so every sample's loss
+    reads its rows renormed once in both. The weight after the call is eager's after one forward on the batch."""
+    model, args = _embedding_case(dtype, scale, padding_idx)
+    norms = model.emb.weight.norm(dim=1)
+    assert bool((norms > 1.0).any()) == (scale > 1), "the case must (not) need renorming"
+    eager, looped = copy.deepcopy(model), copy.deepcopy(model)
+
+    def loss(idx, y):
+        return F.cross_entropy(model(idx), y)
+
+    fn = psg.per_sample(model, backend="eager")(loss)
+    value, losses, got = fn.with_losses(*args)
+    expected = F.cross_entropy(eager(args[0]), args[1])
+    torch.testing.assert_close(value, expected.detach(), **EXACT[dtype])
+    assert torch.equal(model.emb.weight, eager.emb.weight), "the weight must change as one eager forward changes it"
+    ref = reference_per_sample(lambda i, t: F.cross_entropy(looped(i), t), dict(looped.named_parameters()), args)
+    _close(got, ref, dtype)
+    torch.testing.assert_close(losses, reference_losses(lambda i, t: F.cross_entropy(looped(i), t), args),
+                               **EXACT[dtype])
+    _close(fn(*args), ref, dtype)  # a second call reads the renormed weight: the same gradients
+    expected.backward()  # eager autograd on the batch: the mean of the per-sample gradients
+    _close({n: p.grad for n, p in eager.named_parameters()}, {n: g.mean(0) for n, g in got.items()}, dtype)
+
+
+def _fresh_loop(model, loss_with, args) -> dict:
+    """Each sample's gradient on the weights as they were before the call (a fresh copy per sample): the loop
+    of ``reference.py`` would let each call's in-place renorm change what later samples read before their lookup."""
+    rows = []
+    for i in range(len(args[0])):
+        m = copy.deepcopy(model)
+        rows.append(reference_per_sample(lambda *a, m=m: loss_with(m, *a), dict(m.named_parameters()),
+                                         tuple(a[i:i + 1] for a in args)))
+    return {n: torch.cat([r[n] for r in rows]) for n in rows[0]}
+
+
+def test_embedding_max_norm_two_lookups_and_a_read_before():
+    """Two lookups of one embedding (a pair of index sets per sample) and a read of the weight before them: each
+    lookup reads rows renormed per sample (the renorm is idempotent), the earlier read the weight as it was."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, max_norm=1.0).double()
+    fc = nn.Linear(3, 2).double()
+    model = nn.ModuleDict({"emb": emb, "fc": fc})
+    with torch.no_grad():
+        emb.weight.mul_(3)
+    a, b = _IDX, _IDX.flip(1).roll(1, 0)
+    eager = copy.deepcopy(model)
+
+    def loss_with(m, a, b):
+        decay = m["emb"].weight.sum() * 1e-2  # (pow(2) would save the weight: eager autograd then fails)
+        return (m["fc"](m["emb"](a).mean(1)) * m["fc"](m["emb"](b).mean(1))).sum() + decay
+
+    ref = _fresh_loop(model, loss_with, (a, b))
+    value, _, got = psg.per_sample(model, backend="eager")(lambda a, b: loss_with(model, a, b)).with_losses(a, b)
+    _close(got, ref, torch.float64)
+    torch.testing.assert_close(value, loss_with(eager, a, b).detach(), **EXACT[torch.float64])
+    assert torch.equal(emb.weight, eager["emb"].weight)
+
+
+def test_embedding_max_norm_inductor():
+    model, args = _embedding_case(torch.float32, 3.0)
+    looped = copy.deepcopy(model)
+    got = psg.per_sample(model)(lambda i, t: F.cross_entropy(model(i), t))(*args)
+    _close(got, reference_per_sample(lambda i, t: F.cross_entropy(looped(i), t), dict(looped.named_parameters()),
+                                     args), torch.float32)
+
+
+def test_embedding_max_norm_read_again_is_refused_and_changes_nothing():
+    """Tied weights read rows renormed for other samples: sample i's loss depends on the other samples."""
+    model, args = _embedding_case(torch.float64, 3.0, tied=True)
+    before = model.emb.weight.detach().clone()
+    where = r"test_vmap_gaps.py:\d+ in forward: out = out \+ \(h.mean\(1\) @ self.emb.weight.T\)"
+    with pytest.raises(psg.SampleMixingError, match=where + r".*renormalized it in place.*Fix: "):
+        psg.per_sample(model, backend="eager")(lambda i, t: F.cross_entropy(model(i), t))(*args)
+    assert torch.equal(model.emb.weight, before)
+
+
+def test_embedding_max_norm_view_taken_before_is_refused():
+    """A view of the weight taken before the lookup shares its storage: eager reads it renormed."""
+    model, args = _embedding_case(torch.float64, 3.0)
+
+    def loss(idx, y):
+        wt = model.emb.weight.t()
+        h = model.emb(idx).mean(1)
+        return F.cross_entropy(model.fc(h) + (h @ wt)[:, :4], y)
+
+    with pytest.raises(psg.SampleMixingError, match=r"test_vmap_gaps.py:\d+ in loss: return F.cross_entropy"):
+        psg.per_sample(model, backend="eager")(loss)(*args)
+
+
+def test_embedding_bag_max_norm_is_refused_by_name():
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(10, 3, max_norm=1.0, mode="mean").double()
+    with torch.no_grad():
+        bag.weight.mul_(3)
+    before = bag.weight.detach().clone()
+    with pytest.raises(psg.UnsupportedError, match=r"EmbeddingBag\(max_norm=\.\.\.\).*Fix: renormalize outside"):
+        psg.per_sample(bag, backend="eager")(lambda i: bag(i).pow(2).sum())(_IDX)
+    assert torch.equal(bag.weight, before)
+
+
+# ---------------------------------------------------------------- per-sample losses scaled by the batch size
+
+
+def _losses(m):
+    def divided(x, y):
+        return F.cross_entropy(m(x), y, reduction="none") / x.shape[0]
+
+    def multiplied(x, y):
+        return F.cross_entropy(m(x), y, reduction="none") * len(x)
+
+    def divided_then_summed(x, y):
+        return (F.cross_entropy(m(x), y, reduction="none") / x.shape[0]).sum()
+
+    def squared_batch_size(x, y):
+        return (m(x).pow(2).sum(1) + y) / (x.shape[0] * x.shape[0])
+
+    return [divided, multiplied, divided_then_summed, squared_batch_size]
+
+
+@pytest.mark.parametrize(("dtype", "which"), [(torch.float64, i) for i in range(4)] + [(torch.float32, 0)],
+                         ids=["divided", "multiplied", "divided_then_summed", "squared", "divided-float32"])
+def test_losses_scaled_by_the_batch_size(dtype, which):
+    """The batch size reads 1 per sample, and the reported loss keeps the batch's value."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 4).to(dtype)
+    x, y = torch.randn(5, 3, dtype=dtype), torch.randint(0, 4, (5,))
+    loss = _losses(m)[which]
+    value, losses, got = psg.per_sample(m, backend="eager")(loss).with_losses(x, y)
+    torch.testing.assert_close(value, loss(x, y).detach(), **EXACT[dtype])
+    torch.testing.assert_close(losses, reference_losses(loss, (x, y)), **EXACT[dtype])
+    _close(got, reference_per_sample(loss, dict(m.named_parameters()), (x, y)), dtype)
+
+
+def test_dropout_after_a_batch_size_division_keeps_the_batch_mask():
+    """The per-sample loss is recomputed from the division on: its dropout must reuse the batch's mask."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 4).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def loss(x):
+        return F.dropout(m(x) / x.shape[0], 0.5).pow(2).sum(1)
+
+    value, losses, _ = psg.per_sample(m, backend="eager")(loss).with_losses(x)
+    torch.testing.assert_close(losses, value * 25, rtol=1e-12, atol=0)
+
+
+def test_random_draw_from_the_batch_size_is_refused():
+    torch.manual_seed(0)
+    m = nn.Linear(3, 4).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def loss(x):
+        h = m(x)
+        return (h * torch.bernoulli(torch.ones_like(h) / x.shape[0])).sum()
+
+    with pytest.raises(psg.UnsupportedError, match=r"bernoulli.*draws random numbers.*Fix: "):
+        psg.per_sample(m, backend="eager")(loss)(x)
+
+
+# ---------------------------------------------------------------- class weights with ignore_index
+
+
+@pytest.mark.parametrize("ignore_index", [9, -100, 2])
+def test_class_weights_with_ignore_index(ignore_index):
+    """An ignored target may lie outside the classes: its weight must not be read."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 4).double()
+    weight = torch.rand(4, dtype=torch.float64) + 0.5
+    x = torch.randn(6, 3, dtype=torch.float64)
+    y = torch.tensor([0, ignore_index, 3, 1, ignore_index, 2])
+
+    def loss(x, y):
+        return F.cross_entropy(m(x), y, weight=weight, ignore_index=ignore_index)
+
+    got = psg.per_sample(m, backend="eager")(loss)(x, y)
+    _close(got, reference_per_sample(loss, dict(m.named_parameters()), (x, y)), torch.float64)
+
+
+def test_linear_cross_entropy_with_weight_and_ignore_index():
+    torch.manual_seed(0)
+    module = nn.LinearCrossEntropyLoss(5, 4, weight=torch.rand(4) + 0.5, ignore_index=9,
+                                       label_smoothing=0.1).double()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.tensor([0, 9, 3, 1, 9, 2])
+    got = psg.per_sample(module, backend="eager")(module)(x, y)
+    _close(got, reference_per_sample(module, dict(module.named_parameters()), (x, y)), torch.float64)
