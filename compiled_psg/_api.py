@@ -26,10 +26,21 @@ MAX_ENTRIES_PER_KEY = 8
 
 
 def _named_params(params: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return _params_and_modes(params)[0]
+
+
+def _params_and_modes(params: nn.Module | Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], tuple]:
+    """The parameters to differentiate, checked, and (for a module) every submodule's ``training`` flag, in
+    ``modules()`` order: what a call's cache key reads from the module."""
     if isinstance(params, nn.Module):
-        named = {n: p for n, p in params.named_parameters() if p.requires_grad}
+        walked = _walk(params)
+        if walked is None:  # a module that overrides how it lists its members: ask it
+            named = {n: p for n, p in params.named_parameters() if p.requires_grad}
+            modes = tuple(m.training for m in params.modules())
+        else:
+            named, modes = walked
     elif isinstance(params, Mapping):
-        named = dict(params)
+        named, modes = dict(params), ()
     else:
         raise BatchInputError(f"params must be an nn.Module or a dict of tensors, got {type(params).__name__}")
     for name, p in named.items():
@@ -40,7 +51,48 @@ def _named_params(params: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, t
                                   "Fix: leave it out of params, or convert it with .float()")
     if not named:
         raise BatchInputError("no parameters to differentiate: every parameter is frozen or the dict is empty")
-    return named
+    return named, modes
+
+
+class _Unusual(Exception):
+    """A submodule overrides ``named_modules``: the walk defers to the module's own methods."""
+
+
+_NAMED_MODULES = nn.Module.named_modules
+
+
+def _visit(module: nn.Module, prefix: str, named: dict, modes: list, seen_modules: set, seen_params: set) -> None:
+    """``named_modules`` order (depth first, children in registration order), each module and parameter once."""
+    if type(module).named_modules is not _NAMED_MODULES:
+        raise _Unusual
+    seen_modules.add(id(module))
+    modes.append(module.training)
+    for k, p in module._parameters.items():
+        if p is None or id(p) in seen_params:
+            continue
+        seen_params.add(id(p))
+        if p.requires_grad:
+            named[f"{prefix}.{k}" if prefix else k] = p
+    for k, child in module._modules.items():
+        if child is not None and id(child) not in seen_modules:
+            _visit(child, f"{prefix}.{k}" if prefix else k, named, modes, seen_modules, seen_params)
+
+
+def _walk(root: nn.Module) -> tuple[dict[str, torch.Tensor], tuple] | None:
+    """``{n: p for n, p in root.named_parameters() if p.requires_grad}`` and the ``training`` flags of
+    ``root.modules()`` in one walk of ``_modules``/``_parameters`` (the generators cost more than the loss's
+    graph on a small model); the same names and order, shared modules and parameters once. None where a module
+    overrides the methods that define them."""
+    if (type(root).named_parameters is not nn.Module.named_parameters
+            or type(root)._named_members is not nn.Module._named_members):
+        return None
+    named: dict[str, torch.Tensor] = {}
+    modes: list[bool] = []
+    try:
+        _visit(root, "", named, modes, set(), set())
+    except _Unusual:
+        return None
+    return named, tuple(modes)
 
 
 def batch_dims_of(args: tuple, in_dims: InDims) -> tuple[dict[int, int], int]:
@@ -77,14 +129,15 @@ def batch_dims_of(args: tuple, in_dims: InDims) -> tuple[dict[int, int], int]:
     return batch_dims, next(iter(sizes.values()))
 
 
-def _arg_signature(args: tuple, batch_dims: dict[int, int]):
+def _arg_signature(args: tuple, batch_dims: dict[int, int]) -> tuple:
     sig = []
     for pos, a in enumerate(args):
         if isinstance(a, torch.Tensor):
-            shape = list(a.shape)
-            if pos in batch_dims:
-                shape[batch_dims[pos]] = -1
-            sig.append(("tensor", tuple(shape), a.dtype, a.device, a.requires_grad))
+            shape = a.shape
+            d = batch_dims.get(pos)
+            if d is not None:
+                shape = (*shape[:d], -1, *shape[d + 1:])
+            sig.append((tuple(shape), a.dtype, a.device, a.requires_grad))
         else:
             try:
                 hash(a)
@@ -94,8 +147,8 @@ def _arg_signature(args: tuple, batch_dims: dict[int, int]):
     return tuple(sig)
 
 
-def _params_signature(params: dict[str, torch.Tensor]):
-    return tuple((n, tuple(p.shape), p.dtype, p.device) for n, p in params.items())
+def _params_signature(params: dict[str, torch.Tensor]) -> tuple:
+    return tuple((n, p.shape, p.dtype, p.device) for n, p in params.items())
 
 
 def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tuple:
@@ -177,12 +230,9 @@ class PerSampleFunction:
     def _params(self) -> dict[str, torch.Tensor]:
         return _named_params(self.params_source)
 
-    def _key(self, params, args, batch_dims):
-        modes = ()
-        if isinstance(self.params_source, nn.Module):
-            modes = tuple(m.training for m in self.params_source.modules())
-        return (_params_signature(params), _arg_signature(args, batch_dims), tuple(sorted(batch_dims.items())),
-                modes, self.reduce, self.backend)
+    def _key(self, params, modes: tuple, args, batch_dims):
+        return (_params_signature(params), _arg_signature(args, batch_dims), tuple(batch_dims.items()), modes,
+                self.reduce, self.backend)
 
     def _valid(self, entries: list[CompiledPerSample], params, args, batch_dims, batch_size):
         """The first entry whose Dynamo guards hold for this call, and otherwise why the newest one's failed."""
@@ -207,11 +257,14 @@ class PerSampleFunction:
 
         Post: the entry's graph describes what the loss would compute now (module structure, hooks, Python
         attributes and globals it read are as at its capture)."""
-        params = self._params()
+        params, modes = _params_and_modes(self.params_source)
+        return self._prepare(params, modes, args, *batch_dims_of(args, self.in_dims))
+
+    def _prepare(self, params: dict[str, torch.Tensor], modes: tuple, args: tuple, batch_dims: dict[int, int],
+                 batch_size: int) -> PreparedCall:
         backward_semantics.refuse_parameter_hooks(params)
         backward_semantics.refuse_arguments_from_parameters(args, params)
-        batch_dims, batch_size = batch_dims_of(args, self.in_dims)
-        key = self._key(params, args, batch_dims)
+        key = self._key(params, modes, args, batch_dims)
         entry, _ = self._valid(self._cache.get(key, []), params, args, batch_dims, batch_size)
         if entry is not None:
             return PreparedCall(entry, params, args, batch_size)
@@ -253,14 +306,14 @@ class PerSampleFunction:
         """``(loss, per_sample_losses [B], result)``: the loss as the function computes it, and each sample's
         batch-of-one loss."""
         _no_keywords(kwargs)
-        params = self._params()
+        params, modes = _params_and_modes(self.params_source)
         batch_dims, batch_size = batch_dims_of(args, self.in_dims)
         if batch_size == 0:
             shapes = {n: (p.shape, p.dtype, p.device) for n, p in params.items()}
             ref = params[next(iter(params))]
             empty = torch.zeros(0, dtype=ref.dtype, device=ref.device)
             return torch.zeros((), dtype=ref.dtype, device=ref.device), empty, self.reduce.empty(shapes)
-        call = self.prepare_call(*args)
+        call = self._prepare(params, modes, args, batch_dims, batch_size)
         return call.entry(call.params, call.args, call.batch_size)
 
     def __call__(self, *args, **kwargs):

@@ -133,15 +133,20 @@ class Guards:
         if self._stale is not None:
             return False
         f_locals = self._locals(loss_fn, tensors, args)
-        if self._replaced_tensor(f_locals) is not None:
+        if self._tensor_sources and self._replaced_tensor(f_locals) is not None:
             return False
         if self._extra is not None and self._extra.failure(f_locals) is not None:
             return False
         # the capture ran with grad enabled; so does every call of the graph
+        if not self._stand_ins:  # the common case, without a context manager's cost
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(True)
+            try:
+                return self._manager.check(f_locals) or not self._failing(f_locals)
+            finally:
+                torch._C._set_grad_enabled(grad)
         with self._as_captured():
-            if self._manager.check(f_locals):
-                return True
-            return not self._failing(f_locals)
+            return self._manager.check(f_locals) or not self._failing(f_locals)
 
     @contextlib.contextmanager
     def _as_captured(self):

@@ -40,23 +40,47 @@ class CompiledPerSample:
         self._compiled: dict[str, Callable] = {}
         self.compile_seconds = 0.0
         self.compiles = 0
+        self._plan: list[tuple[int, str, object]] | None = None  # built on first use (_make_plan)
 
     def _inputs(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int) -> list:
-        rw = self.rewritten
+        if self._plan is None:
+            self._plan = self._make_plan()
+        constants = self.rewritten.captured.constants
         inputs = []
-        for i, role in enumerate(rw.roles):  # compiled kernels assume the example inputs' (contiguous) strides
-            if role.kind == "param":
-                inputs.append(params[role.key].detach())
-            elif role.kind == "arg":
-                arg = args[role.key]
+        for i, kind, key in self._plan:  # compiled kernels assume the example inputs' (contiguous) strides
+            if kind == "param":
+                inputs.append(params[key].detach())
+            elif kind == "arg":
+                arg = args[key]
                 inputs.append(arg.contiguous() if isinstance(arg, torch.Tensor) else arg)
-            elif role.kind == "size":
-                expr = rw.captured.fake_inputs[i].node.expr
-                inputs.append(int(expr.subs(rw.batch.symbol, batch_size)))
+            elif kind == "batch":
+                inputs.append(batch_size)
+            elif kind == "const_size":
+                inputs.append(key)
+            elif kind == "size":
+                inputs.append(int(key.subs(self.rewritten.batch.symbol, batch_size)))
             else:
-                value = rw.captured.constants[i]
+                value = constants[i]
                 inputs.append(value.detach() if isinstance(value, torch.Tensor) else value)
         return inputs
+
+    def _make_plan(self) -> list[tuple[int, str, object]]:
+        """``(placeholder, kind, key)`` per input: a size that is the batch size itself is read without sympy
+        (``subs`` cost more than a small graph's kernels), a size that is a number is that number."""
+        rw = self.rewritten
+        plan = []
+        for i, role in enumerate(rw.roles):
+            if role.kind == "size":
+                expr = rw.captured.fake_inputs[i].node.expr
+                if expr == rw.batch.symbol:
+                    plan.append((i, "batch", None))
+                elif expr.is_number:
+                    plan.append((i, "const_size", int(expr)))
+                else:
+                    plan.append((i, "size", expr))
+            else:
+                plan.append((i, role.kind, role.key))
+        return plan
 
     def _callable(self, batch_size: int, inputs: list) -> Callable:
         if self.backend == "eager":

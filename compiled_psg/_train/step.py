@@ -157,6 +157,8 @@ class DPStep:
         self.program_cache = ProgramCache(optimizer, self.binding, self.distributed)
         self._check_dtypes()
         self._eager_runners: dict[int, CompiledPerSample] = {}
+        self._zeros: dict[tuple, torch.Tensor] = {}  # read-only program inputs: _sum_like's
+        self._scalars: dict[tuple, torch.Tensor] = {}  # and _scalar's
         if self.distributed:
             dist_utils.broadcast_parameters(self.binding.params)
         self._state_ready = False
@@ -352,9 +354,9 @@ class DPStep:
             elif kind == "partial":
                 extra.append(partial[key] if partial is not None else self._sum_like(key))
             elif kind == "count":
-                extra.append(torch.tensor(float(batch_size), dtype=ref.dtype, device=ref.device))
+                extra.append(self._scalar(float(batch_size), ref))
             elif kind == "scale":
-                extra.append(torch.tensor(config.scale(batch_size), dtype=ref.dtype, device=ref.device))
+                extra.append(self._scalar(config.scale(batch_size), ref))
             elif kind == "dot_grad":
                 extra.append(self.binding.dot_grads[key])
             else:
@@ -362,9 +364,24 @@ class DPStep:
         return extra
 
     def _sum_like(self, j: int) -> torch.Tensor:
-        """Zeros shaped like the clipped sum of the ``j``-th parameter (float32 for a bfloat16 parameter)."""
+        """Zeros shaped like the clipped sum of the ``j``-th parameter (float32 for a bfloat16 parameter). Only
+        read (the noise's template, a program input the graph adds): one tensor per shape serves every step."""
         p = self.params[j]
-        return torch.zeros(p.shape, dtype=sum_dtype(p.dtype, self._acc_dtype()), device=p.device)
+        key = (p.shape, sum_dtype(p.dtype, self._acc_dtype()), p.device)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zeros = self._zeros[key] = torch.zeros(key[0], dtype=key[1], device=key[2])
+        return zeros
+
+    def _scalar(self, value: float, ref: torch.Tensor) -> torch.Tensor:
+        """``value`` as a 0-d tensor like ``ref``; only read by the program, so kept per value (a few batch sizes)."""
+        key = (value, ref.dtype, ref.device)
+        t = self._scalars.get(key)
+        if t is None:
+            if len(self._scalars) > 256:  # Poisson batch sizes: keep the cache small
+                self._scalars.clear()
+            t = self._scalars[key] = torch.tensor(value, dtype=ref.dtype, device=ref.device)
+        return t
 
     def _reduce_inputs(self, config: DPConfig, count: int) -> list[torch.Tensor]:
         """The per-sample graph's own run-time inputs: the clipping bounds under adaptive clipping."""

@@ -76,6 +76,10 @@ def _tensors_and_values(optimizer: torch.optim.Optimizer, trained: list[int]):
     tensors, values = [], []
 
     def add(key, value):
+        if value is None or isinstance(value, torch.Tensor | float | int | str):  # a leaf: no pytree walk per step
+            (tensors if isinstance(value, torch.Tensor) else values).append(((*key, 0), value))
+            values.append(((*key, "structure"), "*"))
+            return
         leaves, _ = pytree.tree_flatten(value)
         for i, leaf in enumerate(leaves):
             (tensors if isinstance(leaf, torch.Tensor) else values).append(((*key, i), leaf))
