@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from spawn_ranks import WORLD, run_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 from compiled_psg._train.step import compile_step
 
-WORLD = 2
 BATCHES = (7, 12, 1, 0, 5)  # odd sizes, a batch that leaves rank 1 empty, an empty batch
 C, SIGMA = 0.3, 0.8
 
@@ -73,17 +71,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_worker, tmp_path_factory, "ddp")
 
 
 @pytest.mark.parametrize("sigma", [0.0, SIGMA])

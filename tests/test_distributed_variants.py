@@ -8,9 +8,9 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from test_distributed import BATCHES, WORLD, data, free_port, model_for
+from spawn_ranks import WORLD, run_ranks
+from test_distributed import BATCHES, data, model_for
 
 from compiled_psg._train.step import compile_step
 
@@ -53,9 +53,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp_variants")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_worker, tmp_path_factory, "ddp_variants")
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

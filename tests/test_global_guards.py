@@ -10,29 +10,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import reference_per_sample
+from test_capture_guards import _check, _setup  # the same model, batch and loop check
 
 import compiled_psg as psg
 from compiled_psg._capture import global_guards
 
 TEMP = np.float64(1.0)  # globals the losses read, rebound by the tests
 WEIGHTS = np.array([1.0, 2.0, 3.0])
-
-
-def _setup(seed=0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(5, 4, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (5,), generator=g)
-    return model, x, y
-
-
-def _check(fn, model, x, y):
-    got = fn(x, y)
-    expected = reference_per_sample(fn.fn, dict(model.named_parameters()), (x, y))
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-9, atol=1e-12)
 
 
 def _recaptured(fn, caplog, captures: int, text: str) -> None:
