@@ -71,7 +71,6 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return run_ranks(_worker, tmp_path_factory, "ddp")
