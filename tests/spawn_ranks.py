@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import socket
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
@@ -21,3 +24,15 @@ def run_ranks(worker, tmp_path_factory, name: str) -> list:
     out = tmp_path_factory.mktemp(name)
     mp.spawn(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, port: int):
+    """Inside a worker: the rank's gloo process group (one torch thread per rank), destroyed on the way out."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from spawn_ranks import WORLD, run_ranks
+from spawn_ranks import WORLD, gloo_group, run_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 from compiled_psg._train.step import compile_step
@@ -40,10 +37,7 @@ def train(model, shards, sigma, rank=0, world=1, backend="eager"):
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
-    try:
+    with gloo_group(rank, port):
         results = {}
         for sigma in (0.0, SIGMA):
             model = model_for(seed=rank)  # rank 1 starts elsewhere: the step broadcasts rank 0's parameters
@@ -67,8 +61,6 @@ def _worker(rank: int, port: int, out: str) -> None:
                                noise_multiplier=1.0, backend="eager")
         results["private"] = dict(sample_rate=private.sample_rate, expected=private.expected_batch_size)
         torch.save(results, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,10 @@ adaptive clipping's count, micro-batches and bf16 parameters each equal one proc
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from spawn_ranks import WORLD, run_ranks
+from spawn_ranks import WORLD, gloo_group, run_ranks
 from test_distributed import BATCHES, data, model_for
 
 from compiled_psg._train.step import compile_step
@@ -42,13 +39,8 @@ def train(name: str, rank: int = 0, world: int = 1):
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
-    try:
+    with gloo_group(rank, port):
         torch.save({name: train(name, rank, WORLD) for name in VARIANTS}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from spawn_ranks import WORLD, run_ranks
+from spawn_ranks import WORLD, gloo_group, run_ranks
 
 from compiled_psg._errors import DPConfigError, UnsupportedError
 from compiled_psg._train.step import compile_step
@@ -144,10 +141,7 @@ def swapped(rank: int = 0, world: int = 1) -> dict:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
-    try:
+    with gloo_group(rank, port):
         results = {}
         # micro-batches of at most 4: the second batch's 6 local samples run as 4 + 2 on each rank
         model = shard_model(model_for())  # FSDP: every rank builds the same model, then keeps its shards
@@ -178,8 +172,6 @@ def _worker(rank: int, port: int, out: str) -> None:
         results["swapped"] = swapped(rank, WORLD)
         results["refusals"] = _refusals(rank)
         torch.save(results, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
