@@ -464,7 +464,7 @@ def _no_causal_mask_detection(mask, is_causal=None, size=None) -> bool:
     return is_causal is True
 
 
-_original_linear_cross_entropy = torch.nn.functional.linear_cross_entropy
+_original_linear_cross_entropy = getattr(torch.nn.functional, "linear_cross_entropy", None)  # new in torch 2.13
 
 
 def _linear_cross_entropy_reference(*args, options=None, **kwargs):
@@ -480,8 +480,10 @@ def _linear_cross_entropy_reference(*args, options=None, **kwargs):
 
 def _stand_ins() -> list[tuple[object, str, object]]:
     """``(module, attribute, stand-in)``: library functions Dynamo cannot trace, and equivalent ones it can."""
-    return [(torch.nn.modules.transformer, "_detect_is_causal_mask", _no_causal_mask_detection),
-            (torch.nn.functional, "linear_cross_entropy", _linear_cross_entropy_reference)]
+    stand_ins = [(torch.nn.modules.transformer, "_detect_is_causal_mask", _no_causal_mask_detection)]
+    if _original_linear_cross_entropy is not None:
+        stand_ins.append((torch.nn.functional, "linear_cross_entropy", _linear_cross_entropy_reference))
+    return stand_ins
 
 
 @contextlib.contextmanager

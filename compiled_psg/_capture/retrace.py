@@ -76,17 +76,37 @@ class _Differentiable(fx.Interpreter):
 
 
 def forward_slice(joint: fx.GraphModule, loss_output: int) -> tuple[fx.GraphModule, fx.Node]:
-    """A copy of ``joint`` returning only the loss (all placeholders kept, in order)."""
+    """A copy of ``joint`` returning only the loss (all placeholders kept, in order).
+
+    Pre: the joint's outputs are the mutated inputs, the loss (at ``loss_output``), then the gradients.
+    Post: no node serves only the gradients, even one DCE counts as impure: CUDA's fused attention backwards
+    (``_scaled_dot_product_efficient_attention_backward``, ``_scaled_dot_product_cudnn_attention_backward``) are
+    tagged ``nondeterministic_seeded``, and left in the slice the mixing analysis would read them as consumers of
+    the loss's batch mean. Impure nodes of the forward (random draws) stay."""
     gm = copy.deepcopy(joint)
     graph = gm.graph
-    loss = graph.output_node().args[0][loss_output]
+    outputs = graph.output_node().args[0]
+    loss = outputs[loss_output]
     if loss.target is ATEN.detach.default:  # our joint returned loss.detach()
         loss = loss.args[0]
+    backward = _ancestors(o for o in outputs[loss_output + 1:] if isinstance(o, fx.Node)) - _ancestors([loss])
     graph.output_node().args = ((loss,),)
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(
+        is_impure_node=lambda n: n.is_impure() and n not in backward and not n.meta.get("autograd_backward"))
     graph.lint()
     gm.recompile()
     return gm, loss
+
+
+def _ancestors(nodes) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
 
 
 def retrace_joint(forward: fx.GraphModule, fake_inputs: list, param_positions: list[int]) -> fx.GraphModule:

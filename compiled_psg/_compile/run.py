@@ -110,7 +110,8 @@ class CompiledPerSample:
         else:
             examples = inputs
         try:
-            compiled = compile_fx(gm, examples)
+            with torch._inductor.config.patch(emulate_precision_casts=_holds_low_precision(gm)):
+                compiled = compile_fx(gm, examples)
         except PerSampleError:
             raise
         except Exception as e:
@@ -175,3 +176,12 @@ def _check_batch_not_pinned(rw: Rewritten, stage: str) -> None:
     if env is not None and rw.batch.symbol in env.replacements:
         raise InternalError(f"{stage} fixed the batch size to {env.replacements[rw.batch.symbol]}; an op "
                              "in the rewritten graph needs an opaque implementation. Use backend='eager' meanwhile.")
+
+
+def _holds_low_precision(gm: torch.fx.GraphModule) -> bool:
+    """Inductor keeps a fused chain's bfloat16/float16 intermediates in float32 unless told to round them as eager
+    does. A clip factor would then come from a norm of unrounded values and scale rounded ones (or the reverse),
+    and a clipped gradient could exceed C by bfloat16's rounding (1e-4 relative was measured): the clip bound
+    holds in float32 terms only if every kernel sees the values eager would."""
+    low = (torch.bfloat16, torch.float16)
+    return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.dtype in low for n in gm.graph.nodes)
