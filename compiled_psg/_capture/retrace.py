@@ -91,8 +91,8 @@ def forward_slice(joint: fx.GraphModule, loss_output: int) -> tuple[fx.GraphModu
         loss = loss.args[0]
     backward = _ancestors(o for o in outputs[loss_output + 1:] if isinstance(o, fx.Node)) - _ancestors([loss])
     graph.output_node().args = ((loss,),)
-    graph.eliminate_dead_code(
-        is_impure_node=lambda n: n.is_impure() and n not in backward and not n.meta.get("autograd_backward"))
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.op == "placeholder" or (
+        n.is_impure() and n not in backward and not n.meta.get("autograd_backward")))
     graph.lint()
     gm.recompile()
     return gm, loss
