@@ -212,11 +212,11 @@ class ShardedStep(DPStep):
         self._check_modules()
         # distributed=False: DPStep would broadcast rank 0's parameters; the shards are each rank's own
         super().__init__(loss_fn, model, optimizer, distributed=False, **options)
-        if self._config.clipping != "flat":
-            raise DPConfigError(f"clipping={self._config.clipping!r} on a fully_shard model is not tested against "
-                                "one process, so it is refused. Fix: clipping='flat' (max_grad_norm=C or "
-                                "reduce=psg.clip_sum(C)), or train the model unsharded (DDP)")
-        self.distributed = True
+        if self._config.clipping == "custom":
+            raise DPConfigError("a custom reduction (reduce=psg.custom(...)) on a fully_shard model is not tested "
+                                "against one process, so it is refused. Fix: max_grad_norm=C with a clipping mode "
+                                "(flat, per_layer, automatic, adaptive), or train the model unsharded (DDP)")
+        self.distributed = True  # adaptive clipping sums its counts over the ranks (DPStep._adapt_bound)
         self._layouts_key: tuple = ()
         self._layouts: list[_Layout] = []
         self._group = None
@@ -308,3 +308,77 @@ class ShardedStep(DPStep):
                 buffer.to_local().copy_(shard * scale)
             self.optimizer.step()
         return global_size
+
+    # --- save and resume: each rank its own shards --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``DPStep.state_dict`` of this rank, with every sharded tensor (the parameters' shards, the optimizer
+        state of sharded parameters) as this rank's local tensor: ``torch.save`` it to one file per rank and
+        load it on the same rank of a job sharded the same way. Plain tensors, so a file needs no process group
+        or device mesh to be read back; resharding a checkpoint to another world size is
+        ``torch.distributed.checkpoint``'s job, not this one's."""
+        from torch.distributed.tensor import DTensor
+
+        state = super().state_dict()
+        state["model"] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state["model"].items()}
+        params = _optimizer_params(self.optimizer)
+        optim = dict(state["optimizer"])
+        optim["state"], sharded = {}, []
+        for i, entries in state["optimizer"]["state"].items():
+            optim["state"][i] = dict(entries)
+            for key, v in entries.items():
+                if isinstance(v, DTensor):
+                    _check_like_param(v, params[i], key)
+                    optim["state"][i][key] = v.to_local()
+                    sharded.append((i, key))
+        state["optimizer"] = optim
+        state["shards"] = {"rank": dist.get_rank(), "world": dist.get_world_size(), "optimizer": sharded}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore this rank's ``state_dict`` (saved by the same rank of the same world size): the local
+        tensors are wrapped again as shards of this model's parameters, then ``DPStep.load_state_dict``."""
+        from torch.distributed.tensor import DTensor
+
+        saved = state.get("shards")
+        here = {"rank": dist.get_rank(), "world": dist.get_world_size()}
+        if saved is None or {k: saved[k] for k in here} != here:
+            where = "an unsharded step" if saved is None else f"rank {saved['rank']} of {saved['world']}"
+            raise DPConfigError(f"this state was saved by {where}, and is loaded on rank {here['rank']} of "
+                                f"{here['world']}: each rank loads its own shards. Fix: load the file of the same "
+                                "rank in a job of the same world size (to reshard a checkpoint, use "
+                                "torch.distributed.checkpoint)")
+        live = self.model.state_dict()
+        model = {k: _as_shard(v, live[k]) if isinstance(live.get(k), DTensor) else v
+                 for k, v in state["model"].items()}
+        params = _optimizer_params(self.optimizer)
+        optim = dict(state["optimizer"])
+        optim["state"] = {i: dict(entries) for i, entries in state["optimizer"]["state"].items()}
+        for i, key in saved["optimizer"]:
+            optim["state"][i][key] = _as_shard(optim["state"][i][key], params[i])
+        super().load_state_dict({**state, "model": model, "optimizer": optim})
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in the order of the integer keys of its ``state_dict``."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _check_like_param(value, param: torch.Tensor, key: str) -> None:
+    """Optimizer state saved as a local tensor is wrapped back like its parameter on load: it must be laid out
+    like it."""
+    if (getattr(param, "device_mesh", None) != value.device_mesh or tuple(param.placements) != tuple(value.placements)
+            or param.shape != value.shape):
+        raise UnsupportedError(f"the optimizer's state {key!r} is a DTensor {tuple(value.shape)} placed "
+                               f"{value.placements}, unlike its parameter: the sharded step saves only state "
+                               "sharded like the parameter. Fix: save with torch.distributed.checkpoint")
+
+
+def _as_shard(local: torch.Tensor, like) -> torch.Tensor:
+    """``local`` as this rank's shard of a DTensor laid out like ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    if local.shape != like.to_local().shape:
+        raise DPConfigError(f"a saved shard is {tuple(local.shape)}, this rank's shard of the model is "
+                            f"{tuple(like.to_local().shape)}: the state was saved from another model or sharding")
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
