@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from .._errors import DPConfigError, UnsupportedError
 from .config import DPConfig
-from .step import DPStep, _add_into, _combine_losses, _split_result
+from .step import DPStep, _combine_losses, _split_result
 
 FIX = "Fix: apply fully_shard(module) to each block and then to the root model, with the default options"
 
@@ -134,15 +134,14 @@ class _Layout:
         start = min(s * self.chunk, n)
         return start, min(self.chunk, n - start)
 
-    def padded_piece(self, full: torch.Tensor, s: int) -> torch.Tensor:
-        """Rank ``s``'s rows of ``full``, zero-padded to ``chunk`` rows, flat."""
+    def write_piece(self, full: torch.Tensor, s: int, slot: torch.Tensor) -> None:
+        """Rank ``s``'s rows of ``full``, zero-padded to ``chunk`` rows, into ``slot`` (flat, ``numel()``)."""
         start, length = self.rows(s)
-        piece = full.narrow(self.dim, start, length)
-        if length < self.chunk:
-            pad = list(piece.shape)
-            pad[self.dim] = self.chunk - length
-            piece = torch.cat([piece, piece.new_zeros(pad)], self.dim)
-        return piece.reshape(-1)
+        shape = list(self.shape)
+        shape[self.dim] = self.chunk
+        padded = slot.view(shape)
+        padded.narrow(self.dim, 0, length).copy_(full.narrow(self.dim, start, length))
+        padded.narrow(self.dim, length, self.chunk - length).zero_()
 
     def numel(self) -> int:
         return math.prod(self.shape) // self.shape[self.dim] * self.chunk
@@ -154,19 +153,44 @@ class _Layout:
         return flat.view(shape).narrow(self.dim, 0, self.local[1])
 
 
-def reduce_scatter_sums(sums: list[torch.Tensor], count: torch.Tensor, layouts: list[_Layout],
-                        group) -> tuple[list[torch.Tensor], torch.Tensor]:
+def reduce_scatter_sums(sums: list[torch.Tensor | None], count: torch.Tensor, layouts: list[_Layout], group,
+                        noise: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``(shards of sum_r sums[j], sum_r count)`` on every rank: one ``reduce_scatter_single`` whose row ``s`` is
-    ``cat_j(pad(shard_s(sums[j])), [count])`` (the count in every row, so every rank gets the global one)."""
+    ``cat_j(pad(shard_s(sums[j])), [count])`` (the count in every row, so every rank gets the global one).
+
+    Memory: the rows are written straight into the collective's input buffer (the padded parameters' size),
+    and ``sums[j]`` is released (set to None in the list) once written, so the full sums and the buffer are
+    held together one parameter at a time. ``noise(g)``, when given, is added to ``sums[j]`` first, in the
+    order of the parameters (the order one process draws in)."""
     world = dist.get_world_size(group)
     dtype = functools.reduce(torch.promote_types, [g.dtype for g in sums])  # float64 sums stay float64
-    count = count.to(dtype)
-    rows = [torch.cat([lay.padded_piece(g.to(dtype), s) for g, lay in zip(sums, layouts, strict=True)]
-                      + [count.reshape(1)]) for s in range(world)]
-    out = torch.empty_like(rows[0])
-    dist.reduce_scatter_single(out, torch.cat(rows), op=dist.ReduceOp.SUM, group=group)
-    parts = out.split([lay.numel() for lay in layouts] + [1])
+    sizes = [lay.numel() for lay in layouts]
+    buffer = sums[0].new_empty((world, sum(sizes) + 1), dtype=dtype)
+    offset = 0
+    for j, (lay, size) in enumerate(zip(layouts, sizes, strict=True)):
+        g = sums[j]
+        if noise is not None:
+            g = g + noise(g)
+        for s in range(world):
+            lay.write_piece(g, s, buffer[s].narrow(0, offset, size))
+        sums[j] = g = None
+        offset += size
+    buffer[:, -1] = count.to(dtype)
+    out = buffer.new_empty(buffer.shape[1])
+    dist.reduce_scatter_single(out, buffer.view(-1), op=dist.ReduceOp.SUM, group=group)
+    del buffer
+    parts = out.split([*sizes, 1])
     return [lay.unpad(part) for lay, part in zip(layouts, parts, strict=False)], parts[-1].view(())
+
+
+def _accumulate(total: list[torch.Tensor] | None, sums: dict, names: list[str]) -> list[torch.Tensor]:
+    """The micro-batches' clipped sums added up. The first micro-batch's are the graph's own outputs, kept
+    without a copy: nothing writes into them (the sums and the noise are added out of place, one parameter at
+    a time), so the step holds one full set of sums besides the unsharded parameters."""
+    if total is None:
+        return [sums[n] for n in names]
+    return [t + sums[n] for t, n in zip(total, names, strict=True)]
 
 
 class UnshardedCalls:
@@ -278,16 +302,17 @@ class ShardedStep(DPStep):
             if batch_size == 0:  # this rank drew no sample: zeros, and it still joins the collective
                 loss, _, result = f.with_losses(*batch)
                 sums, norm = _split_result(result, self.names, self.params)
-                total, losses, norms, sizes = _add_into(None, sums, self.names), [loss], [norm], [0]
+                total, losses, norms, sizes = _accumulate(None, sums, self.names), [loss], [norm], [0]
             else:
                 for piece in self._micro_batches(batch, f.in_dims, batch_size):
                     c = f.prepare_call(*piece)
                     loss, _, result = self._run_per_sample(c.entry, config, c.params, c.args, c.batch_size)
                     sums, norm = _split_result(result, self.names, self.params)
-                    total = _add_into(total, sums, self.names)
+                    total = _accumulate(total, sums, self.names)
                     losses.append(loss)
                     norms.append(norm)
                     sizes.append(c.batch_size)
+        sums = result = None  # the last micro-batch's sums: total holds them (the reduce-scatter frees it)
         self.last_norms = None if norms[0] is None else torch.cat(norms)
         self.last_batch_size = self._sharded_update(config, total, batch_size)
         self._state_ready = True
@@ -295,11 +320,12 @@ class ShardedStep(DPStep):
 
     def _sharded_update(self, config: DPConfig, sums: list[torch.Tensor], batch_size: int) -> int:
         """Noise (rank 0, on the full sums), one reduce-scatter, scaling into the shards' ``.grad``, the
-        optimizer's step; returns the global batch size."""
+        optimizer's step; returns the global batch size. ``sums`` is consumed (its entries are released)."""
+        noise = None
         if config.noise_std > 0 and dist.get_rank() == 0:
-            sums = [g + self.noise.draw(config, g) for g in sums]
+            noise = functools.partial(self.noise.draw, config)
         count = torch.tensor(float(batch_size), dtype=sums[0].dtype, device=sums[0].device)
-        shards, count = reduce_scatter_sums(sums, count, self._layouts, self._group)
+        shards, count = reduce_scatter_sums(sums, count, self._layouts, self._group, noise)
         global_size = int(round(count.item()))
         scale = config.scale(global_size)
         self.binding.install()
