@@ -18,6 +18,7 @@ MiB, the peak of each over the step:
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import os
 import socket
@@ -42,18 +43,20 @@ class LiveStorage(TorchDispatchMode):
     def __init__(self, fsdp_params: list):
         super().__init__()
         self.refs: dict[int, weakref.ref] = {}
+        self.at_peak: list[int] = []  # the sizes of the storages alive at the peak
         self.fsdp_params = fsdp_params
         self.peak = self.params_peak = 0
 
     def _sample(self) -> None:
-        live = 0
+        sizes = []
         for key, ref in list(self.refs.items()):
             st = ref()
             if st is None:
                 del self.refs[key]
-            else:
-                live += st.nbytes()
-        self.peak = max(self.peak, live)
+            elif st.nbytes():
+                sizes.append(st.nbytes())
+        if sum(sizes) > self.peak:
+            self.peak, self.at_peak = sum(sizes), sizes
         held = sum(t.untyped_storage().nbytes() for p in self.fsdp_params for t in p.all_gather_outputs)
         self.params_peak = max(self.params_peak, held)
 
@@ -111,7 +114,7 @@ def measure(kind: str, args) -> dict:
     with tracker:
         step(x, y)
     full = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dict(peak=tracker.peak, params_peak=tracker.params_peak, full=full,
+    return dict(peak=tracker.peak, params_peak=tracker.params_peak, full=full, at_peak=tracker.at_peak,
                 shard=sum(p.to_local().numel() * p.element_size() for p in model.parameters()))
 
 
@@ -148,6 +151,10 @@ def main() -> None:
         for kind in ("fsdp", "psg"):
             m = result[kind]
             print(f"{r:>4} {kind:>5} | {m['params_peak'] / MIB:>26.2f} {m['peak'] / MIB:>34.2f}")
+    for kind in ("fsdp", "psg"):
+        at_peak = collections.Counter(round(n / MIB, 2) for n in results[0][kind]["at_peak"])
+        print(f"rank 0, {kind}, the tensors alive at the peak (MiB x count): "
+              + ", ".join(f"{size} x {count}" for size, count in sorted(at_peak.items(), reverse=True)))
 
 
 if __name__ == "__main__":
