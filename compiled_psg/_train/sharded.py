@@ -13,22 +13,31 @@ s rank, j parameter:
    entirely on the rank that holds the sample, so its squared norm is complete there: no collective on norms
    is needed. (An all-reduce of the ``[B]`` vector of squared norms is what a layout that splits one sample's
    gradient across ranks would need, tensor parallelism, which FSDP is not.)
-3. rank 0 adds the noise ``N(0, sigma^2 C^2)`` to its full sums (drawn exactly as one process draws it), so
-   the noise is added once per coordinate;
+   The clipping variants are computed the same way, whole on each rank: ``per_layer`` (a group's norm is a
+   sample's) and ``automatic`` need nothing more; ``adaptive`` sums its counts of unclipped samples over the
+   ranks after the step, rank 0 alone adding the count's noise (``DPStep._adapt_bound``, as under DDP);
+3. the parameters are resharded; rank 0 adds the noise ``N(0, sigma^2 C^2)`` to its full sums (drawn exactly
+   as one process draws it, parameter by parameter), so the noise is added once per coordinate;
 4. ONE ``reduce_scatter_single`` over the mesh's group sums the ranks' sums and hands rank s only its shard:
    row s of the input is ``cat_j(pad(shard_s(S^r_j)).view(-1), [B_r])``, so the output on rank s is
    ``cat_j(shard_s(noise + sum_r S^r_j)), sum_r B_r``: the shard of the union's noisy clipped sum and the
    global batch size;
 5. the shard is scaled (``1 / expected_batch_size``, or 1 / the global batch size) into ``p.grad`` (a
-   ``DTensor`` like ``p``) and the optimizer updates each rank's shard; the parameters are resharded.
+   ``DTensor`` like ``p``) and the optimizer updates each rank's shard.
 
 So a step equals, up to the order of floating-point sums, one process running ``compile_step`` on the union of
 the ranks' batches with the unsharded model and the same noise generator (``tests/test_sharded.py``). As FSDP
 itself does, the ranks must start from the same model (same seed, or a loaded checkpoint): the shards are not
-broadcast. What is not done: the optimizer update runs eagerly after the compiled per-sample graph (two programs,
-``step.fused`` is False) instead of being fused into one program; hybrid sharding (2-D meshes), grouped
-``fully_shard([a, b])``, mixed-precision and CPU-offload policies, parameters outside every ``fully_shard``, and
-the clipping variants other than flat (and custom reductions) are refused.
+broadcast. ``state_dict`` is the rank's own part with its shards as local tensors (one file per rank; loading
+into another world size is ``torch.distributed.checkpoint``'s job).
+
+Memory: the step holds every parameter unsharded at once, and one full set of clipped sums (the graph's own
+outputs, not copied; released parameter by parameter into the reduce-scatter's input buffer), where FSDP's
+own step unshards one block at a time (``python -m benchmarks.sharded_memory``; docs/training.md). What is not
+done: the optimizer update runs eagerly after the compiled per-sample graph (two programs, ``step.fused`` is
+False) instead of being fused into one program; hybrid sharding (2-D meshes), grouped ``fully_shard([a, b])``,
+mixed-precision and CPU-offload policies, parameters outside every ``fully_shard`` and custom reductions are
+refused.
 """
 
 from __future__ import annotations
