@@ -58,3 +58,28 @@ def test_an_argument_computed_from_the_parameters_is_refused():
                                (m[0](x).detach(), y))
     for name, g in ref.items():
         torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- pass 3 (branch wip-adv3, findings/ there)
+
+
+def _mlp_and_batch():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    return m, torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+
+def _assert_exact(loss, m, args):
+    got = psg.per_sample(m, backend="eager")(loss)(*args)
+    ref = reference_per_sample(loss, dict(m.named_parameters()), args)
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-12)
+
+
+def test_vector_losses_divided_by_the_batch_size_are_exact():
+    """forward_slice dropped an input only the gradients read (a second batch-size symbol), so the retrace got
+    its inputs shifted: CaptureError ("Expected a value of type 'Tensor' ... found type 'SymInt'")."""
+    m, x, y = _mlp_and_batch()
+    _assert_exact(lambda x, y: F.cross_entropy(m(x), y, reduction="none") / len(x), m, (x, y))
+    _assert_exact(lambda x, y: F.cross_entropy(m(x), y, reduction="none").sum()
+                  / torch.scalar_tensor(len(x), dtype=torch.float64), m, (x, y))
