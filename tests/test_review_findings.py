@@ -83,3 +83,14 @@ def test_vector_losses_divided_by_the_batch_size_are_exact():
     _assert_exact(lambda x, y: F.cross_entropy(m(x), y, reduction="none") / len(x), m, (x, y))
     _assert_exact(lambda x, y: F.cross_entropy(m(x), y, reduction="none").sum()
                   / torch.scalar_tensor(len(x), dtype=torch.float64), m, (x, y))
+
+
+@pytest.mark.parametrize("divisor", ["new_full", "new_full_1", "full_like"])
+def test_batch_size_as_the_fill_value_of_a_shape_only_factory_reads_one(divisor):
+    """``x.new_full((), len(x))``: the fill value is the batch size, but the factory was marked independent of
+    the batch (its tensor argument gives only the shape): each sample's loss was divided by B, not 1."""
+    m, x, y = _mlp_and_batch()
+    make = {"new_full": lambda x: x.new_full((), len(x)),
+            "new_full_1": lambda x: x.new_full((1,), len(x)).sum(),
+            "full_like": lambda x: torch.full_like(m[2].bias, len(x)).sum() / 3}[divisor]
+    _assert_exact(lambda x, y: F.cross_entropy(m(x), y, reduction="sum") / make(x), m, (x, y))
