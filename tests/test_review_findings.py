@@ -94,3 +94,22 @@ def test_batch_size_as_the_fill_value_of_a_shape_only_factory_reads_one(divisor)
             "new_full_1": lambda x: x.new_full((1,), len(x)).sum(),
             "full_like": lambda x: torch.full_like(m[2].bias, len(x)).sum() / 3}[divisor]
     _assert_exact(lambda x, y: F.cross_entropy(m(x), y, reduction="sum") / make(x), m, (x, y))
+
+
+def test_micro_batches_with_a_custom_reduction_are_refused():
+    """Micro-batches' results are summed: a custom mean or max over the batch gave another update than the same
+    step on the whole batch (0.71 apart), silently."""
+    m, x, y = _mlp_and_batch()
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    mean = psg.custom(lambda n, g: g.mean(0))
+    with pytest.raises(psg.DPConfigError, match="max_physical_batch_size with a custom reduce"):
+        psg.compile_step(lambda x, y: F.cross_entropy(m(x), y), m, opt, reduce=mean, backend="eager",
+                         max_physical_batch_size=2)
+    step = psg.compile_step(lambda x, y: F.cross_entropy(m(x), y), m, opt, reduce=mean, backend="eager")
+    with pytest.raises(psg.DPConfigError, match="max_physical_batch_size with a custom reduce"):
+        step.max_physical_batch_size = 2
+    g = reference_per_sample(lambda x, y: F.cross_entropy(m(x), y), dict(m.named_parameters()), (x, y))
+    before = [p.detach().clone() for p in m.parameters()]
+    step(x, y)  # the whole batch still works: the mean over its 5 samples, divided by the batch size (mean loss)
+    for p, p0, gi in zip(m.parameters(), before, g.values(), strict=True):
+        torch.testing.assert_close(p, p0 - gi.mean(0) / 5, rtol=1e-10, atol=1e-12)

@@ -239,6 +239,12 @@ class DPStep:
     def max_physical_batch_size(self, value: int | None) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise DPConfigError(f"max_physical_batch_size must be a positive int or None, got {value!r}")
+        if value is not None and getattr(self, "_custom_reduce", None) is not None:
+            # micro-batches' results are summed: right for a sum over samples only (not a mean, max, median)
+            raise DPConfigError("max_physical_batch_size with a custom reduce=: the micro-batches' results would be "
+                                "summed, which equals the whole batch's result only if the reduction is a sum over "
+                                "samples. Fix: max_physical_batch_size=None, or reduce=psg.clip_sum(C) / "
+                                "max_grad_norm=C")
         self._max_physical_batch_size = value
 
     # --- what was built ---------------------------------------------------------------------------------------
