@@ -82,7 +82,15 @@ class PrivateTraining:
 
     def step(self, *batch) -> torch.Tensor:
         """One DP-SGD step on a (logical) batch; the accountant records the noise multiplier it used."""
-        loss = self.dp_step(*batch)
+        try:
+            loss = self.dp_step(*batch)
+        except BaseException:
+            # a failure after the noisy update began (compiling the program at the end of the first step, an
+            # interrupt) still released it: count it, with the noise it used
+            released = getattr(self.dp_step, "released_config", None)
+            if released is not None:
+                self.accountant.step(released.accounted_noise_multiplier, self.sample_rate)
+            raise
         self.accountant.step(self.dp_step.last_noise_multiplier, self.sample_rate)
         return loss
 
