@@ -133,3 +133,32 @@ def test_a_clipped_contribution_of_a_sequence_linear_stays_within_the_bound():
     worst = max(fn(x[k:k + 1].repeat(2, 1, 1), v[k:k + 1].repeat(2, 1, 1))["weight"].double().norm().item() / 2
                 for k in range(4))
     assert worst <= 1.0 + 1e-5
+
+
+def test_a_noisy_update_is_accounted_even_when_the_step_fails_after_it(monkeypatch):
+    """The first step applies the eager noisy update, then compiles the program: a CompileError (or Ctrl-C) there
+    left PrivateTraining.step before the accountant counted the step (history [], epsilon 0, parameters moved).
+    A step refused before any update still counts nothing."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from compiled_psg._compile import run as run_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    data = TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+    private = psg.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data, batch_size=16),
+                               lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager")
+    x, y = data[:16]
+    with pytest.raises(psg.BatchInputError):
+        private.step(x, y[:15])  # refused before anything ran
+    assert private.steps == 0
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def failing_prepare(self, *args, **kwargs):
+        raise psg.CompileError("simulated: Inductor failed on the step program")
+
+    monkeypatch.setattr(run_module.CompiledPerSample, "prepare", failing_prepare)
+    with pytest.raises(psg.CompileError, match="simulated"):
+        private.step(x, y)
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert private.accountant.history == [(1.0, 0.25, 1)]
