@@ -162,3 +162,37 @@ def test_a_noisy_update_is_accounted_even_when_the_step_fails_after_it(monkeypat
         private.step(x, y)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     assert private.accountant.history == [(1.0, 0.25, 1)]
+
+
+class _WithClassmethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    @classmethod
+    def scale(cls):
+        return 2.0
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)) * self.scale())
+
+
+def test_a_classmethod_replaced_after_the_capture_recaptures(monkeypatch):
+    """global_guards skipped classmethods (a new bound method on every read): the old graph ran, err 0.23."""
+    torch.manual_seed(0)
+    m = _WithClassmethod().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss(x, y):
+        return F.cross_entropy(m(x), y)
+
+    fn = psg.per_sample(m, backend="eager")(loss)
+    fn(x, y)
+    fn(x, y)
+    assert fn.captures == 1  # an unchanged classmethod does not recapture
+    monkeypatch.setattr(_WithClassmethod, "scale", classmethod(lambda cls: 3.0))
+    got = fn(x, y)
+    assert fn.captures == 2
+    ref = reference_per_sample(loss, dict(m.named_parameters()), (x, y))
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-12)
