@@ -196,3 +196,29 @@ def test_a_classmethod_replaced_after_the_capture_recaptures(monkeypatch):
     ref = reference_per_sample(loss, dict(m.named_parameters()), (x, y))
     for name, g in ref.items():
         torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-12)
+
+
+def test_make_private_refuses_a_loader_without_length_and_a_delta_outside_0_1_in_our_words():
+    """An IterableDataset gave a raw TypeError (len()); target_delta=0 a raw NoBracketIntervalFoundError from
+    dp-accounting's calibration."""
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([(torch.randn(4), 0)] * 8)
+
+    m, _, _ = _mlp_and_batch()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def loss(x, y):
+        return F.cross_entropy(m(x), y)
+
+    with pytest.raises(psg.DPConfigError, match="dataset with a length"):
+        psg.make_private(m, opt, DataLoader(Stream(), batch_size=4), loss, noise_multiplier=1.0, backend="eager")
+    data = DataLoader(TensorDataset(torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))), batch_size=4)
+    for delta in (0.0, 1.0):
+        with pytest.raises(psg.DPConfigError, match=r"delta must be a number in \(0, 1\)"):
+            psg.make_private(m, opt, data, loss, target_epsilon=1.0, target_delta=delta, epochs=1, backend="eager")
+    private = psg.make_private(m, opt, data, loss, noise_multiplier=1.0, backend="eager")
+    with pytest.raises(psg.DPConfigError, match="delta must be"):
+        private.epsilon(0.0)
