@@ -101,13 +101,15 @@ def test_forward_slice_drops_unused_backward_nodes_even_when_impure(marked):
     """CUDA's efficient and cuDNN attention backwards are tagged nondeterministic_seeded, so plain DCE keeps them
     in the forward slice (unused), where the mixing analysis would read them as consumers of the loss's batch
     mean. The slice drops nodes that serve only the gradients (found from the joint's gradient outputs, and by
-    the ``autograd_backward`` meta where torch sets it), and keeps unused impure nodes of the forward."""
+    the ``autograd_backward`` meta where torch sets it), and keeps unused impure nodes of the forward and every
+    placeholder."""
     graph = fx.Graph()
     x = graph.placeholder("x")
+    scale = graph.placeholder("scale")  # read by the gradient only: a placeholder stays all the same
     loss = graph.call_function(torch.ops.aten.sum.default, (x,))
     forward_draw = graph.call_function(torch.ops.aten.rand_like.default, (x,))
     backward_draw = graph.call_function(torch.ops.aten.rand_like.default, (x,))
-    grad = graph.call_function(torch.ops.aten.mul.Tensor, (backward_draw, x))
+    grad = graph.call_function(torch.ops.aten.mul.Tensor, (backward_draw, scale))
     if marked:
         backward_draw.meta["autograd_backward"] = True
         graph.output((loss,))
@@ -116,3 +118,4 @@ def test_forward_slice_drops_unused_backward_nodes_even_when_impure(marked):
     sliced, _ = forward_slice(fx.GraphModule(torch.nn.Module(), graph), 0)
     kept = {n.name for n in sliced.graph.nodes}
     assert forward_draw.name in kept and backward_draw.name not in kept
+    assert [n.name for n in sliced.graph.nodes if n.op == "placeholder"] == ["x", "scale"]

@@ -1,4 +1,5 @@
-"""compile_step on a fully_shard (FSDP2) model: two gloo processes against one process on the union, float64."""
+"""compile_step on a fully_shard (FSDP2) model: two gloo processes (three for one test) against one process on the
+union, float64: flat clipping, the clipping variants, save and resume."""
 
 from __future__ import annotations
 
@@ -7,12 +8,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from spawn_ranks import WORLD, gloo_group, run_ranks
+from torch.utils import _pytree as pytree
 
 from compiled_psg._errors import DPConfigError, UnsupportedError
 from compiled_psg._train.step import compile_step
 
 BATCHES = (7, 12, 1, 0, 5)  # odd sizes, a batch that leaves rank 1 empty, an empty batch
 C, SIGMA = 0.3, 0.8
+VARIANTS = {
+    "per_layer": dict(clipping="per_layer", max_grad_norm=[0.2, 0.1],
+                      clip_groups=[["0.weight", "0.bias"], ["2.weight", "2.bias"]]),
+    "automatic": dict(clipping="automatic", max_grad_norm=0.3),
+    "adaptive": dict(clipping="adaptive", max_grad_norm=0.3, unclipped_num_std=2.0, target_unclipped_quantile=0.3),
+}
 
 
 def model_for(seed: int = 0, hidden: int = 5) -> nn.Module:
@@ -111,9 +119,11 @@ def _refusals(rank: int) -> dict:
         compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
                      distributed=False)
     out["local"] = str(e.value)
-    with pytest.raises(DPConfigError, match="clipping='automatic'") as e:
+    import compiled_psg as psg
+
+    with pytest.raises(DPConfigError, match="custom reduction") as e:
         compile_step(lambda x, y: loss(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                     max_grad_norm=1.0, clipping="automatic")
+                     reduce=psg.custom(lambda n, g: g.sum(0)))
     out["variant"] = str(e.value)
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -138,6 +148,66 @@ def swapped(rank: int = 0, world: int = 1) -> dict:
     step(x2[rank::world], y2[rank::world])
     params = full(model) if world > 1 else [p.detach().clone() for p in model.parameters()]
     return dict(params=params, captures=step.captures)
+
+
+def build(name: str, seed: int = 0, world: int = 1, adam: bool = False):
+    """A clipping variant's step with seeded noise: momentum SGD, or Adam (whose update amplifies the rounding
+    of the sums' order, 1e-6 after five steps: compared bit for bit with itself only)."""
+    model = model_for(seed)
+    if world > 1:
+        model = shard_model(model)
+    opt = (torch.optim.Adam(model.parameters(), lr=0.05) if adam
+           else torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, opt, noise_multiplier=0.7,
+                        backend="eager", generator=torch.Generator().manual_seed(5), **VARIANTS[name])
+    return model, step
+
+
+def local_state(step) -> dict:
+    """This rank's optimizer state, sharded entries as their local tensors (copies)."""
+    return {i: {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in entries.items()}
+            for i, entries in step.optimizer.state_dict()["state"].items()}
+
+
+def run_steps(model, step, batches, rank: int, world: int, bounds: list | None = None) -> dict:
+    for x, y in batches:
+        step(x[rank::world], y[rank::world])
+        if bounds is not None:
+            bounds.append(step.max_grad_norm)
+    local = [(p.to_local() if world > 1 else p.detach()).clone() for p in model.parameters()]
+    return dict(local=local, state=local_state(step), bound=step.max_grad_norm, steps=step.steps_taken)
+
+
+def variant(name: str, rank: int = 0, world: int = 1) -> dict:
+    """Five steps of a clipping variant, sharded over ``world`` ranks or not."""
+    model, step = build(name, world=world)
+    bounds = []
+    run_steps(model, step, data(), rank, world, bounds)
+    params = full(model) if world > 1 else [p.detach().clone() for p in model.parameters()]
+    return dict(params=params, bounds=bounds, sharded=getattr(step, "sharded", False))
+
+
+def resume(rank: int, out: str) -> dict:
+    """Adaptive clipping (the moving bound, the count's noise) and Adam (sharded moments, a plain ``step``): five
+    steps without a break; and two steps, a save of each rank's state to its own file, fresh objects from
+    another initialization, a load and the three steps left."""
+    batches = data()
+    want = run_steps(*build("adaptive", world=WORLD, adam=True), batches, rank, WORLD)
+    model, step = build("adaptive", world=WORLD, adam=True)
+    run_steps(model, step, batches[:2], rank, WORLD)
+    path = f"{out}/step_rank{rank}.pt"
+    saved = step.state_dict()
+    plain = not any(hasattr(t, "device_mesh") for t in pytree.tree_leaves(saved))
+    torch.save(saved, path)
+    del model, step, saved
+    model, step = build("adaptive", seed=1, world=WORLD, adam=True)
+    fresh = [p.to_local().clone() for p in model.parameters()]
+    state = torch.load(path)
+    with pytest.raises(DPConfigError, match="each rank loads its own shards") as e:
+        step.load_state_dict({**state, "shards": {**state["shards"], "rank": 1 - rank}})
+    step.load_state_dict(state)
+    return dict(got=run_steps(model, step, batches[2:], rank, WORLD), want=want, plain=plain, fresh=fresh,
+                refused=str(e.value))
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -170,6 +240,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         results["private"] = dict(sharded=private.dp_step.sharded, steps=private.steps,
                                   sample_rate=private.sample_rate, epsilon=private.epsilon())
         results["swapped"] = swapped(rank, WORLD)
+        results["variants"] = {name: variant(name, rank, WORLD) for name in VARIANTS}
+        results["resume"] = resume(rank, out)
         results["refusals"] = _refusals(rank)
         torch.save(results, f"{out}/rank{rank}.pt")
 
@@ -248,3 +320,71 @@ def test_a_swapped_submodule_is_recaptured(ranks):
         assert r["swapped"]["captures"] == 2
         for got, want in zip(r["swapped"]["params"], expected["params"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_clipping_variants_equal_one_process_on_the_union(ranks, name):
+    one = variant(name)
+    for r in ranks:
+        got = r["variants"][name]
+        assert got["sharded"] and not one["sharded"]
+        # the counts of adaptive clipping are summed over the ranks, the count's noise drawn once on rank 0
+        assert got["bounds"] == pytest.approx(one["bounds"], rel=1e-12)
+        for g, want in zip(got["params"], one["params"], strict=True):
+            torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+    assert ranks[0]["variants"][name]["bounds"] == ranks[1]["variants"][name]["bounds"], "the same C on every rank"
+
+
+def test_clipping_variants_differ(ranks):
+    """The comparisons above would also hold if the variants all clipped alike: they do not; and adaptive's C
+    moves at every step."""
+    runs = ranks[0]["variants"]
+    for a, b in [("per_layer", "automatic"), ("per_layer", "adaptive"), ("automatic", "adaptive")]:
+        assert not torch.allclose(runs[a]["params"][0], runs[b]["params"][0], rtol=1e-6, atol=1e-8)
+    assert len(set(runs["adaptive"]["bounds"])) == len(BATCHES)
+
+
+def test_resumed_sharded_run_is_bit_identical(ranks):
+    for r in ranks:
+        got, want = r["resume"], r["resume"]["want"]
+        assert got["plain"], "the saved state holds local tensors, not DTensors"
+        assert not all(torch.equal(a, b) for a, b in zip(got["fresh"], want["local"], strict=True))
+        assert got["got"]["steps"] == want["steps"] == len(BATCHES)
+        assert got["got"]["bound"] == want["bound"]
+        for a, b in zip(got["got"]["local"], want["local"], strict=True):
+            assert torch.equal(a, b)
+        assert got["got"]["state"].keys() == want["state"].keys()
+        for i, entries in want["state"].items():
+            assert entries.keys() == got["got"]["state"][i].keys() == {"step", "exp_avg", "exp_avg_sq"}
+            assert all(torch.equal(got["got"]["state"][i][k], v) for k, v in entries.items())
+        assert "Fix:" in got["refused"]
+
+
+THREE = 3
+
+
+def _three_ranks_worker(rank: int, port: int, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    with gloo_group(rank, port, world=THREE):
+        model = model_for(hidden=4)
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        step = train(model, data(), SIGMA, rank, THREE, max_physical_batch_size=3)
+        torch.save(dict(params=full(model), local=[tuple(p.to_local().shape) for p in model.parameters()],
+                        last_batch_size=step.last_batch_size), f"{out}/rank{rank}.pt")
+
+
+def test_three_ranks_with_uneven_and_empty_shards_equal_one_process(tmp_path_factory):
+    """Rows 4 as 2 + 2 + 0 (rank 2 holds nothing of the first layer) and 3 as 1 + 1 + 1; batches of 7, 12, 1, 0, 5
+    over three ranks (the batch of one leaves ranks 1 and 2 empty)."""
+    ranks = run_ranks(_three_ranks_worker, tmp_path_factory, "fsdp3", world=THREE)
+    model = model_for(hidden=4)
+    step = train(model, data(), SIGMA, max_physical_batch_size=3)
+    assert [r["local"] for r in ranks] == [[(2, 4), (2,), (1, 4), (1,)], [(2, 4), (2,), (1, 4), (1,)],
+                                           [(0, 4), (0,), (1, 4), (1,)]]
+    for r in ranks:
+        assert r["last_batch_size"] == step.last_batch_size
+        for got, want in zip(r["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)

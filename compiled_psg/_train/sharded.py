@@ -13,22 +13,31 @@ s rank, j parameter:
    entirely on the rank that holds the sample, so its squared norm is complete there: no collective on norms
    is needed. (An all-reduce of the ``[B]`` vector of squared norms is what a layout that splits one sample's
    gradient across ranks would need, tensor parallelism, which FSDP is not.)
-3. rank 0 adds the noise ``N(0, sigma^2 C^2)`` to its full sums (drawn exactly as one process draws it), so
-   the noise is added once per coordinate;
+   The clipping variants are computed the same way, whole on each rank: ``per_layer`` (a group's norm is a
+   sample's) and ``automatic`` need nothing more; ``adaptive`` sums its counts of unclipped samples over the
+   ranks after the step, rank 0 alone adding the count's noise (``DPStep._adapt_bound``, as under DDP);
+3. the parameters are resharded; rank 0 adds the noise ``N(0, sigma^2 C^2)`` to its full sums (drawn exactly
+   as one process draws it, parameter by parameter), so the noise is added once per coordinate;
 4. ONE ``reduce_scatter_single`` over the mesh's group sums the ranks' sums and hands rank s only its shard:
    row s of the input is ``cat_j(pad(shard_s(S^r_j)).view(-1), [B_r])``, so the output on rank s is
    ``cat_j(shard_s(noise + sum_r S^r_j)), sum_r B_r``: the shard of the union's noisy clipped sum and the
    global batch size;
 5. the shard is scaled (``1 / expected_batch_size``, or 1 / the global batch size) into ``p.grad`` (a
-   ``DTensor`` like ``p``) and the optimizer updates each rank's shard; the parameters are resharded.
+   ``DTensor`` like ``p``) and the optimizer updates each rank's shard.
 
 So a step equals, up to the order of floating-point sums, one process running ``compile_step`` on the union of
 the ranks' batches with the unsharded model and the same noise generator (``tests/test_sharded.py``). As FSDP
 itself does, the ranks must start from the same model (same seed, or a loaded checkpoint): the shards are not
-broadcast. What is not done: the optimizer update runs eagerly after the compiled per-sample graph (two programs,
-``step.fused`` is False) instead of being fused into one program; hybrid sharding (2-D meshes), grouped
-``fully_shard([a, b])``, mixed-precision and CPU-offload policies, parameters outside every ``fully_shard``, and
-the clipping variants other than flat (and custom reductions) are refused.
+broadcast. ``state_dict`` is the rank's own part with its shards as local tensors (one file per rank; loading
+into another world size is ``torch.distributed.checkpoint``'s job).
+
+Memory: the step holds every parameter unsharded at once, and one full set of clipped sums (the graph's own
+outputs, not copied; released parameter by parameter into the reduce-scatter's input buffer), where FSDP's
+own step unshards one block at a time (``python -m benchmarks.sharded_memory``; docs/training.md). What is not
+done: the optimizer update runs eagerly after the compiled per-sample graph (two programs, ``step.fused`` is
+False) instead of being fused into one program; hybrid sharding (2-D meshes), grouped ``fully_shard([a, b])``,
+mixed-precision and CPU-offload policies, parameters outside every ``fully_shard`` and custom reductions are
+refused.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -45,7 +54,7 @@ import torch.nn as nn
 
 from .._errors import DPConfigError, UnsupportedError
 from .config import DPConfig
-from .step import DPStep, _add_into, _combine_losses, _split_result
+from .step import DPStep, _combine_losses, _split_result
 
 FIX = "Fix: apply fully_shard(module) to each block and then to the root model, with the default options"
 
@@ -134,15 +143,14 @@ class _Layout:
         start = min(s * self.chunk, n)
         return start, min(self.chunk, n - start)
 
-    def padded_piece(self, full: torch.Tensor, s: int) -> torch.Tensor:
-        """Rank ``s``'s rows of ``full``, zero-padded to ``chunk`` rows, flat."""
+    def write_piece(self, full: torch.Tensor, s: int, slot: torch.Tensor) -> None:
+        """Rank ``s``'s rows of ``full``, zero-padded to ``chunk`` rows, into ``slot`` (flat, ``numel()``)."""
         start, length = self.rows(s)
-        piece = full.narrow(self.dim, start, length)
-        if length < self.chunk:
-            pad = list(piece.shape)
-            pad[self.dim] = self.chunk - length
-            piece = torch.cat([piece, piece.new_zeros(pad)], self.dim)
-        return piece.reshape(-1)
+        shape = list(self.shape)
+        shape[self.dim] = self.chunk
+        padded = slot.view(shape)
+        padded.narrow(self.dim, 0, length).copy_(full.narrow(self.dim, start, length))
+        padded.narrow(self.dim, length, self.chunk - length).zero_()
 
     def numel(self) -> int:
         return math.prod(self.shape) // self.shape[self.dim] * self.chunk
@@ -154,19 +162,44 @@ class _Layout:
         return flat.view(shape).narrow(self.dim, 0, self.local[1])
 
 
-def reduce_scatter_sums(sums: list[torch.Tensor], count: torch.Tensor, layouts: list[_Layout],
-                        group) -> tuple[list[torch.Tensor], torch.Tensor]:
+def reduce_scatter_sums(sums: list[torch.Tensor | None], count: torch.Tensor, layouts: list[_Layout], group,
+                        noise: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``(shards of sum_r sums[j], sum_r count)`` on every rank: one ``reduce_scatter_single`` whose row ``s`` is
-    ``cat_j(pad(shard_s(sums[j])), [count])`` (the count in every row, so every rank gets the global one)."""
+    ``cat_j(pad(shard_s(sums[j])), [count])`` (the count in every row, so every rank gets the global one).
+
+    Memory: the rows are written straight into the collective's input buffer (the padded parameters' size),
+    and ``sums[j]`` is released (set to None in the list) once written, so the full sums and the buffer are
+    held together one parameter at a time. ``noise(g)``, when given, is added to ``sums[j]`` first, in the
+    order of the parameters (the order one process draws in)."""
     world = dist.get_world_size(group)
     dtype = functools.reduce(torch.promote_types, [g.dtype for g in sums])  # float64 sums stay float64
-    count = count.to(dtype)
-    rows = [torch.cat([lay.padded_piece(g.to(dtype), s) for g, lay in zip(sums, layouts, strict=True)]
-                      + [count.reshape(1)]) for s in range(world)]
-    out = torch.empty_like(rows[0])
-    dist.reduce_scatter_single(out, torch.cat(rows), op=dist.ReduceOp.SUM, group=group)
-    parts = out.split([lay.numel() for lay in layouts] + [1])
+    sizes = [lay.numel() for lay in layouts]
+    buffer = sums[0].new_empty((world, sum(sizes) + 1), dtype=dtype)
+    offset = 0
+    for j, (lay, size) in enumerate(zip(layouts, sizes, strict=True)):
+        g = sums[j]
+        if noise is not None:
+            g = g + noise(g)
+        for s in range(world):
+            lay.write_piece(g, s, buffer[s].narrow(0, offset, size))
+        sums[j] = g = None
+        offset += size
+    buffer[:, -1] = count.to(dtype)
+    out = buffer.new_empty(buffer.shape[1])
+    dist.reduce_scatter_single(out, buffer.view(-1), op=dist.ReduceOp.SUM, group=group)
+    del buffer
+    parts = out.split([*sizes, 1])
     return [lay.unpad(part) for lay, part in zip(layouts, parts, strict=False)], parts[-1].view(())
+
+
+def _accumulate(total: list[torch.Tensor] | None, sums: dict, names: list[str]) -> list[torch.Tensor]:
+    """The micro-batches' clipped sums added up. The first micro-batch's are the graph's own outputs, kept
+    without a copy: nothing writes into them (the sums and the noise are added out of place, one parameter at
+    a time), so the step holds one full set of sums besides the unsharded parameters."""
+    if total is None:
+        return [sums[n] for n in names]
+    return [t + sums[n] for t, n in zip(total, names, strict=True)]
 
 
 class UnshardedCalls:
@@ -212,11 +245,11 @@ class ShardedStep(DPStep):
         self._check_modules()
         # distributed=False: DPStep would broadcast rank 0's parameters; the shards are each rank's own
         super().__init__(loss_fn, model, optimizer, distributed=False, **options)
-        if self._config.clipping != "flat":
-            raise DPConfigError(f"clipping={self._config.clipping!r} on a fully_shard model is not tested against "
-                                "one process, so it is refused. Fix: clipping='flat' (max_grad_norm=C or "
-                                "reduce=psg.clip_sum(C)), or train the model unsharded (DDP)")
-        self.distributed = True
+        if self._config.clipping == "custom":
+            raise DPConfigError("a custom reduction (reduce=psg.custom(...)) on a fully_shard model is not tested "
+                                "against one process, so it is refused. Fix: max_grad_norm=C with a clipping mode "
+                                "(flat, per_layer, automatic, adaptive), or train the model unsharded (DDP)")
+        self.distributed = True  # adaptive clipping sums its counts over the ranks (DPStep._adapt_bound)
         self._layouts_key: tuple = ()
         self._layouts: list[_Layout] = []
         self._group = None
@@ -278,16 +311,17 @@ class ShardedStep(DPStep):
             if batch_size == 0:  # this rank drew no sample: zeros, and it still joins the collective
                 loss, _, result = f.with_losses(*batch)
                 sums, norm = _split_result(result, self.names, self.params)
-                total, losses, norms, sizes = _add_into(None, sums, self.names), [loss], [norm], [0]
+                total, losses, norms, sizes = _accumulate(None, sums, self.names), [loss], [norm], [0]
             else:
                 for piece in self._micro_batches(batch, f.in_dims, batch_size):
                     c = f.prepare_call(*piece)
                     loss, _, result = self._run_per_sample(c.entry, config, c.params, c.args, c.batch_size)
                     sums, norm = _split_result(result, self.names, self.params)
-                    total = _add_into(total, sums, self.names)
+                    total = _accumulate(total, sums, self.names)
                     losses.append(loss)
                     norms.append(norm)
                     sizes.append(c.batch_size)
+        sums = result = None  # the last micro-batch's sums: total holds them (the reduce-scatter frees it)
         self.last_norms = None if norms[0] is None else torch.cat(norms)
         self.last_batch_size = self._sharded_update(config, total, batch_size)
         self._state_ready = True
@@ -295,11 +329,12 @@ class ShardedStep(DPStep):
 
     def _sharded_update(self, config: DPConfig, sums: list[torch.Tensor], batch_size: int) -> int:
         """Noise (rank 0, on the full sums), one reduce-scatter, scaling into the shards' ``.grad``, the
-        optimizer's step; returns the global batch size."""
+        optimizer's step; returns the global batch size. ``sums`` is consumed (its entries are released)."""
+        noise = None
         if config.noise_std > 0 and dist.get_rank() == 0:
-            sums = [g + self.noise.draw(config, g) for g in sums]
+            noise = functools.partial(self.noise.draw, config)
         count = torch.tensor(float(batch_size), dtype=sums[0].dtype, device=sums[0].device)
-        shards, count = reduce_scatter_sums(sums, count, self._layouts, self._group)
+        shards, count = reduce_scatter_sums(sums, count, self._layouts, self._group, noise)
         global_size = int(round(count.item()))
         scale = config.scale(global_size)
         self.binding.install()
@@ -308,3 +343,77 @@ class ShardedStep(DPStep):
                 buffer.to_local().copy_(shard * scale)
             self.optimizer.step()
         return global_size
+
+    # --- save and resume: each rank its own shards --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``DPStep.state_dict`` of this rank, with every sharded tensor (the parameters' shards, the optimizer
+        state of sharded parameters) as this rank's local tensor: ``torch.save`` it to one file per rank and
+        load it on the same rank of a job sharded the same way. Plain tensors, so a file needs no process group
+        or device mesh to be read back; resharding a checkpoint to another world size is
+        ``torch.distributed.checkpoint``'s job, not this one's."""
+        from torch.distributed.tensor import DTensor
+
+        state = super().state_dict()
+        state["model"] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state["model"].items()}
+        params = _optimizer_params(self.optimizer)
+        optim = dict(state["optimizer"])
+        optim["state"], sharded = {}, []
+        for i, entries in state["optimizer"]["state"].items():
+            optim["state"][i] = dict(entries)
+            for key, v in entries.items():
+                if isinstance(v, DTensor):
+                    _check_like_param(v, params[i], key)
+                    optim["state"][i][key] = v.to_local()
+                    sharded.append((i, key))
+        state["optimizer"] = optim
+        state["shards"] = {"rank": dist.get_rank(), "world": dist.get_world_size(), "optimizer": sharded}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore this rank's ``state_dict`` (saved by the same rank of the same world size): the local
+        tensors are wrapped again as shards of this model's parameters, then ``DPStep.load_state_dict``."""
+        from torch.distributed.tensor import DTensor
+
+        saved = state.get("shards")
+        here = {"rank": dist.get_rank(), "world": dist.get_world_size()}
+        if saved is None or {k: saved[k] for k in here} != here:
+            where = "an unsharded step" if saved is None else f"rank {saved['rank']} of {saved['world']}"
+            raise DPConfigError(f"this state was saved by {where}, and is loaded on rank {here['rank']} of "
+                                f"{here['world']}: each rank loads its own shards. Fix: load the file of the same "
+                                "rank in a job of the same world size (to reshard a checkpoint, use "
+                                "torch.distributed.checkpoint)")
+        live = self.model.state_dict()
+        model = {k: _as_shard(v, live[k]) if isinstance(live.get(k), DTensor) else v
+                 for k, v in state["model"].items()}
+        params = _optimizer_params(self.optimizer)
+        optim = dict(state["optimizer"])
+        optim["state"] = {i: dict(entries) for i, entries in state["optimizer"]["state"].items()}
+        for i, key in saved["optimizer"]:
+            optim["state"][i][key] = _as_shard(optim["state"][i][key], params[i])
+        super().load_state_dict({**state, "model": model, "optimizer": optim})
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in the order of the integer keys of its ``state_dict``."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _check_like_param(value, param: torch.Tensor, key: str) -> None:
+    """Optimizer state saved as a local tensor is wrapped back like its parameter on load: it must be laid out
+    like it."""
+    if (getattr(param, "device_mesh", None) != value.device_mesh or tuple(param.placements) != tuple(value.placements)
+            or param.shape != value.shape):
+        raise UnsupportedError(f"the optimizer's state {key!r} is a DTensor {tuple(value.shape)} placed "
+                               f"{value.placements}, unlike its parameter: the sharded step saves only state "
+                               "sharded like the parameter. Fix: save with torch.distributed.checkpoint")
+
+
+def _as_shard(local: torch.Tensor, like) -> torch.Tensor:
+    """``local`` as this rank's shard of a DTensor laid out like ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    if local.shape != like.to_local().shape:
+        raise DPConfigError(f"a saved shard is {tuple(local.shape)}, this rank's shard of the model is "
+                            f"{tuple(like.to_local().shape)}: the state was saved from another model or sharding")
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
