@@ -44,16 +44,17 @@ def _hook_dicts() -> list[tuple[str, dict]]:
 
 def _methods(cls: type) -> tuple[str, ...]:
     """The names of the methods ``cls`` and its bases below ``nn.Module`` define (dunders but ``__call__`` and
-    ``__getattr__`` left out; classmethods too, which give a new bound method on every read)."""
+    ``__getattr__`` left out). A classmethod reads as a new bound method every time: those compare by ``==``
+    (the same function bound to the same class), the others by identity first."""
     names = []
     for klass in cls.__mro__:
         if klass is nn.Module or not issubclass(klass, nn.Module):
             break
         for name, value in vars(klass).items():
-            if name in names or isinstance(value, (classmethod, type)) or \
+            if name in names or isinstance(value, type) or \
                     (name.startswith("__") and name not in ("__call__", "__getattr__")):
                 continue
-            if callable(value) or isinstance(value, (staticmethod, property)):
+            if callable(value) or isinstance(value, (staticmethod, classmethod, property)):
                 names.append(name)
     return tuple(names)
 
@@ -146,7 +147,7 @@ class GlobalGuards:
         for cls, get, names, values in self._classes:
             now = get(cls)
             if now != values:  # identity first, element by element
-                changed = [n for n, v, w in zip(names, values, now, strict=False) if v is not w]
+                changed = [n for n, v, w in zip(names, values, now, strict=False) if v is not w and v != w]
                 return f"{cls.__module__}.{cls.__qualname__}.{', '.join(changed)} was replaced"
         if self._inputs:
             scope = {**self._scope, "L": f_locals}

@@ -62,7 +62,10 @@ def _depends_on_batch(graph: fx.Graph, batch: BatchDims) -> dict[fx.Node, bool]:
     depends: dict[fx.Node, bool] = {}
     for node in graph.nodes:
         if node.target in ops.SHAPE_ONLY and not batch.is_batched(node):
-            depends[node] = False
+            # the tensor argument gives only the shape, dtype and device; a fill value may be the batch size
+            # (``x.new_full((), len(x))``)
+            depends[node] = any(depends[a] for a in node.all_input_nodes
+                                if not isinstance(value_of(a), torch.Tensor))
             continue
         value = value_of(node)
         here = batch.is_batched(node)
@@ -142,6 +145,8 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
         op_node = _effective_op(node)
         args = flat_nodes(op_node)
         batched_args = [a for a in args if batch.is_batched(a)]
+        if op_node.target in ops.SHAPE_ONLY and batched_args == [op_node.args[0]]:
+            batched_args = []  # x.new_full((), len(x)): x gives the dtype and device, its values are not read
         after = node.next
         if batched_args:
             if any(a in ps for a in args):

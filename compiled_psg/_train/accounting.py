@@ -24,6 +24,12 @@ def _check(mechanism: str) -> None:
         raise DPConfigError(f"accountant must be one of {MECHANISMS}, got {mechanism!r}")
 
 
+def check_delta(delta: float) -> None:
+    if not (isinstance(delta, int | float) and 0 < delta < 1):
+        raise DPConfigError(f"delta must be a number in (0, 1), got {delta!r}: epsilon is undefined at delta <= 0 (no "
+                            "finite noise reaches it) and meaningless at delta >= 1")
+
+
 def dp_event(history: list[tuple[float, float, int]]):
     """The dp-accounting event of a history of ``(noise_multiplier, sample_rate, steps)`` entries."""
     import dp_accounting
@@ -55,6 +61,7 @@ def _dp_accounting_accountant(mechanism: str):
 def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism: str = "rdp") -> float:
     """Epsilon at ``delta`` after the steps in ``history`` (``(noise_multiplier, sample_rate, steps)``)."""
     _check(mechanism)
+    check_delta(delta)
     history = [(float(s), float(q), int(n)) for s, q, n in history if n > 0 and q > 0]
     if not history:
         return 0.0
@@ -90,6 +97,7 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
     _check(mechanism)
     if not target_epsilon > 0:
         raise DPConfigError(f"target_epsilon must be positive, got {target_epsilon}")
+    check_delta(target_delta)
     if mechanism in _OPACUS:
         from opacus.accountants.utils import get_noise_multiplier
 

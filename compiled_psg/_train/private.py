@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from .._errors import DPConfigError
 from . import distributed as dist_utils
-from .accounting import Accountant, calibrate_noise
+from .accounting import Accountant, calibrate_noise, check_delta
 from .sampling import PoissonBatchSampler, poisson_loader
 from .step import DPStep, compile_step
 
@@ -82,7 +82,15 @@ class PrivateTraining:
 
     def step(self, *batch) -> torch.Tensor:
         """One DP-SGD step on a (logical) batch; the accountant records the noise multiplier it used."""
-        loss = self.dp_step(*batch)
+        try:
+            loss = self.dp_step(*batch)
+        except BaseException:
+            # a failure after the noisy update began (compiling the program at the end of the first step, an
+            # interrupt) still released it: count it, with the noise it used
+            released = getattr(self.dp_step, "released_config", None)
+            if released is not None:
+                self.accountant.step(released.accounted_noise_multiplier, self.sample_rate)
+            raise
         self.accountant.step(self.dp_step.last_noise_multiplier, self.sample_rate)
         return loss
 
@@ -169,6 +177,12 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         raise DPConfigError("give exactly one of noise_multiplier and target_epsilon")
     if target_epsilon is not None and epochs is None:
         raise DPConfigError("target_epsilon needs epochs (the number of passes the noise is calibrated for)")
+    if not hasattr(data_loader.dataset, "__len__") or not hasattr(data_loader, "__len__"):
+        raise DPConfigError(f"make_private needs a DataLoader over a dataset with a length (Poisson sampling draws "
+                            f"from its indices, and the sampling rate is batch size / dataset size), got a "
+                            f"{type(data_loader.dataset).__name__}. Fix: use a map-style dataset (torch.utils.data."
+                            "Dataset with __len__ and __getitem__)")
+    check_delta(target_delta)
     if sample_rate is None:
         sample_rate = 1 / len(data_loader)
     if dist_utils.is_distributed():

@@ -167,6 +167,10 @@ class DPStep:
         self.last_batch_size = 0
         self.last_norms: torch.Tensor | None = None
         self.last_config: DPConfig | None = None
+        # the config of an update that began in the current call (noise drawn, the optimizer stepping): a call that
+        # fails after it (e.g. compiling the program at the end of the first step) still released a noisy update,
+        # which the accountant must count (``PrivateTraining.step``)
+        self.released_config: DPConfig | None = None
         self.last_unclipped: float | None = None  # adaptive clipping: samples with norm <= C in the last step
         self.last_count_noise: float | None = None  # and the noise added to their (centred) count
 
@@ -239,6 +243,12 @@ class DPStep:
     def max_physical_batch_size(self, value: int | None) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise DPConfigError(f"max_physical_batch_size must be a positive int or None, got {value!r}")
+        if value is not None and getattr(self, "_custom_reduce", None) is not None:
+            # micro-batches' results are summed: right for a sum over samples only (not a mean, max, median)
+            raise DPConfigError("max_physical_batch_size with a custom reduce=: the micro-batches' results would be "
+                                "summed, which equals the whole batch's result only if the reduction is a sum over "
+                                "samples. Fix: max_physical_batch_size=None, or reduce=psg.clip_sum(C) / "
+                                "max_grad_norm=C")
         self._max_physical_batch_size = value
 
     # --- what was built ---------------------------------------------------------------------------------------
@@ -403,6 +413,7 @@ class DPStep:
         """Run the program on the last micro-batch (``physical_size`` samples of ``logical_size``)."""
         self.binding.install()
         extra = self._extra_inputs(config, program, logical_size, partial=partial)
+        self.released_config = config
         outputs = dict(zip(program.outputs, compiled.run(params, args, physical_size, extra), strict=True))
         count = outputs.get("global_count")
         self.last_batch_size = logical_size if count is None else int(round(count.item()))
@@ -410,6 +421,7 @@ class DPStep:
 
     # --- the eager path: first step, empty batches, fallbacks ----------------------------------------------
     def _run_eager_update(self, config: DPConfig, grads: list[torch.Tensor], batch_size: int) -> None:
+        self.released_config = config
         self.last_batch_size = eager_update(config, grads, batch_size, self.binding, self.noise, self.distributed)
         self._state_ready = True
 
@@ -430,6 +442,7 @@ class DPStep:
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
         config = self._config  # one snapshot for the whole step: clipping, noise, scaling and accounting agree
+        self.released_config = None
         loss = self._step(config, batch)
         self.last_config = config
         if config.clipping == "adaptive":
