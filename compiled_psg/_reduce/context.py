@@ -55,6 +55,7 @@ class ReduceContext:
         self._batch_ref = batch_ref  # a node of shape [n] (the per-sample losses): sizes for new tensors
         self.choices: dict[str, list[Choice]] = {p.name: [] for p in params}
         self._materialized: dict[str, fx.Node] = {}
+        self._norm_strategy: dict[str, str] = {}
 
     # ----- helpers -----
     def emit(self, fn, inputs, tag: str):
@@ -102,6 +103,8 @@ class ReduceContext:
         if rejected is not None:
             details[f"vs {rejected[0]}"] = f"{rejected[1].flops:g} flops, {rejected[1].bytes:g} bytes"
         self._note(p, quantity, strategy.name, **details)
+        if quantity == "sq_norm":
+            self._norm_strategy[p.name] = strategy.name
         return strategy.emit(self, p, *extra)
 
     def sq_norms(self, p: ParamGrad) -> fx.Node:
@@ -109,10 +112,31 @@ class ReduceContext:
         return self.compute("sq_norm", p)
 
     def weighted_sum(self, p: ParamGrad, weights: fx.Node) -> fx.Node:
-        """``sum_n weights[n] * g_n`` for ``weights`` of shape ``[n]``."""
+        """``sum_n weights[n] * g_n`` for ``weights`` of shape ``[n]``.
+
+        Weights are clip factors computed from the norms, and a clip bound holds for the values summed only if
+        the norm was taken of those values. A materialized norm is of ``fl(g_n)``; another strategy (book-keeping)
+        rounds its sum of ``t`` terms per entry differently, and where the terms cancel (near-repeated tokens with
+        opposite gradients) the two differ by more than ``g_n`` itself: 1.35 C got into a float32 sum. So after a
+        materialized norm the sum is taken of the same materialized values, unless each entry is one product
+        (``t = 1``, nothing to cancel). A ghost norm is certified against both roundings
+        (``contraction.certified_sq_norms``), so any sum strategy fits it."""
         if p.grad is None:
             return self.total(p)
+        if self._norm_strategy.get(p.name) == "materialize" and not self._one_term_per_entry(p):
+            from .strategies import emit_strategy
+
+            self._note(p, "weighted_sum", "materialize (the values its norm was taken of)")
+            return emit_strategy(self, "weighted_sum", "materialize", p, weights)
         return self.compute("weighted_sum", p, weights)
+
+    def _one_term_per_entry(self, p: ParamGrad) -> bool:
+        """Each entry of the per-sample gradient is one product (``a x^T`` for t = 1, a bias of ``[n, o]``)."""
+        c = self.single_isometric(p)
+        if c is None:
+            return False
+        terms = c.factor_shape[0] if c.factor_shape is not None else c.notes.get("terms_per_entry")
+        return terms == 1
 
     def sum_squares(self, p: ParamGrad) -> fx.Node:
         """``sum_n g_n ** 2`` (elementwise)."""

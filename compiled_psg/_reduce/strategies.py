@@ -73,6 +73,11 @@ def choose(ctx: ReduceContext, quantity: str, p: ParamGrad) -> tuple[Strategy, C
     return priced[0][0], priced[0][1], runner_up
 
 
+def emit_strategy(ctx: ReduceContext, quantity: str, name: str, p: ParamGrad, *extra: fx.Node) -> fx.Node:
+    """Emit the strategy ``name`` for ``quantity``, where a reduction needs that one (not the cheapest)."""
+    return next(s for s in STRATEGIES[quantity] if s.name == name).emit(ctx, p, *extra)
+
+
 # ----- shapes and the costs they imply -----
 
 

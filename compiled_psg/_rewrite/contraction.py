@@ -66,18 +66,31 @@ def factored_sq_norms(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     a64, x64 = a.double(), x.double()
     sq = (torch.bmm(a64, a64.transpose(1, 2)) * torch.bmm(x64, x64.transpose(1, 2))).sum((1, 2))
     scale = (a64.norm(dim=2) * x64.norm(dim=2)).sum(1).square()
-    return certified_sq_norms(sq, scale, a.shape[2] + x.shape[2], a.shape[1], _norm_dtype(a.dtype))
+    return certified_sq_norms(sq, scale, a.shape[2] + x.shape[2], a.shape[1], _norm_dtype(a.dtype), a.dtype)
 
 
 def certified_sq_norms(sq: torch.Tensor, scale: torch.Tensor, dot_length: int, t: int,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """An upper bound of the exact squared norms from ``sq``, their float64 ghost form ``sum_ts c_ts`` with
-    ``sum_ts |c_ts| <= scale``: each term is a product of dot products of ``dot_length`` entries in all, and the
-    t^2 terms are summed, so the rounding error is at most ``(dot_length + t^2 + 2) eps scale`` (Higham, Accuracy
-    and Stability of Numerical Algorithms, 3.1). Adding it costs a relative ``~1e-16 (dot_length + t^2) t`` on
-    ordinary data; it only matters where the terms cancel."""
-    gamma = (dot_length + t * t + 2) * torch.finfo(torch.float64).eps
-    return (sq.clamp_min(0) + gamma * scale).to(dtype)
+                       dtype: torch.dtype, sum_dtype: torch.dtype) -> torch.Tensor:
+    """An upper bound of the squared norm of each sample's contribution as the clipped sum computes it.
+
+    ``sq`` is the float64 ghost form ``sum_ts c_ts`` of the exact squared norm, with ``sum_ts |c_ts| <= scale``
+    (``scale = (sum_t ||a_t|| ||x_t||)^2``). Two roundings are bounded (Higham, Accuracy and Stability of
+    Numerical Algorithms, 3.1):
+
+    - of the ghost form: products of dot products of ``dot_length`` entries in all, t^2 terms summed, so at most
+      ``(dot_length + t^2 + 2) eps64 scale``;
+    - of the clipped sum itself, which adds each sample's t token terms in ``sum_dtype`` (the book-keeping
+      contraction, or a per-row scatter for embeddings): its result is off the exact ``A^T X`` by at most
+      ``(t + 2) eps sqrt(scale)`` in norm. Where tokens cancel (large activations, opposite gradients) that is
+      larger than the exact norm, and a factor from the exact norm alone let 1.35 C into a float32 sum.
+
+    Both cost a relative ``~(t + 2) eps`` on ordinary data (float32: ~1e-5 at t = 128, a slightly smaller clip
+    factor); they matter only where the terms cancel. The samples' contributions are then added up in
+    ``sum_dtype`` like any sum of clipped gradients."""
+    ghost = (dot_length + t * t + 2) * torch.finfo(torch.float64).eps
+    summed = (t + 2) * torch.finfo(sum_dtype).eps if sum_dtype.is_floating_point else 0.0
+    norm = (sq.clamp_min(0) + ghost * scale).sqrt() + summed * scale.sqrt()
+    return norm.square().to(dtype)
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:

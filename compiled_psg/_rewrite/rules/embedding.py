@@ -73,7 +73,7 @@ def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | N
             gg = gg / (counts.unsqueeze(2) * counts.unsqueeze(1))
         scale = grads64.norm(dim=2).sum(1).square()
         return certified_sq_norms((gg * same.to(gg.dtype)).sum((1, 2)), scale, 2 * grads.shape[2],
-                                  grads.shape[1], torch.promote_types(grads.dtype, torch.float32))
+                                  grads.shape[1], torch.promote_types(grads.dtype, torch.float32), grads.dtype)
 
     def rebuild(g, idx):
         return ATEN.embedding_dense_backward(g, idx, num_weights, padding_idx, scale_by_freq)

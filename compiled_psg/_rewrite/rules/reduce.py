@@ -64,9 +64,13 @@ def sum_or_mean(node: fx.Node, batch: BatchDims) -> Contraction | None:
         out = x.mean(dims, keepdim=keepdim) if is_mean else x.sum(dims, keepdim=keepdim)
         return out if dtype is None else out.to(dtype)
 
+    shape = value_of(x).shape
+    terms = layout[0] * layout[1]  # each sample's own rows in the batch dimension, times the other reduced sizes
+    for d in dims:
+        terms *= 1 if d == bdim else int(shape[d])
     return Contraction(rule=str(node.target.overloadpacket.__name__), node=node, inputs=[x],
                        per_sample=per_sample, linear_arg=None if is_mean else 0,
-                       linear_layout=(bdim, layout), rebuild=rebuild)
+                       linear_layout=(bdim, layout), rebuild=rebuild, notes={"terms_per_entry": terms})
 
 
 @contraction_rule(ATEN.nll_loss_forward.default, ATEN.nll_loss2d_forward.default)
