@@ -84,3 +84,50 @@ def test_masks_kept_where_the_weight_gradient_is_read():
     (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution_backward.default]
     assert node.args[-1] == [True, True, False]
     torch.testing.assert_close(gm(x, conv.weight, conv.bias), f(x, conv.weight, conv.bias))
+
+
+# ----- the clipped sum scales the narrower operand of each contraction -----
+
+
+class WideNarrow(nn.Module):
+    """Linear layers wider in than out and out than in, on vectors and on sequences [n, t, *], and convolutions
+    with a small input (scale the input) and a small output gradient (scale the gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_in = nn.Conv2d(1, 6, 3)  # x [1, 6, 6] per sample, gradient [6, 4, 4]: scale x
+        self.conv_out = nn.Conv2d(6, 2, 3, stride=2)  # x [6, 4, 4], gradient [2, 1, 1]: scale the gradient
+        self.wide_in = nn.Linear(12, 3)  # scale the 3-wide output gradient
+        self.wide_out = nn.Linear(3, 12)  # scale the 3-wide input
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, x):
+        h = F.relu(self.conv_out(F.relu(self.conv_in(x))))  # [n, 2, 1, 1]
+        seq = h.flatten(1).unsqueeze(1).expand(-1, 4, -1) * torch.arange(1.0, 5.0, dtype=x.dtype).view(1, 4, 1)
+        seq = torch.cat([seq] * 6, dim=2)  # [n, 4, 12]
+        seq = self.wide_out(torch.tanh(self.wide_in(seq)))  # [n, 4, 3] -> [n, 4, 12]
+        return self.head(seq.mean(1))
+
+
+def test_clip_sum_scales_the_narrower_operand():
+    from compiled_psg._reduce.strategies import ITEMSIZE
+
+    torch.manual_seed(0)
+    model = WideNarrow().double()
+    x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    f = psg.per_sample(model, reduce=psg.clip_sum(0.3), backend="eager")(loss)
+    got = f(x, y)
+    want = ref_clip_sum(reference_per_sample(loss, dict(model.named_parameters()), (x, y)), 0.3)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+    choices = f.prepare_call(x, y).entry.rewritten.choices
+    scaled = {name: c.cost["bytes"] / (2 * ITEMSIZE) for name, cs in choices.items() for c in cs
+              if c.quantity == "weighted_sum" and c.method == "book-keeping" and name.endswith("weight")}
+    # elements scaled per sample: the smaller operand (t = 4 tokens for the sequence layers)
+    assert scaled == {"conv_in.weight": 1 * 6 * 6, "conv_out.weight": 2 * 1 * 1, "wide_in.weight": 4 * 3,
+                      "wide_out.weight": 4 * 3, "head.weight": 2}, scaled
