@@ -131,3 +131,47 @@ def test_clip_sum_scales_the_narrower_operand():
     # elements scaled per sample: the smaller operand (t = 4 tokens for the sequence layers)
     assert scaled == {"conv_in.weight": 1 * 6 * 6, "conv_out.weight": 2 * 1 * 1, "wide_in.weight": 4 * 3,
                       "wide_out.weight": 4 * 3, "head.weight": 2}, scaled
+
+
+# ----- compile_step: the optimizer's foreach ops become one op per parameter -----
+
+
+def _train_foreach(make_opt, unroll: bool, monkeypatch):
+    import compiled_psg._train.fuse as fuse
+    import compiled_psg._train.programs as programs
+    from compiled_psg._train.step import compile_step
+
+    programs_made = []
+    fuse_step = programs.fuse_step
+
+    def spy(*args, **kwargs):
+        programs_made.append(fuse_step(*args, **kwargs))
+        return programs_made[-1]
+
+    monkeypatch.setattr(programs, "fuse_step", spy)
+    if not unroll:
+        monkeypatch.setattr(fuse, "unroll_foreach", lambda graph: 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, make_opt(model.parameters()),
+                        max_grad_norm=1.0, noise_multiplier=1.0, generator=torch.Generator().manual_seed(3),
+                        backend="eager")
+    data = torch.Generator().manual_seed(1)
+    for _ in range(3):  # the first step runs eagerly, the next ones the fused program
+        step(torch.randn(8, 6, generator=data), torch.randint(0, 3, (8,), generator=data))
+    monkeypatch.undo()
+    return [p.detach().clone() for p in model.parameters()], programs_made[-1].gm
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=True),
+], ids=["sgd_momentum", "adamw"])
+def test_foreach_update_unrolled_per_parameter(make_opt, monkeypatch):
+    kept, kept_gm = _train_foreach(make_opt, False, monkeypatch)
+    unrolled, gm = _train_foreach(make_opt, True, monkeypatch)
+    assert any("_foreach_" in str(n.target) for n in kept_gm.graph.nodes)
+    assert not any("_foreach_" in str(n.target) for n in gm.graph.nodes)
+    assert gm.meta["foreach_unrolled"] > 0
+    for a, b in zip(kept, unrolled, strict=True):
+        assert torch.equal(a, b)
