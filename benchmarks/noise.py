@@ -3,8 +3,9 @@ noise drawn inside it.
 
 For each number of parameters P, side by side in one process (medians of ``--repeats`` calls after warm-up):
 
-- ``outside``: ``torch.randn(P)`` eagerly, then a compiled ``g + sigma * noise`` (the step's layout: the noise is
-  an input of the program);
+- ``outside``: ``torch.randn(P)`` eagerly, then a compiled ``g + sigma * noise`` (sigma folded into the program);
+- ``scaled``: ``torch.randn(P).mul_(sigma)`` eagerly, then a compiled ``g + noise`` (``compile_step``'s layout:
+  the scaled noise is an input of the program);
 - ``inside``: one compiled function ``g + sigma * torch.randn_like(g)`` (Inductor's own random generator).
 
 Outside is also the only way to keep seeded runs resumable (the noise comes from a ``torch.Generator`` whose state
@@ -24,11 +25,15 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
     g = torch.randn(size, device=device)
     sigma = 1.3
     add = torch.compile(lambda g, noise: g + sigma * noise, dynamic=False)
+    add_scaled = torch.compile(lambda g, noise: g + noise, dynamic=False)
     draw_inside = torch.compile(lambda g: g + sigma * torch.randn_like(g), dynamic=False)
     generator = torch.Generator(device=device).manual_seed(0)
 
     def outside():
         return add(g, torch.randn(size, device=device, generator=generator))
+
+    def scaled():
+        return add_scaled(g, torch.randn(size, device=device, generator=generator).mul_(sigma))
 
     def sync(fn):
         def run():
@@ -39,6 +44,7 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
         return run
 
     return {"outside": median_seconds(sync(outside), repeats) * 1e3,
+            "scaled": median_seconds(sync(scaled), repeats) * 1e3,
             "inside": median_seconds(sync(lambda: draw_inside(g)), repeats) * 1e3}
 
 
@@ -52,10 +58,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--repeats must be at least 7")
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats} "
           "calls; ms")
-    print(f"{'P':>10} | {'outside':>8} {'inside':>8} | inside/outside")
+    print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} | scaled/outside inside/outside")
     for size in args.sizes:
         r = measure(size, args.repeats, args.device)
-        print(f"{size:>10} | {r['outside']:8.3f} {r['inside']:8.3f} | {r['inside'] / r['outside']:.2f}", flush=True)
+        print(f"{size:>10} | {r['outside']:8.3f} {r['scaled']:8.3f} {r['inside']:8.3f} | "
+              f"{r['scaled'] / r['outside']:14.2f} {r['inside'] / r['outside']:14.2f}", flush=True)
 
 
 if __name__ == "__main__":

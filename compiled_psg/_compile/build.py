@@ -23,6 +23,7 @@ from .._reduce.context import ReduceContext, collect_param_grads
 from .._reduce.reductions import Reduction
 from .._rewrite.loss_head import per_sample_loss_head
 from .._rewrite.per_sample_pass import LiftResult, lift_to_per_sample
+from .masks import narrow_output_masks
 
 log = logging.getLogger("compiled_psg")
 ATEN = torch.ops.aten
@@ -111,12 +112,15 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     graph.eliminate_dead_code()
     graph.lint()
     rewritten.recompile()
+    # after DCE: the batch-summed weight gradients the reduction replaced have no reader left (masks.py)
+    rewritten.meta["output_masks_narrowed"] = narrow_output_masks(rewritten)
     out = Rewritten(captured, forward, joint, rewritten, roles, batch, names, head, backward,
                     param_grads=param_grads, choices=ctx.choices, out_spec=spec)
     _dump_if_asked(out)
     n_fallback = len(head.fallbacks) + len(backward.fallbacks)
-    log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters",
-             len(backward.contractions) + len(head.contractions), n_fallback, len(names))
+    log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters; dropped %d "
+             "unread outputs of masked backward ops", len(backward.contractions) + len(head.contractions),
+             n_fallback, len(names), rewritten.meta["output_masks_narrowed"])
     return out
 
 

@@ -8,8 +8,8 @@ o out, i in); where a rule gives no such factors, ``P`` (the parameter's size) s
 
 - ``sq_norm``: ``ghost`` (the rule's norm from the factors, ``<A A^T, X X^T>``, ``||a|| ||x||`` for t = 1) or
   ``materialize``;
-- ``weighted_sum``: ``book-keeping`` (scale the cotangent rows, redo the contraction, replay the tail) or
-  ``materialize``;
+- ``weighted_sum``: ``book-keeping`` (scale one sample's rows of the operand that is cheapest to scale, the
+  cotangent or the layer input, redo the contraction, replay the tail) or ``materialize``;
 - ``sum_squares``: ``factored`` (``(A*A)^T (X*X)`` for t = 1) or ``materialize``;
 - ``variance``: ``factored`` (from the sum and the factored sum of squares) or ``materialize`` (two passes);
 - ``gram``: ``factored`` (``sum_ts (A_n A_m^T)_ts (X_n X_m^T)_ts``) or ``materialize``.
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .._analyze.batch_dims import value_of
 from .._analyze.layout import scale_batch
-from .._rewrite.contraction import factored_gram, factored_sum_squares
+from .._rewrite.contraction import Contraction, factored_gram, factored_sum_squares
 from .context import ParamGrad, ReduceContext
 
 ITEMSIZE = 4  # bytes per element in the estimates; only the ratios between strategies matter
@@ -143,30 +144,58 @@ def _sq_norm_materialize(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
 # ----- weighted sums over samples (clip_sum) -----
 
 
+def scale_cost(c: Contraction, arg: int, dim: int, layout) -> Cost | None:
+    """Scaling one sample's part of ``c.inputs[arg]`` by its weight: read and write its elements (None: a size
+    other than the batch is symbolic). The one price of an operand choice for book-keeping."""
+    shape = value_of(c.inputs[arg]).shape
+    size = layout[0] * layout[1]
+    for d, s in enumerate(shape):
+        if d == dim:
+            continue
+        if not isinstance(s, int) and not (isinstance(s, torch.SymInt) and s.node.expr.is_number):
+            return None
+        size *= int(s)
+    return Cost(flops=size, bytes=2 * size * ITEMSIZE)
+
+
+def scaled_operand(c: Contraction) -> tuple[tuple[int, int, object], Cost | None]:
+    """The ``(arg, dim, layout)`` whose scaling costs least (by ``Cost.total``) among the arguments the
+    contraction is linear in, and its cost; ``linear_arg`` when no size is known. For a Linear weight
+    ``sum_n c_n g_n^T x_n`` the narrower of ``g`` and ``x`` per sample (fc1 9216 -> 128: the 128-wide ``g``)."""
+    priced = [((arg, dim, layout), scale_cost(c, arg, dim, layout)) for arg, (dim, layout) in c.linear_options()]
+    known = [(choice, cost) for choice, cost in priced if cost is not None]
+    if not known:
+        return priced[0][0], None
+    return min(known, key=lambda cc: cc[1].total)
+
+
 def _book_keeping_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     if p.grad not in ctx.lifted.per_sample or not p.linear_tail or not all(
             c.rebuild is not None and c.linear_arg is not None for c in p.contractions):
         return None
     shape = _factor_shape(ctx, p)
-    if shape is None:
+    scaling = [scaled_operand(c)[1] for c in p.contractions]
+    if shape is None or any(cost is None for cost in scaling):
         return Cost(flops=_size(p), bytes=_size(p) * ITEMSIZE)
     t, o, i = shape
-    return Cost(flops=2 * t * o * i + t * o, bytes=2 * t * o * ITEMSIZE)  # scale the cotangent, redo the GEMM
+    # scale the cheaper operand, redo the GEMM
+    return Cost(flops=2 * t * o * i + sum(c.flops for c in scaling), bytes=sum(c.bytes for c in scaling))
 
 
 @strategy("weighted_sum", "book-keeping", _book_keeping_cost)
 def _weighted_sum_book_keeping(ctx: ReduceContext, p: ParamGrad, weights: fx.Node) -> fx.Node:
     replaced = {}
     for c in p.contractions:
-        dim, layout = c.linear_layout
-        replaced[c.node] = ctx.emit(_scaled_rebuild(c, dim, layout), [*c.inputs, weights], f"book_keeping[{c.rule}]")
+        (arg, dim, layout), _ = scaled_operand(c)
+        replaced[c.node] = ctx.emit(_scaled_rebuild(c, arg, dim, layout), [*c.inputs, weights],
+                                    f"book_keeping[{c.rule}]")
     return ctx.replay_tail(p, replaced)
 
 
-def _scaled_rebuild(c, dim: int, layout):
+def _scaled_rebuild(c: Contraction, arg: int, dim: int, layout):
     def scaled(*values):
         *inputs, w = values
-        inputs[c.linear_arg] = scale_batch(inputs[c.linear_arg], w, dim, layout)
+        inputs[arg] = scale_batch(inputs[arg], w, dim, layout)
         return c.rebuild(*inputs)
     return scaled
 

@@ -10,7 +10,9 @@ Every field is plain tensor code that ``emit`` traces into the graph:
 - ``per_sample(*inputs) -> [n, *out]``: required, the materialized per-sample value.
 - ``rebuild(*inputs) -> out`` with ``linear_arg``/``linear_layout``: the original op, linear in
   ``inputs[linear_arg]``. Scaling that argument per sample gives any weighted sum over samples with no per-sample
-  tensor: this is the book-keeping trick behind ``clip_sum``.
+  tensor: this is the book-keeping trick behind ``clip_sum``. ``other_linear``: more ``(arg, (dim, layout))`` the
+  op is also linear in (a product is linear in each factor); the weighted sum scales the cheapest of them
+  (``strategies.scale_cost``), e.g. a Linear weight's 128-wide output gradient rather than its 9216-wide input.
 - ``factors(*inputs) -> (A [n, t, o], X [n, t, i])`` with ``per_sample[n] = A[n]^T X[n]`` (reshaped to ``out``):
   a low-rank form that gives norms, Gram matrices and sums of squares without materializing (ghost norms).
 """
@@ -34,11 +36,18 @@ class Contraction:
     per_sample: Callable[..., torch.Tensor]
     linear_arg: int | None = None
     linear_layout: tuple[int, Layout] | None = None  # (dim of the batch in inputs[linear_arg], layout)
+    other_linear: tuple[tuple[int, tuple[int, Layout]], ...] = ()  # more (arg, (dim, layout)) rebuild is linear in
     rebuild: Callable[..., torch.Tensor] | None = None
     factors: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     factor_shape: tuple[int, int, int] | None = None  # (t, o, i) sizes of the factors, for the cost model
     sq_norms: Callable[..., torch.Tensor] | None = None  # (*inputs) -> [n], when cheaper than materializing
     notes: dict = field(default_factory=dict)
+
+    def linear_options(self) -> list[tuple[int, tuple[int, Layout]]]:
+        """Every ``(arg, (dim, layout))`` that ``rebuild`` is linear in, ``linear_arg`` first."""
+        if self.linear_arg is None or self.linear_layout is None:
+            return []
+        return [(self.linear_arg, self.linear_layout), *self.other_linear]
 
     @property
     def out_shape(self) -> tuple[int, ...]:

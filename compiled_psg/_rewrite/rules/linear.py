@@ -45,7 +45,7 @@ def mm(node: fx.Node, batch: BatchDims) -> Contraction | None:
     t = layout[0] * layout[1]
     return Contraction(
         rule="mm", node=node, inputs=[a, x], per_sample=per_sample,
-        linear_arg=1, linear_layout=(0, layout), rebuild=torch.mm,
+        linear_arg=1, linear_layout=(0, layout), other_linear=((0, (1, layout)),), rebuild=torch.mm,
         factors=factors, factor_shape=(t, int(o), int(i)),
         sq_norms=lambda a, x: factored_sq_norms(*factors(a, x)),
     )
@@ -71,7 +71,8 @@ def bmm(node: fx.Node, batch: BatchDims) -> Contraction | None:
         return torch.matmul(a_s, x_s)
 
     return Contraction(rule="bmm", node=node, inputs=[a, x], per_sample=per_sample,
-                       linear_arg=1, linear_layout=(1, layout), rebuild=torch.bmm)
+                       linear_arg=1, linear_layout=(1, layout), other_linear=((0, (2, layout)),),
+                       rebuild=torch.bmm)
 
 
 @contraction_rule(ATEN._trilinear.default)
