@@ -109,9 +109,44 @@ class WideNarrow(nn.Module):
         return self.head(seq.mean(1))
 
 
-def test_clip_sum_scales_the_narrower_operand():
+class _WeightedSum(psg.Reduction):
+    """``sum_n g_n / (n + 1)``: a weighted sum whose weights do not come from materialized norms, so every layer
+    may take the book-keeping strategy (after a materialized norm, a clipped sum reuses its values instead)."""
+
+    def emit(self, ctx):
+        w = ctx.emit(lambda r: torch.arange(1, r.shape[0] + 1, dtype=r.dtype).reciprocal(), [ctx.batch_ref],
+                     "weights")
+        return {p.name: ctx.weighted_sum(p, w) for p in ctx.params}
+
+
+def test_weighted_sum_scales_the_narrower_operand():
     from compiled_psg._reduce.strategies import ITEMSIZE
 
+    torch.manual_seed(0)
+    model = WideNarrow().double()
+    x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    f = psg.per_sample(model, reduce=_WeightedSum(), backend="eager")(loss)
+    got = f(x, y)
+    ref = reference_per_sample(loss, dict(model.named_parameters()), (x, y))
+    weights = torch.arange(1, 6, dtype=torch.float64).reciprocal()
+    for name, value in ref.items():
+        torch.testing.assert_close(got[name], torch.tensordot(weights, value, dims=1), rtol=1e-10, atol=1e-12)
+    choices = f.prepare_call(x, y).entry.rewritten.choices
+    scaled = {name: c.cost["bytes"] / (2 * ITEMSIZE) for name, cs in choices.items() for c in cs
+              if c.quantity == "weighted_sum" and c.method == "book-keeping" and name.endswith("weight")}
+    # elements scaled per sample: the smaller operand (t = 4 tokens for the sequence layers)
+    assert scaled == {"conv_in.weight": 1 * 6 * 6, "conv_out.weight": 2 * 1 * 1, "wide_in.weight": 4 * 3,
+                      "wide_out.weight": 4 * 3, "head.weight": 2}, scaled
+
+
+def test_clip_sum_after_materialized_norms_sums_the_same_values():
+    """A clip factor bounds what is summed only if the norm was taken of those values: after a materialized norm
+    of a sum of several terms per entry (conv, tokens) the clipped sum reuses the materialized values."""
     torch.manual_seed(0)
     model = WideNarrow().double()
     x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
@@ -125,12 +160,17 @@ def test_clip_sum_scales_the_narrower_operand():
     want = ref_clip_sum(reference_per_sample(loss, dict(model.named_parameters()), (x, y)), 0.3)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+    # several products per entry (16 positions, 4 tokens): a materialized norm's values are summed; one product
+    # per entry (head, and conv_out's single output position): any strategy
+    several = {"conv_in.weight", "conv_in.bias", "wide_in.weight", "wide_in.bias", "wide_out.weight",
+               "wide_out.bias"}
     choices = f.prepare_call(x, y).entry.rewritten.choices
-    scaled = {name: c.cost["bytes"] / (2 * ITEMSIZE) for name, cs in choices.items() for c in cs
-              if c.quantity == "weighted_sum" and c.method == "book-keeping" and name.endswith("weight")}
-    # elements scaled per sample: the smaller operand (t = 4 tokens for the sequence layers)
-    assert scaled == {"conv_in.weight": 1 * 6 * 6, "conv_out.weight": 2 * 1 * 1, "wide_in.weight": 4 * 3,
-                      "wide_out.weight": 4 * 3, "head.weight": 2}, scaled
+    for name in several:
+        norm = next(c.method for c in choices[name] if c.quantity == "sq_norm")
+        summed = next(c.method for c in choices[name] if c.quantity == "weighted_sum")
+        assert norm != "materialize" or summed.startswith("materialize"), (name, norm, summed)
+    assert sum(next(c.method for c in choices[n] if c.quantity == "weighted_sum").startswith("materialize")
+               for n in several) >= 3, choices
 
 
 # ----- compile_step: the optimizer's foreach ops become one op per parameter -----
