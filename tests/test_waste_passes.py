@@ -28,11 +28,11 @@ class ConvNorms(nn.Module):
         return self.fc(self.ln(h.flatten(1)))
 
 
-def _setup(reduce):
+def _setup(reduce, make=None, channels: int = 2, classes: int = 3):
     torch.manual_seed(0)
-    model = ConvNorms().double()
-    x = torch.randn(5, 2, 6, 6, dtype=torch.float64)
-    y = torch.randint(0, 3, (5,))
+    model = (make or ConvNorms)().double()
+    x = torch.randn(5, channels, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, classes, (5,))
 
     def loss(x, y):
         return F.cross_entropy(model(x), y)
@@ -122,15 +122,7 @@ class _WeightedSum(psg.Reduction):
 def test_weighted_sum_scales_the_narrower_operand():
     from compiled_psg._reduce.strategies import ITEMSIZE
 
-    torch.manual_seed(0)
-    model = WideNarrow().double()
-    x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
-    y = torch.randint(0, 2, (5,))
-
-    def loss(x, y):
-        return F.cross_entropy(model(x), y)
-
-    f = psg.per_sample(model, reduce=_WeightedSum(), backend="eager")(loss)
+    model, loss, f, (x, y) = _setup(_WeightedSum(), WideNarrow, channels=1, classes=2)
     got = f(x, y)
     ref = reference_per_sample(loss, dict(model.named_parameters()), (x, y))
     weights = torch.arange(1, 6, dtype=torch.float64).reciprocal()
@@ -147,15 +139,7 @@ def test_weighted_sum_scales_the_narrower_operand():
 def test_clip_sum_after_materialized_norms_sums_the_same_values():
     """A clip factor bounds what is summed only if the norm was taken of those values: after a materialized norm
     of a sum of several terms per entry (conv, tokens) the clipped sum reuses the materialized values."""
-    torch.manual_seed(0)
-    model = WideNarrow().double()
-    x = torch.randn(5, 1, 6, 6, dtype=torch.float64)
-    y = torch.randint(0, 2, (5,))
-
-    def loss(x, y):
-        return F.cross_entropy(model(x), y)
-
-    f = psg.per_sample(model, reduce=psg.clip_sum(0.3), backend="eager")(loss)
+    model, loss, f, (x, y) = _setup(psg.clip_sum(0.3), WideNarrow, channels=1, classes=2)
     got = f(x, y)
     want = ref_clip_sum(reference_per_sample(loss, dict(model.named_parameters()), (x, y)), 0.3)
     for name, value in want.items():
