@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from .._capture import torch_caches
 from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import BatchInputError, CompileError, InternalError, PerSampleError
+from .._reduce.reductions import holds_low_precision
 from .build import Rewritten
 from .prepare import for_inductor
 
@@ -109,8 +110,8 @@ class CompiledPerSample:
             examples += [mode.from_tensor(x, static_shapes=True) for x in inputs[len(fakes):]]
         else:
             examples = inputs
-        try:
-            with torch._inductor.config.patch(emulate_precision_casts=_holds_low_precision(gm)):
+        try:  # bf16 intermediates rounded as eager does: the norm and the clipped sum read the same values
+            with torch._inductor.config.patch(emulate_precision_casts=holds_low_precision(gm.graph)):
                 compiled = compile_fx(gm, examples)
         except PerSampleError:
             raise
@@ -177,11 +178,3 @@ def _check_batch_not_pinned(rw: Rewritten, stage: str) -> None:
         raise InternalError(f"{stage} fixed the batch size to {env.replacements[rw.batch.symbol]}; an op "
                              "in the rewritten graph needs an opaque implementation. Use backend='eager' meanwhile.")
 
-
-def _holds_low_precision(gm: torch.fx.GraphModule) -> bool:
-    """Inductor keeps a fused chain's bfloat16/float16 intermediates in float32 unless told to round them as eager
-    does. A clip factor would then come from a norm of unrounded values and scale rounded ones (or the reverse),
-    and a clipped gradient could exceed C by bfloat16's rounding (1e-4 relative was measured): the clip bound
-    holds in float32 terms only if every kernel sees the values eager would."""
-    low = (torch.bfloat16, torch.float16)
-    return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.dtype in low for n in gm.graph.nodes)

@@ -222,8 +222,7 @@ class DPClip(Reduction):
         acc = self.acc_dtype
         names = [p.name for p in ctx.params]
         by_name = {p.name: p for p in ctx.params}
-        low = any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.dtype in LOW_PRECISION
-                  for n in ctx.graph.nodes)
+        low = holds_low_precision(ctx.graph)
         groups = self._groups(names)
         if self.bounds is None:
             bounds = ctx.input("clip_bounds", (len(groups),), acc)
@@ -289,3 +288,8 @@ def _clip_factors(k: int):
 def sum_dtype(dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
     """The dtype of ``DPClip``'s sum for a parameter of ``dtype``: ``acc`` for low precision, else the wider."""
     return acc if dtype in LOW_PRECISION else torch.promote_types(dtype, acc)
+
+
+def holds_low_precision(graph: torch.fx.Graph) -> bool:
+    """Any value of the graph is bfloat16/float16 (bf16 parameters, autocast)."""
+    return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.dtype in LOW_PRECISION for n in graph.nodes)
