@@ -108,3 +108,22 @@ def test_cost_model_benchmark_forces_each_strategy():
             norms[name] = fn(x)
         assert fn.compiled_for(x)[0].rewritten.choices["weight"][0].method == name
     torch.testing.assert_close(norms["ghost"], norms["materialize"])
+
+
+def test_breakdown_attributes_a_call_to_its_ops():
+    """``benchmarks.breakdown`` sums each op's own time into categories: a matmul is a library call, the noise
+    of a DP step is named (it is drawn on worker threads), the rest of the call is outside every op."""
+    import torch
+
+    from benchmarks.breakdown import _profile, category
+    from compiled_psg._train.dp import gaussian_many
+
+    assert category("aten::addmm") == "library matmul/conv"
+    assert category("graph_0_cpp_fused_add_0") == "Inductor fused kernels"
+    assert category("compiled_psg.noise") == "noise"
+    a = torch.randn(256, 256)
+    got = _profile(lambda a: (a @ a, gaussian_many([torch.zeros(400, 400)], 1.0)), (a,), calls=2)
+    ms = got["categories_ms"]
+    assert ms["library matmul/conv"] > 0 and ms["noise"] > 0
+    assert ms["noise"] > ms["Inductor fused kernels"] == 0
+    assert got["top_ops"][0]["calls"] >= 1

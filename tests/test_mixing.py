@@ -119,11 +119,6 @@ def cat_rotate(lin, x, y):
     return F.cross_entropy(lin(rotated), y)
 
 
-def batch_size_value(lin, x, y):
-    n = torch.full((D,), x.shape[0], dtype=x.dtype)  # <size_value>
-    return F.cross_entropy(lin(x * n), y)
-
-
 def index_select_batch(lin, x, y, idx):
     return F.cross_entropy(lin(x.index_select(0, idx)), y)  # <index_select>
 
@@ -171,7 +166,6 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "center_by_batch_mean": (mean_back, (), "center"),
     "add_first_sample": (first_sample, (), "first"),
     "cat_rotated_batch": (cat_rotate, (), "rotate"),
-    "batch_size_as_value": (batch_size_value, (), "size_value"),
     "index_select_over_batch": (index_select_batch, ("idx",), "index_select"),
     "gather_over_batch": (gather_batch, ("idx",), "gather0"),
     "per_sample_index_into_features": (pairs_index, ("idx",), "pairs_index"),
@@ -266,6 +260,12 @@ def batch_size_scalar(lin, x, y):
     return F.cross_entropy(lin(x), y, reduction="sum") / x.shape[0] + lin(x).sum() * (1.0 / x.shape[0])
 
 
+def batch_size_tensor(lin, x, y):
+    """The batch size as a tensor inside the network reads 1 per sample, as the Python number does."""
+    n = torch.full((D,), x.shape[0], dtype=x.dtype)
+    return F.cross_entropy(lin(x * n), y)
+
+
 ACCEPTED = {
     "logits_at_arange": pick_own_target,
     "gather_within_sample": gather_within_sample,
@@ -276,6 +276,7 @@ ACCEPTED = {
     "reshape_within_sample": reshape_per_sample,
     "masked_write": masked_write,
     "batch_size_as_scalar": batch_size_scalar,
+    "batch_size_as_tensor": batch_size_tensor,
 }
 
 

@@ -1,5 +1,7 @@
 """Cases from the adversarial review that gave raw torch errors: now exact, or refused in our words."""
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -94,6 +96,57 @@ def test_batch_size_as_the_fill_value_of_a_shape_only_factory_reads_one(divisor)
             "new_full_1": lambda x: x.new_full((1,), len(x)).sum(),
             "full_like": lambda x: torch.full_like(m[2].bias, len(x)).sum() / 3}[divisor]
     _assert_exact(lambda x, y: F.cross_entropy(m(x), y, reduction="sum") / make(x), m, (x, y))
+
+
+BATCH_SIZE_VALUES = {  # adversarial finding 09: each was refused as SampleMixingError ("samples are mixed")
+    "logits_over_sqrt_len": lambda m, x, y: F.cross_entropy(m(x) / math.sqrt(len(x)), y),
+    "hidden_times_inverse_len": lambda m, x, y: F.cross_entropy(m[2](m[1](m[0](x) * (1.0 / len(x)))), y),
+    "logits_over_full": lambda m, x, y: F.cross_entropy(m(x) / torch.full((), len(x), dtype=x.dtype), y),
+    "logits_over_tensor_of_len": lambda m, x, y: F.cross_entropy(m(x) / torch.tensor(float(len(x)),
+                                                                                  dtype=x.dtype), y),
+    "logits_over_ones_times_len": lambda m, x, y: F.cross_entropy(m(x) / torch.ones((), dtype=x.dtype)
+                                                                  .mul(len(x)), y),
+    "losses_over_zeros_plus_len": lambda m, x, y: (F.cross_entropy(m(x), y, reduction="none")
+                                                   / x.new_zeros(()).add(len(x))),
+    "sum_over_filled_len": lambda m, x, y: (F.cross_entropy(m(x), y, reduction="sum")
+                                            / x.new_empty(()).fill_(len(x))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BATCH_SIZE_VALUES))
+def test_the_batch_size_as_a_tensor_reads_one_per_sample(case):
+    """A value computed from the batch size reads 1 in each sample's own loss (the batch of one), whether it is a
+    Python number or a tensor, and wherever it enters the network."""
+    m, x, y = _mlp_and_batch()
+    _assert_exact(lambda x, y: BATCH_SIZE_VALUES[case](m, x, y), m, (x, y))
+
+
+def test_a_batch_size_argument_a_batch_of_one_cannot_read_is_not_called_mixing():
+    """``roll(h, len(x), 1)`` on a batched value: the op's argument would read 1 for a sample's own loss, which
+    compiled_psg cannot substitute there; refused as unsupported, not as samples mixing."""
+    m, x, y = _mlp_and_batch()
+    with pytest.raises(psg.UnsupportedError, match="batch size as a value") as info:
+        psg.per_sample(m, backend="eager")(lambda x, y: F.cross_entropy(m(x).roll(len(x), 1), y))(x, y)
+    assert not isinstance(info.value, psg.SampleMixingError)
+    assert "test_review_findings.py" in str(info.value) and "Fix:" in str(info.value)
+
+
+BCE_CASES = {  # adversarial finding 08: pos_weight with the default mean was refused with torch's in-place error
+    "pos_weight_mean": lambda y, t, w: F.binary_cross_entropy_with_logits(y, t, pos_weight=w),
+    "weight_and_pos_weight_mean": lambda y, t, w: F.binary_cross_entropy_with_logits(y, t, w.flip(0), pos_weight=w),
+    "pos_weight_sum": lambda y, t, w: F.binary_cross_entropy_with_logits(y, t, pos_weight=w, reduction="sum"),
+    "per_sample_weight_mean": lambda y, t, w: F.binary_cross_entropy_with_logits(y, t, t.detach() + w),
+    "sequence_pos_weight_mean": lambda y, t, w: F.binary_cross_entropy_with_logits(
+        torch.stack([y, 2 * y], 1), torch.stack([t, t.flip(1)], 1), pos_weight=w),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BCE_CASES))
+def test_bce_with_logits_weights_are_exact(case):
+    m, x, _ = _mlp_and_batch()
+    t = torch.softmax(torch.randn(len(x), 3, dtype=torch.float64), 1)
+    w = torch.tensor([0.2, 1.0, 3.0], dtype=torch.float64)
+    _assert_exact(lambda x, t: BCE_CASES[case](m(x), t, w), m, (x, t))
 
 
 def test_micro_batches_with_a_custom_reduction_are_refused():

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from scipy import stats
 
 from compiled_psg._errors import DPConfigError
-from compiled_psg._train.dp import secure_gaussian
+from compiled_psg._train import dp
+from compiled_psg._train.dp import gaussian_many, secure_gaussian
 from compiled_psg._train.step import compile_step
 
 OPTIMIZERS = {
@@ -123,16 +124,16 @@ def test_no_sample_contributes_more_than_C():
         assert alone.norm() <= C * (1 + 1e-5)
 
 
-def _noise_of_empty_step(secure: bool, generator=None, seed: int = 0):
+def _noise_of_empty_step(secure: bool, generator=None, seed: int = 0, width: int = 100):
     """An empty batch has a zero clipped sum: an SGD step with lr 1 and no scaling moves by exactly -noise."""
     torch.manual_seed(seed)
-    model = nn.Linear(100, 100)  # 10,100 coordinates
+    model = nn.Linear(width, width)  # 10,100 coordinates at width 100
     before = [p.detach().clone() for p in model.parameters()]
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
     step = compile_step(lambda x, y: F.mse_loss(model(x), y), model, sgd,
                         max_grad_norm=0.7, noise_multiplier=1.3, loss_reduction="sum", secure_rng=secure,
                         generator=generator, backend="eager")
-    step(torch.zeros(0, 100), torch.zeros(0, 100))
+    step(torch.zeros(0, width), torch.zeros(0, width))
     assert step.last_batch_size == 0
     moved = [(b - p.detach()).flatten() for b, p in zip(before, model.parameters(), strict=True)]
     return torch.cat(moved).double(), 0.7 * 1.3
@@ -169,6 +170,39 @@ def test_generator_makes_noise_reproducible():
     b, _ = _noise_of_empty_step(False, torch.Generator().manual_seed(5), seed=1)  # other model init
     c, _ = _noise_of_empty_step(False, torch.Generator().manual_seed(6), seed=0)
     assert torch.allclose(a, b, atol=1e-5) and not torch.allclose(a, c, atol=1e-2)
+
+
+def test_a_large_draw_is_gaussian_and_independent_of_the_thread_count():
+    """Over _PARALLEL_MIN numbers the noise fills one buffer in chunks, each from its own mt19937 seeded by the
+    generator, on several threads: the same numbers on 1 or 2 threads, Gaussian, and no chunk repeats another."""
+    likes = [torch.zeros(300, 700), torch.zeros(300), torch.zeros(40_000)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gaussian_many(likes, 1.5, generator=torch.Generator().manual_seed(7))
+        torch.set_num_threads(2)
+        two = gaussian_many(likes, 1.5, generator=torch.Generator().manual_seed(7))
+    finally:
+        torch.set_num_threads(threads)
+    assert [t.shape for t in one] == [t.shape for t in likes]
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    flat = torch.cat([t.flatten() for t in one]).double()
+    assert flat.numel() > dp._PARALLEL_MIN
+    _check_gaussian(flat, 1.5, p_min=1e-3)
+    chunks = flat[: flat.numel() // dp._CHUNK * dp._CHUNK].view(-1, dp._CHUNK)
+    corr = torch.corrcoef(chunks)
+    assert (corr - torch.eye(len(chunks), dtype=corr.dtype)).abs().max() < 6 / math.sqrt(dp._CHUNK)
+    other = gaussian_many(likes, 1.5, generator=torch.Generator().manual_seed(8))
+    assert not torch.allclose(one[0], other[0], atol=1e-2)
+
+
+def test_a_step_with_a_large_noise_draw_adds_sigma_C():
+    """The step's noise through the parallel draw (360,600 coordinates): N(0, sigma^2 C^2), reproducible."""
+    a, std = _noise_of_empty_step(False, torch.Generator().manual_seed(5), width=600)
+    b, _ = _noise_of_empty_step(False, torch.Generator().manual_seed(5), seed=1, width=600)
+    assert a.numel() > dp._PARALLEL_MIN and torch.allclose(a, b, atol=1e-5)
+    _check_gaussian(a, std, p_min=1e-3)
 
 
 def test_every_batch_size_one_graph_each():

@@ -8,18 +8,20 @@ refused wherever it touches a value that depends on the samples.
 
 The facts (index letters: n batch):
 
-- ``SHARED``: the same for every sample (parameters, constants, sizes).
+- ``SHARED``: the same for every sample (parameters, constants, sizes; also values computed from the batch size,
+  ``torch.full((), len(x))``, which the loss-head pass reads as 1, the batch size of a sample's own loss).
 - ``PerSample(dim, layout)``: dimension ``dim`` holds the samples with ``layout`` (``layout.py``); a ``None``
   layout means the values are the same for every sample (``zeros(n, d)``, an expanded parameter, a random draw),
   so any layout fits.
-- ``Pooled(origin)``: computed from several samples (a reduction over the batch, a read of the batch size as a
+- ``Pooled(origin)``: computed from several samples (a reduction over the batch, ``.item()`` of a batched
   value). Allowed only on the way to the loss, where the loss-head pass gives each sample its own loss.
 - ``SampleIndex(dim, stride)``: ``arange(0, n * stride, stride)``, entry ``b`` is ``b * stride``. Allowed only to
   pair each sample with itself (``logits[arange(n), y]``, the offsets of per-sample embedding bags).
 
 A node is refused when its inputs' facts have no per-sample meaning under the op (``SampleMixingError``: data
 moves across the batch dimension, a pooled value flows back into per-sample values, two values pair different
-samples) or when the op has no entry (``UnsupportedError``). Every fact is checked against the symbolic shapes:
+samples) or when the op has no entry, or reads the batch size as a value where the loss head cannot read it as 1
+(``UnsupportedError``). Every fact is checked against the symbolic shapes:
 a ``PerSample`` fact must name the one dimension whose size contains the batch symbol.
 
 Pre-condition: ``graph`` is a captured forward graph whose batched placeholders have the batch symbol in one
@@ -179,6 +181,8 @@ class Analysis:
         if not isinstance(target, torch._ops.OpOverload) or ops.has_pointwise_tag(target) or target in (
                 ops.ARANGES | ops.FACTORIES | ops.SIZE_QUERIES | ops.CHECKS | ops.SCALAR_READS):
             return
+        if not self.batch.is_batched(node):  # a shared value computed from the batch size: the loss head reads 1
+            return
         try:
             kwargs = _kwargs(node)
         except _Refuse:
@@ -189,8 +193,9 @@ class Analysis:
             exempt |= {"start", "end", "length"}  # the whole batch dimension, checked by the slice handler
         for name, value in kwargs.items():
             if name not in exempt and _reads_batch_size(value, self.batch):
-                raise _mix(f"it uses the batch size as a value (argument {name!r}), which a batch of one would "
-                           "see as 1", "use a constant, or a per-sample quantity, instead of x.shape[0]")
+                raise _Refuse(f"it uses the batch size as a value (argument {name!r}) of a batched op whose "
+                              "arguments compiled_psg cannot read as 1, the batch size a sample's own loss sees",
+                              "use a constant, or a per-sample quantity, instead of x.shape[0]", kind="batch_value")
 
     def _report(self, node: fx.Node, refusal: _Refuse) -> None:
         if node in self._reported:
@@ -231,7 +236,7 @@ class Analysis:
         inputs = _tensor_facts(self, node)
         if handler is None:
             if all(isinstance(f, Shared) for f in inputs.values()) and not _output_batched(node, self.batch):
-                return self._size_taint(node) or SHARED
+                return SHARED  # a value read from the batch size reads 1 per sample (loss head)
             pooled = [f for f in inputs.values() if isinstance(f, Pooled)]
             if pooled and not _output_batched(node, self.batch) and all(
                     isinstance(f, Shared | Pooled) for f in inputs.values()):
@@ -239,21 +244,6 @@ class Analysis:
             raise _unknown(_op_name(node))
         return handler(self, node)
 
-    def _size_taint(self, node: fx.Node) -> Pooled | None:
-        """A node of shared inputs whose *value* reads the batch size (``full([], n)``): pooled."""
-        schema = getattr(node.target, "_schema", None)
-        if schema is None:
-            return None
-        for arg, value in zip(schema.arguments, list(node.args) + [None] * len(schema.arguments), strict=False):
-            if value is None or "SymInt" in str(arg.type) or "int[]" in str(arg.type):
-                continue
-            if _reads_batch_size(value, self.batch):
-                return Pooled(node, "it uses the batch size as a value")
-        for name, value in node.kwargs.items():
-            if name in ("size", "stride") or not _reads_batch_size(value, self.batch):
-                continue
-            return Pooled(node, "it uses the batch size as a value")
-        return None
 
     def _checked(self, node: fx.Node, fact: Fact) -> Fact:
         """Post-condition of every handler: the fact agrees with the symbolic shapes; pooled values reaching
@@ -407,8 +397,6 @@ def _pointwise(an: Analysis, node: fx.Node) -> Fact:
         pooled = _pooled(facts.values())
         if pooled is not None:
             return pooled
-        if _reads_batch_size(list(node.args) + list(node.kwargs.values()), an.batch):
-            return Pooled(node, "it uses the batch size as a value")
         if an.batch.is_batched(node):  # a random draw shaped like the batch (rand_like of a shared value)
             return _from_shape(an, node)
     return result
@@ -442,9 +430,11 @@ def _identity(an: Analysis, node: fx.Node) -> Fact:
 def _factory(an: Analysis, node: fx.Node) -> Fact:
     kw = _kwargs(node)
     for name in ("fill_value", "s", "low", "high", "mean", "std", "from", "to", "value"):
-        if name in kw and _reads_batch_size(kw[name], an.batch):
-            return Pooled(node, "it uses the batch size as a value")
-    return _from_shape(an, node)
+        if name in kw and _reads_batch_size(kw[name], an.batch) and an.batch.is_batched(node):
+            raise _Refuse("it fills a batched value with the batch size, which compiled_psg cannot read as 1, the "
+                          "batch size a sample's own loss sees", "fill a value without the batch dimension "
+                          "(torch.full((), len(x))) and let broadcasting expand it", kind="batch_value")
+    return _from_shape(an, node)  # an unbatched fill value read from the batch size: the loss head reads 1
 
 
 @_handles(ops.ARANGES)

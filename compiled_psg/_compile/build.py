@@ -253,16 +253,16 @@ def _unpacks(node: fx.Node) -> list[fx.Node]:
 
 def _refusal(captured: Captured, forward: fx.GraphModule, sites: list[MixingSite]) -> Exception:
     """``SampleMixingError`` when a site mixes samples; ``UnsupportedError`` when the only obstacles are ops whose
-    batch semantics compiled_psg does not know."""
+    batch semantics compiled_psg does not know, or batch-size values it cannot read as 1."""
     mixing = [s for s in sites if s.kind == "mixing"]
     if mixing:
         error: Exception = SampleMixingError(
             "per-sample gradients are undefined for this loss: samples are mixed.\n"
             + "\n".join(f"  - {site}" for site in sites))
-    else:
-        error = UnsupportedError(
-            "compiled_psg cannot prove that this loss keeps samples apart:\n"
-            + "\n".join(f"  - {site}" for site in sites))
+    else:  # ops of unknown batch semantics, or the batch size as a value a batch of one cannot read as 1
+        headline = ("compiled_psg cannot prove that this loss keeps samples apart" if any(
+            s.kind == "unknown" for s in sites) else "compiled_psg cannot give this loss a sample's own batch size")
+        error = UnsupportedError(headline + ":\n" + "\n".join(f"  - {site}" for site in sites))
     error.report = _partial_report(captured, forward, sites)
     return error
 

@@ -20,6 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .._analyze import ops
 from .._analyze.batch_dims import BatchDims, value_of
 from .._analyze.source import source_line
 from .._errors import BatchInputError, UnsupportedError
@@ -30,9 +31,9 @@ def _batch_values_read_one(graph: fx.Graph, loss: fx.Node, batch: BatchDims) -> 
     """The loss with per-sample semantics for values that use the batch size as a number (``out / len(x)``):
     they see a batch of one. Returns the node computing it (``loss`` itself when nothing reads the batch size).
 
-    The reported loss keeps the batch's values: each pointwise batched op with a batch-valued argument gets a
-    twin reading 1, and each node downstream of a twin up to the loss a copy reading the twins. The originals stay
-    (the reported loss uses them; DCE drops those nothing else needs).
+    The reported loss keeps the batch's values: each op with a batch-valued argument that ``_reads_one`` allows
+    gets a twin reading 1, and each node downstream of a twin up to the loss a copy reading the twins. The
+    originals stay (the reported loss uses them; DCE drops those nothing else needs).
     """
     twins: dict[fx.Node, fx.Node] = {}
     for node in list(graph.nodes):
@@ -42,9 +43,13 @@ def _batch_values_read_one(graph: fx.Graph, loss: fx.Node, batch: BatchDims) -> 
             continue
         twin = node
         target = node.target
-        if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags \
-                and batch.is_batched(node):
+        if _reads_one(node, batch):
             twin = substitute_batch_values(graph, node, batch)
+            if twin is not node and torch.Tag.nondeterministic_seeded in target.tags:
+                raise UnsupportedError(
+                    f"{target} at {source_line(node)} draws random numbers with an argument computed from the batch "
+                    "size (x.shape[0], len(x)); each sample's loss reads the batch size as 1, and a second draw "
+                    "would not match the batch's. Fix: apply the batch size after the random op")
         if any(a in twins for a in node.all_input_nodes):
             if twin is node:  # a copy of the node, to read the twins
                 twin = _copy(graph, node)
@@ -53,6 +58,22 @@ def _batch_values_read_one(graph: fx.Graph, loss: fx.Node, batch: BatchDims) -> 
         if twin is not node:
             twins[node] = twin
     return twins.get(loss, loss)
+
+
+def _reads_one(node: fx.Node, batch: BatchDims) -> bool:
+    """Whether the node's batch-size-valued arguments may read 1: in a pointwise batched op (``out / len(x)``),
+    or in any op making a value without the batch (``torch.full((), len(x))``, ``scalar_tensor(sqrt(n))``).
+    Sizes of batched values (``x.view(n, -1)``) and the shape checks keep the batch's size."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target in ops.CHECKS | ops.SIZE_QUERIES:
+        return False
+    if batch.is_batched(node):
+        return torch.Tag.pointwise in target.tags
+    return any(isinstance(v, torch.Tensor) for v in _values(value_of(node)))
+
+
+def _values(value) -> list:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
 def _same_mask_dropout(x: torch.Tensor, p: float, train, mask: torch.Tensor):

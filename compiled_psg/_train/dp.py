@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -44,3 +45,48 @@ def gaussian_like(t: torch.Tensor, std: float, *, secure: bool = False,
     noise = torch.randn(t.shape, dtype=t.dtype, device=t.device if generator is None else generator.device,
                         generator=generator)
     return noise.mul_(std).to(t.device)
+
+
+# torch.randn on CPU runs on one thread (mt19937 behind a lock). A large draw is split into chunks of _CHUNK
+# numbers, each from its own mt19937 seeded from the user's generator, filled on torch's intra-op threads: the
+# numbers depend on the generator's state only, not on the thread count.
+_CHUNK = 1 << 16
+_PARALLEL_MIN = 1 << 17
+_pool: ThreadPoolExecutor | None = None
+
+
+def _fill_normal(flat: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
+    """``flat`` (CPU, contiguous, 1-d) filled with N(0, std^2), chunk by chunk."""
+    global _pool
+    chunks = -(-flat.numel() // _CHUNK)
+    seeds = torch.randint(0, 2 ** 62, (chunks,), generator=generator).tolist()
+
+    def fill(i: int) -> None:
+        flat[i * _CHUNK:(i + 1) * _CHUNK].normal_(0.0, std, generator=torch.Generator().manual_seed(seeds[i]))
+
+    threads = min(torch.get_num_threads(), chunks)
+    if threads <= 1:
+        for i in range(chunks):
+            fill(i)
+        return
+    if _pool is None or _pool._max_workers < threads:
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compiled_psg-noise")
+    list(_pool.map(fill, range(chunks)))
+
+
+def gaussian_many(likes: list[torch.Tensor], std: float, *, secure: bool = False,
+                  generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """N(0, std^2) noise shaped like each of ``likes``. A large CPU draw from torch's generators fills one flat
+    buffer in parallel chunks (``_fill_normal``); anything else draws tensor by tensor (``gaussian_like``)."""
+    total = sum(t.numel() for t in likes)
+    on_cpu = all(t.device.type == "cpu" for t in likes) and (generator is None or generator.device.type == "cpu")
+    if secure or not on_cpu or total < _PARALLEL_MIN or len({t.dtype for t in likes}) != 1:
+        return [gaussian_like(t, std, secure=secure, generator=generator) for t in likes]
+    flat = torch.empty(total, dtype=likes[0].dtype)
+    with torch.profiler.record_function("compiled_psg.noise"):  # drawn on worker threads: named for profiles
+        _fill_normal(flat, float(std), generator)
+    out, offset = [], 0
+    for t in likes:
+        out.append(flat[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out

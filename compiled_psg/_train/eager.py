@@ -13,7 +13,7 @@ import torch
 from . import distributed as dist_utils
 from .binding import OptimizerBinding
 from .config import DPConfig
-from .dp import gaussian_like
+from .dp import gaussian_like, gaussian_many
 
 
 class NoiseSource:
@@ -25,6 +25,10 @@ class NoiseSource:
 
     def draw(self, config: DPConfig, like: torch.Tensor) -> torch.Tensor:
         return gaussian_like(like, config.noise_std, secure=self.secure, generator=self.generator)
+
+    def draw_many(self, config: DPConfig, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Noise for every tensor of ``likes`` at once (one parallel draw on CPU: ``dp.gaussian_many``)."""
+        return gaussian_many(likes, config.noise_std, secure=self.secure, generator=self.generator)
 
     def draw_scalar(self, std: float) -> float:
         """One N(0, std^2) number (adaptive clipping's count noise), from the same source, in float64."""
@@ -38,7 +42,7 @@ def eager_update(config: DPConfig, grads: list[torch.Tensor], batch_size: int, b
     """Add the noise (rank 0), all-reduce, scale into ``p.grad`` and step the optimizer; returns the global
     batch size."""
     if config.noise_std > 0 and dist_utils.rank() == 0:
-        grads = [g + noise.draw(config, g) for g in grads]
+        grads = [g + n for g, n in zip(grads, noise.draw_many(config, grads), strict=True)]
     if distributed:
         count = torch.tensor(float(batch_size), dtype=grads[0].dtype, device=grads[0].device)
         grads, count = dist_utils.all_reduce_flat(grads, count)

@@ -6,8 +6,8 @@ and the optimizer's own update, spliced into one FX graph (``fuse.py``) and comp
 batch size from 2 up (a batch of one compiles the same graph once more). The update graph is captured from the
 optimizer's ``step`` by Dynamo and AOT autograd (``update_graph.py``), so any ``torch.optim`` optimizer works.
 
-The noise itself is drawn outside the program (``torch.randn``, or ``os.urandom`` with ``secure_rng``) and
-enters as an input: the secure source cannot run inside a graph, a seeded ``torch.Generator`` keeps runs
+The noise itself is drawn outside the program (torch's generators, in parallel chunks on CPU:
+``dp.gaussian_many``; or ``os.urandom`` with ``secure_rng``) and enters as an input: the secure source cannot run inside a graph, a seeded ``torch.Generator`` keeps runs
 resumable, and on CPU Inductor's in-graph generator was 2.9-5.6x slower than ``torch.randn`` plus a compiled add
 for 1e5 to 1e7 parameters (``python -m benchmarks.noise``; 2 cores, quiet machine).
 
@@ -354,13 +354,14 @@ class DPStep:
     def _extra_inputs(self, config: DPConfig, program: StepProgram, batch_size: int, draw_noise: bool = True,
                       partial: list[torch.Tensor] | None = None) -> list:
         ref = self.params[0]
+        likes = [self._sum_like(key) for kind, key in program.inputs if kind == "noise"]
+        noises = iter(self.noise.draw_many(config, likes) if draw_noise and likes else likes)
         extra = []
         for kind, key in program.inputs:
             if kind == "reduce_input":
                 extra.extend(self._reduce_inputs(config, 1))
             elif kind == "noise":
-                like = self._sum_like(key)
-                extra.append(self.noise.draw(config, like) if draw_noise else like)
+                extra.append(next(noises))
             elif kind == "partial":
                 extra.append(partial[key] if partial is not None else self._sum_like(key))
             elif kind == "count":

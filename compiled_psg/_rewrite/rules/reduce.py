@@ -117,6 +117,42 @@ def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
     return Contraction(rule="nll_loss_forward", node=node, inputs=inputs, per_sample=per_sample)
 
 
+@contraction_rule(ATEN.binary_cross_entropy_with_logits.default)
+def binary_cross_entropy_with_logits(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """``binary_cross_entropy_with_logits`` with ``reduction`` mean or sum (``weight``, ``pos_weight`` broadcast
+    over the samples, or batched like the input): each sample's own mean (or sum) of its elementwise losses.
+
+    Before::  l = aten.binary_cross_entropy_with_logits(y [n, o], t [n, o], w [o], pw [o], reduction=mean)  # []
+    After::   ps = split_batch(bce_with_logits(y, t, w, pw, reduction=none)).mean(1)                      # [n]
+    """
+    inp, target = node.args[:2]
+    rest = dict(zip(("weight", "pos_weight", "reduction"), node.args[2:], strict=False)) | dict(node.kwargs)
+    weight, pos_weight, reduction = rest.get("weight"), rest.get("pos_weight"), rest.get("reduction", 1)
+    if reduction == 0 or value_of(inp).shape != value_of(target).shape:
+        return None
+    found = _single_batched_dim(inp, batch)
+    if found is None:
+        return None
+    for other in (target, weight, pos_weight):  # batched operands: the input's shape and batch dimension
+        if isinstance(other, fx.Node) and batch.dims(other) and (
+                value_of(other).shape != value_of(inp).shape or _single_batched_dim(other, batch) != found):
+            return None
+    bdim, layout = found
+    optional = [a for a in (weight, pos_weight) if isinstance(a, fx.Node)]
+
+    def per_sample(y, t, *given):
+        found_args = iter(given)
+        w = next(found_args) if isinstance(weight, fx.Node) else None
+        pw = next(found_args) if isinstance(pos_weight, fx.Node) else None
+        losses = split_batch(F.binary_cross_entropy_with_logits(y, t, w, pos_weight=pw, reduction="none"),
+                             bdim, layout)
+        dims = list(range(1, losses.dim()))
+        return losses.mean(dims) if reduction == 1 else losses.sum(dims)
+
+    return Contraction(rule="binary_cross_entropy_with_logits", node=node, inputs=[inp, target, *optional],
+                       per_sample=per_sample)
+
+
 @contraction_rule(ATEN.mse_loss.default)
 def mse_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``mse_loss`` with ``reduction`` mean or sum: each sample's own mean (or sum) of squared errors.
