@@ -14,7 +14,9 @@ process with an empty Inductor cache (one subprocess per model), the methods of 
   op (Python, guards, argument handling, the wrappers of compiled graphs and of the optimizer step);
 - the ops that allocate the most memory (``profile_memory``: bytes the op allocated and kept past its return).
 
-Writes ``OUT/breakdown.json`` and ``OUT/breakdown.md`` (one table per model and batch size, ms per call).
+Writes ``OUT/breakdown.json`` and ``OUT/breakdown.md`` (one table per model and batch size, ms per call); models
+already in ``OUT/breakdown.json`` from an earlier command and not measured again are kept, and the page names
+both commands.
 """
 
 from __future__ import annotations
@@ -183,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
                         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                                    f"torch {torch.__version__}"}, "models": {}}
     args.out.mkdir(parents=True, exist_ok=True)
+    earlier = args.out / "breakdown.json"
+    if earlier.exists():  # models measured by an earlier command into the same folder stay (each names its own)
+        old = json.loads(earlier.read_text())
+        results["models"] = {m: v for m, v in old["models"].items() if m not in args.models}
+        results["meta"]["command"] = "; ".join([old["meta"]["command"], results["meta"]["command"]])
     for model in args.models:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE": "1"}

@@ -6,7 +6,9 @@ For each number of parameters P, side by side in one process (medians of ``--rep
 - ``outside``: ``torch.randn(P)`` eagerly, then a compiled ``g + sigma * noise`` (sigma folded into the program);
 - ``scaled``: ``torch.randn(P).mul_(sigma)`` eagerly, then a compiled ``g + noise`` (``compile_step``'s layout:
   the scaled noise is an input of the program);
-- ``inside``: one compiled function ``g + sigma * torch.randn_like(g)`` (Inductor's own random generator).
+- ``inside``: one compiled function ``g + sigma * torch.randn_like(g)`` (Inductor's own random generator);
+- ``chunked``: ``compile_step``'s draw today (``dp.gaussian_many``: on CPU, chunks from their own generators on
+  torch's threads, sigma applied in the draw), then a compiled ``g + noise``.
 
 Outside is also the only way to keep seeded runs resumable (the noise comes from a ``torch.Generator`` whose state
 is saved) and to use ``secure_rng`` (``os.urandom``), which cannot run inside a graph.
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+
+from compiled_psg._train.dp import gaussian_many
 
 from .timing import median_seconds
 
@@ -35,6 +39,9 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
     def scaled():
         return add_scaled(g, torch.randn(size, device=device, generator=generator).mul_(sigma))
 
+    def chunked():
+        return add_scaled(g, gaussian_many([g], sigma, generator=generator)[0])
+
     def sync(fn):
         def run():
             out = fn()
@@ -45,7 +52,8 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
 
     return {"outside": median_seconds(sync(outside), repeats) * 1e3,
             "scaled": median_seconds(sync(scaled), repeats) * 1e3,
-            "inside": median_seconds(sync(lambda: draw_inside(g)), repeats) * 1e3}
+            "inside": median_seconds(sync(lambda: draw_inside(g)), repeats) * 1e3,
+            "chunked": median_seconds(sync(chunked), repeats) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,11 +66,13 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--repeats must be at least 7")
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats} "
           "calls; ms")
-    print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} | scaled/outside inside/outside")
+    print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} {'chunked':>8} | scaled/outside "
+          "inside/outside chunked/scaled")
     for size in args.sizes:
         r = measure(size, args.repeats, args.device)
-        print(f"{size:>10} | {r['outside']:8.3f} {r['scaled']:8.3f} {r['inside']:8.3f} | "
-              f"{r['scaled'] / r['outside']:14.2f} {r['inside'] / r['outside']:14.2f}", flush=True)
+        print(f"{size:>10} | {r['outside']:8.3f} {r['scaled']:8.3f} {r['inside']:8.3f} {r['chunked']:8.3f} | "
+              f"{r['scaled'] / r['outside']:14.2f} {r['inside'] / r['outside']:14.2f} "
+              f"{r['chunked'] / r['scaled']:14.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -415,10 +415,8 @@ def markdown(results: dict) -> str:
         "",
         f"PASS {counts['PASS']}, FAIL {counts['FAIL']}, not run {counts['not run']}.",
         "",
-        "## Earlier targets",
-        "",
-        *targets_table(results),
-        "",
+        *(["## Earlier targets", "", *targets_table(results), ""] if any(
+            "dp_psg" in m["methods"] for m in results["models"].values()) else []),
         f"![time ratio against the ordinary backward pass]({plots[0]})",
         "",
         f"![peak extra memory against batch size]({plots[1]})",
