@@ -8,7 +8,8 @@ For each number of parameters P, side by side in one process (medians of ``--rep
   the scaled noise is an input of the program);
 - ``inside``: one compiled function ``g + sigma * torch.randn_like(g)`` (Inductor's own random generator);
 - ``chunked``: ``compile_step``'s draw today (``dp.gaussian_many``: on CPU, chunks from their own generators on
-  torch's threads, sigma applied in the draw), then a compiled ``g + noise``.
+  torch's threads, sigma applied in the draw), then a compiled ``g + noise``;
+- ``draw``: that draw alone, what a DP step pays before its program runs (the add is fused into the program).
 
 Outside is also the only way to keep seeded runs resumable (the noise comes from a ``torch.Generator`` whose state
 is saved) and to use ``secure_rng`` (``os.urandom``), which cannot run inside a graph.
@@ -53,7 +54,8 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
     return {"outside": median_seconds(sync(outside), repeats) * 1e3,
             "scaled": median_seconds(sync(scaled), repeats) * 1e3,
             "inside": median_seconds(sync(lambda: draw_inside(g)), repeats) * 1e3,
-            "chunked": median_seconds(sync(chunked), repeats) * 1e3}
+            "chunked": median_seconds(sync(chunked), repeats) * 1e3,
+            "draw": median_seconds(sync(lambda: gaussian_many([g], sigma, generator=generator)), repeats) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,11 +68,12 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--repeats must be at least 7")
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats} "
           "calls; ms")
-    print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} {'chunked':>8} | scaled/outside "
+    print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} {'chunked':>8} {'draw':>8} | scaled/outside "
           "inside/outside chunked/scaled")
     for size in args.sizes:
         r = measure(size, args.repeats, args.device)
-        print(f"{size:>10} | {r['outside']:8.3f} {r['scaled']:8.3f} {r['inside']:8.3f} {r['chunked']:8.3f} | "
+        times = " ".join(f"{r[k]:8.3f}" for k in ("outside", "scaled", "inside", "chunked", "draw"))
+        print(f"{size:>10} | {times} | "
               f"{r['scaled'] / r['outside']:14.2f} {r['inside'] / r['outside']:14.2f} "
               f"{r['chunked'] / r['scaled']:14.2f}", flush=True)
 
