@@ -58,3 +58,20 @@ def test_views_become_reshapes():
     assert torch.ops.aten.view.default in {n.target for n in before.graph.nodes}  # the original is unchanged
     t = torch.arange(6.0)
     torch.testing.assert_close(after(t), before(t))
+
+
+def test_layout_optimization_off_only_where_per_sample_convolutions_read_nchw():
+    """Channels-last buffers would make each per-sample convolution op copy its operands (benchmarks.layout)."""
+    from compiled_psg._compile.run import _inductor_settings
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    dense = nn.Sequential(nn.Flatten(), nn.Linear(36, 3))
+    x, y = torch.randn(4, 1, 6, 6), torch.randint(0, 3, (4,))
+    settings = {}
+    for name, model in (("conv", conv), ("dense", dense)):
+        fn = psg.per_sample(model, reduce=psg.norms(), backend="eager")(lambda x, y, m=model: F.cross_entropy(m(x), y))
+        settings[name] = _inductor_settings(psg.explain(fn, x, y).after.graph)
+    assert settings["conv"]["layout_optimization"] is False
+    assert settings["dense"]["layout_optimization"] is torch._inductor.config.layout_optimization is True
+    assert settings["conv"]["emulate_precision_casts"] is settings["dense"]["emulate_precision_casts"] is False

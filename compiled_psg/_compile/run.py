@@ -22,10 +22,18 @@ from .._capture import torch_caches
 from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import BatchInputError, CompileError, InternalError, PerSampleError
 from .._reduce.reductions import holds_low_precision
+from .._rewrite.rules.conv import calls_batch_as_groups
 from .build import Rewritten
 from .prepare import for_inductor
 
 BACKENDS = ("inductor", "eager")
+
+
+def _inductor_settings(graph: torch.fx.Graph) -> dict:
+    """Inductor's config for one rewritten graph: bf16 intermediates rounded as eager does (the norm and the
+    clipped sum read the same values), and no channels-last layouts where per-sample convolutions read NCHW."""
+    return {"emulate_precision_casts": holds_low_precision(graph),
+            "layout_optimization": torch._inductor.config.layout_optimization and not calls_batch_as_groups(graph)}
 
 
 class CompiledPerSample:
@@ -110,8 +118,8 @@ class CompiledPerSample:
             examples += [mode.from_tensor(x, static_shapes=True) for x in inputs[len(fakes):]]
         else:
             examples = inputs
-        try:  # bf16 intermediates rounded as eager does: the norm and the clipped sum read the same values
-            with torch._inductor.config.patch(emulate_precision_casts=holds_low_precision(gm.graph)):
+        try:
+            with torch._inductor.config.patch(**_inductor_settings(gm.graph)):
                 compiled = compile_fx(gm, examples)
         except PerSampleError:
             raise

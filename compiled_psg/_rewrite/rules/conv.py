@@ -123,6 +123,19 @@ def _(a, w, stride, padding, dilation):
     return a.new_empty([a.shape[0], *out.shape])
 
 
+# Both ops read the batch as the groups of one NCHW convolution. Inductor's layout optimization gives a graph with
+# convolutions channels-last buffers, and copies between the layouts follow. ``_compile/run.py`` turns it off for
+# graphs that call these ops: ``python -m benchmarks.layout`` put resnet's norms at B = 64 faster without it in 5 of 6
+# pairs of runs (medians 219 against 260 ms) and its DP step no different within this machine's noise.
+BATCH_AS_GROUPS = frozenset({torch.ops.compiled_psg.conv_weight_per_sample.default,
+                             torch.ops.compiled_psg.conv_channel_batch_per_sample.default})
+
+
+def calls_batch_as_groups(graph: fx.Graph) -> bool:
+    """Whether ``graph`` calls an op that lays the batch out as convolution groups (``BATCH_AS_GROUPS``)."""
+    return any(node.op == "call_function" and node.target in BATCH_AS_GROUPS for node in graph.nodes)
+
+
 @contraction_rule(ATEN.convolution.default)
 def convolution_over_channels(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``convolution(a, w)`` whose input and weight hold the batch as channels: a conv weight gradient of a loss
