@@ -15,14 +15,16 @@ import subprocess
 import sys
 import tempfile
 
+# the two methods this compares, by their names in the benchmark's method table
+METHOD_NAMES = {"norms": "psg_norms", "dp_step": "dp_psg_compile_step"}
+
 
 def _one(model: str, batch: int, method: str, layout_on: bool, repeats: int) -> float:
     import torch
 
-    import compiled_psg as psg
     from compiled_psg._compile import run
 
-    from .methods import psg_compile_step
+    from .methods import METHODS
     from .models import build_workload
     from .timing import median_seconds
 
@@ -30,11 +32,7 @@ def _one(model: str, batch: int, method: str, layout_on: bool, repeats: int) -> 
         run.calls_batch_as_groups = lambda graph: False
     wl = build_workload(model, False, torch.device("cpu"))
     x, y = wl.batch(batch)
-    if method == "norms":
-        net = wl.model
-        f = psg.per_sample(net, reduce=psg.norms())(lambda x, y: wl.criterion(net(x), y))
-    else:
-        f = psg_compile_step(wl).run
+    f = METHODS[METHOD_NAMES[method]].setup(wl).run
     f(x, y)
     return median_seconds(lambda: f(x, y), repeats) * 1e3
 
@@ -42,7 +40,7 @@ def _one(model: str, batch: int, method: str, layout_on: bool, repeats: int) -> 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.layout", description=__doc__.split("\n\n")[1])
     p.add_argument("--models", nargs="+", default=["cnn", "resnet"])
-    p.add_argument("--methods", nargs="+", default=["norms", "dp_step"], choices=["norms", "dp_step"])
+    p.add_argument("--methods", nargs="+", default=["norms", "dp_step"], choices=list(METHOD_NAMES))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--repeats", type=int, default=9)
