@@ -89,15 +89,23 @@ def run_model(model: str, args: argparse.Namespace, scratch: Path) -> dict:
         remaining = [m for m in remaining if m not in done]
         if rc == 0 or not remaining:
             break
-        # the worker died in remaining[0] (methods run in order; typically the out-of-memory killer): record
-        # that method's finished sizes and the fatal one, and go on with the rest in a fresh worker
-        _record_killed(model, remaining[0], path, rc)
-        remaining = remaining[1:]
+        # the worker died (typically the out-of-memory killer) in the method it was running last: record that
+        # method's finished sizes and the fatal one, and go on with the rest in a fresh worker
+        killed = _killed_method(path, remaining)
+        _record_killed(model, killed, path, rc)
+        remaining = [m for m in remaining if m != killed]
     return _collect(model, args, path, rc)
 
 
 def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _killed_method(path: Path, remaining: list[str]) -> str:
+    """The method whose first calls a dead worker was making last; during the interleaved timed calls (which
+    follow every method's peak-memory call) the last method whose first calls ran."""
+    running = [r["running"] for r in _lines(path) if r.get("running") in remaining]
+    return running[-1] if running else remaining[0]
 
 
 def _record_killed(model: str, method: str, path: Path, rc: int) -> None:

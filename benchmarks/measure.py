@@ -1,9 +1,10 @@
 """Measure every method on one model in this process: the worker ``python -m benchmarks`` starts per model.
 
-For each method: setup once, then for each batch size a first call (timed: capture and compile for the
-compiled methods), warm-up calls, one call for peak memory, and timed calls (the median is reported); then the
-changing batch-size sequence (each call timed, compiles counted); then a check of the result against a
-``vmap(grad)`` reference. Any exception becomes a recorded failure, never a missing row.
+Every method is set up once; then for each batch size, each method's first call (timed: capture and compile
+for the compiled methods), warm-up calls and one call for peak memory, and then the timed calls of all methods
+interleaved round by round (the median is reported); then each method's changing batch-size sequence (each
+call timed, compiles counted) and a check of its result against a ``vmap(grad)`` reference. Any exception
+becomes a recorded failure, never a missing row.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -265,82 +267,129 @@ def _counters(prepared: Prepared) -> dict:
     return prepared.counters() if prepared and prepared.counters else {}
 
 
-def measure_method(wl: Workload, key: str, plan: Plan, dev: Device, ref: dict | None, log, emit=None) -> dict:
-    """One method at every batch size; ``emit`` records each size as it starts and ends (a worker killed by the
-    out-of-memory killer leaves those behind, see ``__main__.run_model``)."""
+def _set_up(wl: Workload, key: str, log) -> tuple[dict, Prepared | None]:
+    """A method's record, and its prepared callable (None: it could not be set up, the record says why)."""
     method = METHODS[key]
-    record: dict = {
-        "model": wl.name,
-        "method": key,
-        "label": method.label,
-        "sizes": {},
-        "sequence": None,
-        "check": None,
-    }
+    record: dict = {"model": wl.name, "method": key, "label": method.label, "sizes": {}, "sequence": None,
+                    "check": None}
     late = out_of_time()
     if late:
         record["error"] = late
         log(f"{key}: {late}")
-        return record
+        return record, None
     start = time.perf_counter()
     try:
         prepared = method.setup(wl)
     except Exception as e:  # a failure is a result
         record["error"] = short_error(e)
         log(f"{key}: setup {record['error']}")
-        return record
+        return record, None
     record["setup_s"] = time.perf_counter() - start
     if prepared.note:
         record["note"] = prepared.note
+    return record, prepared
 
+
+def _first_calls(key: str, prepared: Prepared, size: int, batch: tuple, plan: Plan, dev: Device, log) -> dict:
+    """The first call at this batch size (capture and compile for compiled methods), warm-up calls, and the
+    call for peak memory; the timed calls come later, interleaved with the other methods'."""
+    entry: dict = {}
+    try:
+        before = _counters(prepared).get("compiles")
+        entry["first_call_s"], out = dev.timed(prepared.run, batch)
+        del out
+        if before is not None:
+            entry["compiles"] = _counters(prepared)["compiles"] - before
+        for _ in range(plan.warmup):
+            dev.timed(prepared.run, batch)
+        entry["peak_bytes"] = dev.peak_bytes(prepared.run, batch)
+        if dev.cuda:  # the whole allocation at the peak, not only what the call added
+            entry["peak_total_bytes"] = dev.last_total
+    except Exception as e:
+        entry = {"error": short_error(e)}
+        log(f"{key} B={size}: {entry['error']}")
+        dev.release()
+    return entry
+
+
+def interleaved_times(runs: dict[str, Callable[[], object]], plan: Plan, dev: Device) -> tuple[dict, dict]:
+    """Time the callables in rounds, one call of each per round, the order rotated every round: a slow phase of
+    the machine (another process, frequency, the allocator) then falls on every method alike rather than on
+    whichever method was timed during it, and the ratios between methods keep. At least ``plan.reps`` rounds;
+    then rounds of the methods whose calls add up to less than ``plan.min_seconds``, up to ``plan.max_reps``.
+    Returns ``(times, errors)`` per key; a callable that raises leaves the rotation."""
+    keys = list(runs)
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    errors: dict[str, BaseException] = {}
+    for r in range(plan.max_reps):
+        active = [k for k in keys[r % len(keys):] + keys[:r % len(keys)] if k not in errors and (
+            r < plan.reps or sum(times[k]) < plan.min_seconds)]
+        if not active:
+            break
+        for k in active:
+            try:
+                times[k].append(dev.timed(runs[k], ())[0])
+            except Exception as e:
+                errors[k] = e
+                dev.release()
+    return times, errors
+
+
+def measure_model(wl: Workload, keys: list[str], plan: Plan, dev: Device, ref: dict | None, log, emit) -> None:
+    """Every method in ``keys`` on one model, side by side. Each method is set up once; then for each batch size,
+    each method's first call, warm-up and peak-memory call, and the timed calls of all methods interleaved
+    (``interleaved_times``); then each method's changing batch-size sequence and check. ``emit`` records each
+    method's sizes as they end and its whole record (a worker killed by the out-of-memory killer leaves those
+    behind, see ``__main__.run_model``)."""
+    records: dict[str, dict] = {}
+    live: dict[str, Prepared] = {}
+    for key in keys:
+        records[key], prepared = _set_up(wl, key, log)
+        if prepared is not None:
+            live[key] = prepared
     for size in plan.sizes:
-        skip = out_of_time() or predicted_skip(method.kind, record["sizes"], size, plan)
-        if skip:
-            record["sizes"][str(size)] = {"error": skip}
-            log(f"{key} B={size}: {skip}")
-            continue
-        if emit:
+        batch, ready = wl.batch(size), {}
+        for key, prepared in live.items():
+            skip = out_of_time() or predicted_skip(METHODS[key].kind, records[key]["sizes"], size, plan)
+            if skip:
+                records[key]["sizes"][str(size)] = {"error": skip}
+                log(f"{key} B={size}: {skip}")
+                continue
             emit({"running": key, "size": size})
-        batch = wl.batch(size)
-        entry: dict = {}
-        try:
-            before = _counters(prepared).get("compiles")
-            entry["first_call_s"], out = dev.timed(prepared.run, batch)
-            del out
-            if before is not None:
-                entry["compiles"] = _counters(prepared)["compiles"] - before
-            for _ in range(plan.warmup):
-                dev.timed(prepared.run, batch)
-            entry["peak_bytes"] = dev.peak_bytes(prepared.run, batch)
-            if dev.cuda:  # the whole allocation at the peak, not only what the call added
-                entry["peak_total_bytes"] = dev.last_total
-            times: list[float] = []
-            while len(times) < plan.reps or (sum(times) < plan.min_seconds and len(times) < plan.max_reps):
-                times.append(dev.timed(prepared.run, batch)[0])
-            entry["median_s"] = statistics.median(times)
-            entry["times_s"] = times
-            log(f"{key} B={size}: {entry['median_s'] * 1e3:.2f} ms (first call {entry['first_call_s']:.2f} s)")
-        except Exception as e:
-            entry["error"] = short_error(e)
-            log(f"{key} B={size}: {entry['error']}")
-            dev.release()
-        record["sizes"][str(size)] = entry
-        if emit:
+            entry = records[key]["sizes"][str(size)] = _first_calls(key, prepared, size, batch, plan, dev, log)
+            if "error" not in entry:
+                ready[key] = prepared
+        if ready:
+            emit({"running": "interleaved", "size": size, "methods": list(ready)})
+        times, errors = interleaved_times({k: (lambda p=p, b=batch: p.run(*b)) for k, p in ready.items()},
+                                        plan, dev)
+        for key in ready:
+            entry = records[key]["sizes"][str(size)]
+            if key in errors:
+                entry.clear()
+                entry["error"] = short_error(errors[key])
+                log(f"{key} B={size}: {entry['error']}")
+            else:
+                entry["median_s"], entry["times_s"] = statistics.median(times[key]), times[key]
+                log(f"{key} B={size}: {entry['median_s'] * 1e3:.2f} ms (first call {entry['first_call_s']:.2f} s)")
             emit({"partial": key, "size": size, "entry": entry})
-
-    if any("error" not in e for e in record["sizes"].values()):
-        if plan.sequence:
-            record["sequence"] = measure_sequence(wl, prepared, plan, dev)
-            seq = record["sequence"]
-            log(f"{key} sizes {plan.sequence}: {seq['total_s']:.2f} s, {seq.get('recompiles', 'no')} recompiles")
-        record["check"] = check(wl, method.kind, prepared, plan, ref)
-    record["counters"] = _counters(prepared)
-    if "compiles" in record["counters"]:  # compiles after the first call (which may compile several graphs)
-        first = record["sizes"][str(plan.sizes[0])].get("compiles", 1)
-        record["recompiles"] = max(0, record["counters"]["compiles"] - first)
-    del prepared
-    gc.collect()
-    return record
+    for key in keys:
+        record, prepared = records[key], live.pop(key, None)
+        if prepared is not None:
+            if any("error" not in e for e in record["sizes"].values()):
+                if plan.sequence:
+                    record["sequence"] = measure_sequence(wl, prepared, plan, dev)
+                    seq = record["sequence"]
+                    log(f"{key} sizes {plan.sequence}: {seq['total_s']:.2f} s, "
+                        f"{seq.get('recompiles', 'no')} recompiles")
+                record["check"] = check(wl, METHODS[key].kind, prepared, plan, ref)
+            record["counters"] = _counters(prepared)
+            if "compiles" in record["counters"]:  # compiles after the first call (which may compile several graphs)
+                first = record["sizes"][str(plan.sizes[0])].get("compiles", 1)
+                record["recompiles"] = max(0, record["counters"]["compiles"] - first)
+        emit(record)
+        del prepared
+        gc.collect()
 
 
 def measure_sequence(wl: Workload, prepared: Prepared, plan: Plan, dev: Device) -> dict:
@@ -443,5 +492,4 @@ def run_worker(
             except Exception:
                 log("no reference:\n" + traceback.format_exc())
         warm_up_process(wl, plan, dev)
-        for key in methods:
-            emit(measure_method(wl, key, plan, dev, ref, log, emit))
+        measure_model(wl, list(methods), plan, dev, ref, log, emit)

@@ -343,9 +343,11 @@ def _passed(model: dict, key: str) -> bool:
 
 
 HOW = (
-    "How it measures: one process per model runs every method side by side. Per method and batch size: the "
-    "first call is timed on its own (capture and compile for the compiled methods), then warm-up calls, one "
-    "call for peak memory, then timed calls; the tables give the median. Full runs start each model with an "
+    "How it measures: one process per model runs every method side by side. Per batch size: each method's "
+    "first call is timed on its own (capture and compile for the compiled methods), then its warm-up calls "
+    "and one call for peak memory; then the timed calls of all methods interleaved, one call of each per "
+    "round with the order rotated every round, so that a slow phase of the machine falls on every method "
+    "alike; the tables give each method's median. Full runs start each model with an "
     "empty Inductor cache, so the run's first call of a compiled method is a cold compile (quick runs share "
     "the user's cache)."
 )

@@ -54,29 +54,74 @@ def test_quick_run_records_every_method(tmp_path):
 
 
 def test_a_killed_worker_keeps_its_finished_sizes(tmp_path):
-    """A worker killed in the middle of a method (the out-of-memory killer): that method keeps the batch sizes
-    it finished and records the fatal one; methods it never reached are failures, not silently dropped."""
+    """A worker killed in the middle of a method (the out-of-memory killer): the method whose first calls ran
+    last is the one killed; it keeps the batch sizes it finished and records the fatal one; methods with no
+    record are failures, not silently dropped."""
     import argparse
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.__main__ import _collect, _record_killed
+    from benchmarks.__main__ import _collect, _killed_method, _record_killed
 
     path = tmp_path / "mlp.jsonl"
     lines = [
         {"model": "mlp", "environment": {"device": "cpu"}},
         {"model": "mlp", "method": "backward", "sizes": {"16": {"median_s": 0.01}}},
         {"running": "psg_gram", "size": 16},
+        {"running": "psg_norms", "size": 16},
+        {"running": "interleaved", "size": 16, "methods": ["psg_gram", "psg_norms"]},
         {"partial": "psg_gram", "size": 16, "entry": {"median_s": 0.02}},
+        {"partial": "psg_norms", "size": 16, "entry": {"median_s": 0.01}},
         {"running": "psg_gram", "size": 64},
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    _record_killed("mlp", "psg_gram", path, -9)
+    killed = _killed_method(path, ["psg_gram", "psg_norms"])
+    assert killed == "psg_gram"
+    _record_killed("mlp", killed, path, -9)
     args = argparse.Namespace(methods=["backward", "psg_gram", "psg_norms"])
     got = _collect("mlp", args, path, rc=-9)["methods"]
     assert got["backward"]["sizes"]["16"]["median_s"] == 0.01
     assert got["psg_gram"]["sizes"]["16"] == {"median_s": 0.02}
     assert "out-of-memory killer" in got["psg_gram"]["sizes"]["64"]["error"]
     assert got["psg_norms"]["error"].startswith("unsupported: the worker process exited with code -9")
+
+
+def test_timed_calls_are_interleaved_in_rotated_rounds():
+    """Each round calls every method once, starting one method later each round; a method that raises leaves
+    the rotation with its error; fast methods get extra rounds until they add up to ``min_seconds``."""
+    import dataclasses
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.measure import Plan, interleaved_times
+
+    class Clock:  # a device whose calls take the time the callable says
+        def timed(self, fn, batch):
+            return fn(), None
+
+        def release(self):
+            pass
+
+    calls: list[str] = []
+
+    def method(name: str, seconds: float, fail_at: int | None = None):
+        def run():
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError(f"{name} broke")
+            calls.append(name)
+            return seconds
+        return run
+
+    plan = Plan(sizes=(4,), sequence=(), check_size=4, warmup=0, reps=3, min_seconds=0.0, max_reps=10)
+    times, errors = interleaved_times({"a": method("a", 1.0), "b": method("b", 1.0), "c": method("c", 1.0)},
+                                      plan, Clock())
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"] and not errors
+    assert times == {"a": [1.0] * 3, "b": [1.0] * 3, "c": [1.0] * 3}
+
+    calls.clear()
+    plan = dataclasses.replace(plan, min_seconds=1.0)
+    times, errors = interleaved_times({"slow": method("slow", 0.5), "fast": method("fast", 0.25),
+                                       "bad": method("bad", 0.1, fail_at=1)}, plan, Clock())
+    assert str(errors["bad"]) == "bad broke" and times["bad"] == [0.1]
+    assert len(times["slow"]) == 3 and times["fast"] == [0.25] * 4
 
 
 def test_sizes_predicted_too_slow_or_too_big_are_skipped():
