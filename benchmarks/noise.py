@@ -9,7 +9,9 @@ For each number of parameters P, side by side in one process (medians of ``--rep
 - ``inside``: one compiled function ``g + sigma * torch.randn_like(g)`` (Inductor's own random generator);
 - ``chunked``: ``compile_step``'s draw today (``dp.gaussian_many``: on CPU, chunks from their own generators on
   torch's threads, sigma applied in the draw), then a compiled ``g + noise``;
-- ``draw``: that draw alone, what a DP step pays before its program runs (the add is fused into the program).
+- ``draw``: that draw into a fresh buffer alone, what a DP step paid before its program ran (the add is fused
+  into the program);
+- ``reused``: the same draw into the previous draw's buffer (``reuse=``), what a DP step pays now.
 
 Outside is also the only way to keep seeded runs resumable (the noise comes from a ``torch.Generator`` whose state
 is saved) and to use ``secure_rng`` (``os.urandom``), which cannot run inside a graph.
@@ -33,6 +35,7 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
     add_scaled = torch.compile(lambda g, noise: g + noise, dynamic=False)
     draw_inside = torch.compile(lambda g: g + sigma * torch.randn_like(g), dynamic=False)
     generator = torch.Generator(device=device).manual_seed(0)
+    reuse: dict = {}
 
     def outside():
         return add(g, torch.randn(size, device=device, generator=generator))
@@ -55,7 +58,9 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
             "scaled": median_seconds(sync(scaled), repeats) * 1e3,
             "inside": median_seconds(sync(lambda: draw_inside(g)), repeats) * 1e3,
             "chunked": median_seconds(sync(chunked), repeats) * 1e3,
-            "draw": median_seconds(sync(lambda: gaussian_many([g], sigma, generator=generator)), repeats) * 1e3}
+            "draw": median_seconds(sync(lambda: gaussian_many([g], sigma, generator=generator)), repeats) * 1e3,
+            "reused": median_seconds(sync(lambda: gaussian_many([g], sigma, generator=generator, reuse=reuse)),
+                                     repeats) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,14 +73,14 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--repeats must be at least 7")
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats} "
           "calls; ms")
-    print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} {'chunked':>8} {'draw':>8} | scaled/outside "
-          "inside/outside chunked/scaled")
+    print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} {'chunked':>8} {'draw':>8} {'reused':>8} | "
+          "scaled/outside inside/outside chunked/scaled reused/draw")
     for size in args.sizes:
         r = measure(size, args.repeats, args.device)
-        times = " ".join(f"{r[k]:8.3f}" for k in ("outside", "scaled", "inside", "chunked", "draw"))
+        times = " ".join(f"{r[k]:8.3f}" for k in ("outside", "scaled", "inside", "chunked", "draw", "reused"))
         print(f"{size:>10} | {times} | "
               f"{r['scaled'] / r['outside']:14.2f} {r['inside'] / r['outside']:14.2f} "
-              f"{r['chunked'] / r['scaled']:14.2f}", flush=True)
+              f"{r['chunked'] / r['scaled']:14.2f} {r['reused'] / r['draw']:11.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -197,6 +197,25 @@ def test_a_large_draw_is_gaussian_and_independent_of_the_thread_count():
     assert not torch.allclose(one[0], other[0], atol=1e-2)
 
 
+def test_a_reused_noise_buffer_is_filled_again_with_the_same_numbers():
+    """``reuse``: the second draw fills the first draw's buffer in place, with the numbers a fresh buffer gets
+    from the same generator state; a draw of another size allocates anew."""
+    likes = [torch.zeros(300, 700), torch.zeros(40_000)]
+    reuse: dict = {}
+    gen, fresh_gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    first = gaussian_many(likes, 2.0, generator=gen, reuse=reuse)
+    first_values = [t.clone() for t in first]
+    second = gaussian_many(likes, 2.0, generator=gen, reuse=reuse)
+    assert second[0].data_ptr() == first[0].data_ptr() == reuse["flat"].data_ptr()
+    for want, got in zip(gaussian_many(likes, 2.0, generator=fresh_gen), first_values, strict=True):
+        assert torch.equal(want, got)
+    for want, got in zip(gaussian_many(likes, 2.0, generator=fresh_gen), second, strict=True):
+        assert torch.equal(want, got)
+    assert not torch.allclose(first_values[0], second[0], atol=1e-2)
+    other = gaussian_many([torch.zeros(200_000)], 2.0, generator=gen, reuse=reuse)
+    assert other[0].data_ptr() == reuse["flat"].data_ptr() != first[0].data_ptr()
+
+
 def test_a_step_with_a_large_noise_draw_adds_sigma_C():
     """The step's noise through the parallel draw (360,600 coordinates): N(0, sigma^2 C^2), reproducible."""
     a, std = _noise_of_empty_step(False, torch.Generator().manual_seed(5), width=600)

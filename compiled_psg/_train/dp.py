@@ -75,14 +75,22 @@ def _fill_normal(flat: torch.Tensor, std: float, generator: torch.Generator | No
 
 
 def gaussian_many(likes: list[torch.Tensor], std: float, *, secure: bool = False,
-                  generator: torch.Generator | None = None) -> list[torch.Tensor]:
+                  generator: torch.Generator | None = None, reuse: dict | None = None) -> list[torch.Tensor]:
     """N(0, std^2) noise shaped like each of ``likes``. A large CPU draw from torch's generators fills one flat
-    buffer in parallel chunks (``_fill_normal``); anything else draws tensor by tensor (``gaussian_like``)."""
+    buffer in parallel chunks (``_fill_normal``); anything else draws tensor by tensor (``gaussian_like``).
+
+    ``reuse``: a dict the caller keeps from draw to draw, once it no longer reads the previous draw: the flat
+    buffer is filled again in place (same size and dtype) instead of allocated. A fresh buffer of many MB costs
+    its page faults on every step (glibc maps allocations over 32 MB anew each time); the numbers are the same."""
     total = sum(t.numel() for t in likes)
     on_cpu = all(t.device.type == "cpu" for t in likes) and (generator is None or generator.device.type == "cpu")
     if secure or not on_cpu or total < _PARALLEL_MIN or len({t.dtype for t in likes}) != 1:
         return [gaussian_like(t, std, secure=secure, generator=generator) for t in likes]
-    flat = torch.empty(total, dtype=likes[0].dtype)
+    flat = None if reuse is None else reuse.get("flat")
+    if flat is None or flat.numel() != total or flat.dtype != likes[0].dtype:
+        flat = torch.empty(total, dtype=likes[0].dtype)
+        if reuse is not None:
+            reuse["flat"] = flat
     with torch.profiler.record_function("compiled_psg.noise"):  # drawn on worker threads: named for profiles
         _fill_normal(flat, float(std), generator)
     out, offset = [], 0

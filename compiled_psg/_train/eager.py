@@ -22,13 +22,16 @@ class NoiseSource:
     def __init__(self, secure: bool = False, generator: torch.Generator | None = None):
         self.secure = secure
         self.generator = generator
+        self._buffer: dict = {}  # the last large draw's flat buffer, filled again by the next (``gaussian_many``)
 
     def draw(self, config: DPConfig, like: torch.Tensor) -> torch.Tensor:
         return gaussian_like(like, config.noise_std, secure=self.secure, generator=self.generator)
 
     def draw_many(self, config: DPConfig, likes: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Noise for every tensor of ``likes`` at once (one parallel draw on CPU: ``dp.gaussian_many``)."""
-        return gaussian_many(likes, config.noise_std, secure=self.secure, generator=self.generator)
+        """Noise for every tensor of ``likes`` at once (one parallel draw on CPU: ``dp.gaussian_many``). The
+        tensors are views of one buffer that the next call fills again: read them before drawing more."""
+        return gaussian_many(likes, config.noise_std, secure=self.secure, generator=self.generator,
+                             reuse=self._buffer)
 
     def draw_scalar(self, std: float) -> float:
         """One N(0, std^2) number (adaptive clipping's count noise), from the same source, in float64."""
