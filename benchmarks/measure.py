@@ -2,9 +2,9 @@
 
 Every method is set up once; then for each batch size, each method's first call (timed: capture and compile
 for the compiled methods), warm-up calls and one call for peak memory, and then the timed calls of all methods
-interleaved round by round (the median is reported); then each method's changing batch-size sequence (each
-call timed, compiles counted) and a check of its result against a ``vmap(grad)`` reference. Any exception
-becomes a recorded failure, never a missing row.
+interleaved round by round, each after an untimed call of its own (the median is reported); then each method's
+changing batch-size sequence (each call timed, compiles counted) and a check of its result against a
+``vmap(grad)`` reference. Any exception becomes a recorded failure, never a missing row.
 """
 
 from __future__ import annotations
@@ -313,11 +313,13 @@ def _first_calls(key: str, prepared: Prepared, size: int, batch: tuple, plan: Pl
 
 
 def interleaved_times(runs: dict[str, Callable[[], object]], plan: Plan, dev: Device) -> tuple[dict, dict]:
-    """Time the callables in rounds, one call of each per round, the order rotated every round: a slow phase of
-    the machine (another process, frequency, the allocator) then falls on every method alike rather than on
-    whichever method was timed during it, and the ratios between methods keep. At least ``plan.reps`` rounds;
-    then rounds of the methods whose calls add up to less than ``plan.min_seconds``, up to ``plan.max_reps``.
-    Returns ``(times, errors)`` per key; a callable that raises leaves the rotation."""
+    """Time the callables in rounds, one timed call of each per round, the order rotated every round: a slow
+    phase of the machine (another process, the clock frequency) then falls on every method alike rather than on
+    whichever method was timed during it, and the ratios between methods keep. Each timed call follows an
+    untimed call of the same callable, so that its data is back in the caches, as in a loop of that method
+    alone (the other methods' calls in between evict it). At least ``plan.reps`` rounds; then rounds of the
+    methods whose timed calls add up to less than ``plan.min_seconds``, up to ``plan.max_reps``. Returns
+    ``(times, errors)`` per key; a callable that raises leaves the rotation."""
     keys = list(runs)
     times: dict[str, list[float]] = {k: [] for k in keys}
     errors: dict[str, BaseException] = {}
@@ -328,6 +330,7 @@ def interleaved_times(runs: dict[str, Callable[[], object]], plan: Plan, dev: De
             break
         for k in active:
             try:
+                dev.timed(runs[k], ())
                 times[k].append(dev.timed(runs[k], ())[0])
             except Exception as e:
                 errors[k] = e

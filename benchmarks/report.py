@@ -347,7 +347,8 @@ HOW = (
     "first call is timed on its own (capture and compile for the compiled methods), then its warm-up calls "
     "and one call for peak memory; then the timed calls of all methods interleaved, one call of each per "
     "round with the order rotated every round, so that a slow phase of the machine falls on every method "
-    "alike; the tables give each method's median. Full runs start each model with an "
+    "alike, each timed call after an untimed call of the same method, so that its data is back in the caches "
+    "as in a loop of that method alone; the tables give each method's median. Full runs start each model with an "
     "empty Inductor cache, so the run's first call of a compiled method is a cold compile (quick runs share "
     "the user's cache)."
 )

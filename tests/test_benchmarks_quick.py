@@ -86,8 +86,9 @@ def test_a_killed_worker_keeps_its_finished_sizes(tmp_path):
 
 
 def test_timed_calls_are_interleaved_in_rotated_rounds():
-    """Each round calls every method once, starting one method later each round; a method that raises leaves
-    the rotation with its error; fast methods get extra rounds until they add up to ``min_seconds``."""
+    """Each round times every method once (after an untimed call of the same method), starting one method later
+    each round; a method that raises leaves the rotation with its error; fast methods get extra rounds until
+    their timed calls add up to ``min_seconds``."""
     import dataclasses
 
     sys.path.insert(0, str(ROOT))
@@ -95,7 +96,8 @@ def test_timed_calls_are_interleaved_in_rotated_rounds():
 
     class Clock:  # a device whose calls take the time the callable says
         def timed(self, fn, batch):
-            return fn(), None
+            seconds = fn()
+            return seconds, None
 
         def release(self):
             pass
@@ -113,14 +115,14 @@ def test_timed_calls_are_interleaved_in_rotated_rounds():
     plan = Plan(sizes=(4,), sequence=(), check_size=4, warmup=0, reps=3, min_seconds=0.0, max_reps=10)
     times, errors = interleaved_times({"a": method("a", 1.0), "b": method("b", 1.0), "c": method("c", 1.0)},
                                       plan, Clock())
-    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"] and not errors
+    assert calls == [m for m in "abcbcacab" for _ in range(2)] and not errors  # an untimed call, then the timed
     assert times == {"a": [1.0] * 3, "b": [1.0] * 3, "c": [1.0] * 3}
 
     calls.clear()
     plan = dataclasses.replace(plan, min_seconds=1.0)
     times, errors = interleaved_times({"slow": method("slow", 0.5), "fast": method("fast", 0.25),
-                                       "bad": method("bad", 0.1, fail_at=1)}, plan, Clock())
-    assert str(errors["bad"]) == "bad broke" and times["bad"] == [0.1]
+                                       "bad": method("bad", 0.1, fail_at=3)}, plan, Clock())
+    assert str(errors["bad"]) == "bad broke" and times["bad"] == [0.1]  # its 4th call (2nd timed) raised
     assert len(times["slow"]) == 3 and times["fast"] == [0.25] * 4
 
 
