@@ -11,7 +11,10 @@ For each number of parameters P, side by side in one process (medians of ``--rep
   torch's threads, sigma applied in the draw), then a compiled ``g + noise``;
 - ``draw``: that draw into a fresh buffer alone, what a DP step paid before its program ran (the add is fused
   into the program);
-- ``reused``: the same draw into the previous draw's buffer (``reuse=``), what a DP step pays now.
+- ``reused``: the same draw into the previous draw's buffer (``reuse=``), what a DP step pays now;
+- ``after_parallel``: the reused draw timed right after an op that ATen runs on its OpenMP threads, as in a
+  training loop where the draw follows the previous step's program: the OpenMP workers spin-wait for a while
+  after a parallel region, on the cores the draw's threads need (CPU only).
 
 Outside is also the only way to keep seeded runs resumable (the noise comes from a ``torch.Generator`` whose state
 is saved) and to use ``secure_rng`` (``os.urandom``), which cannot run inside a graph.
@@ -20,6 +23,8 @@ is saved) and to use ``secure_rng`` (``os.urandom``), which cannot run inside a 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
@@ -46,6 +51,14 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
     def chunked():
         return add_scaled(g, gaussian_many([g], sigma, generator=generator)[0])
 
+    big = torch.randn(1 << 22, device=device)
+
+    def after_parallel() -> float:
+        big.mul_(1.0)  # over ATen's grain size: an OpenMP parallel region
+        start = time.perf_counter()
+        gaussian_many([g], sigma, generator=generator, reuse=reuse)
+        return time.perf_counter() - start
+
     def sync(fn):
         def run():
             out = fn()
@@ -60,7 +73,8 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
             "chunked": median_seconds(sync(chunked), repeats) * 1e3,
             "draw": median_seconds(sync(lambda: gaussian_many([g], sigma, generator=generator)), repeats) * 1e3,
             "reused": median_seconds(sync(lambda: gaussian_many([g], sigma, generator=generator, reuse=reuse)),
-                                     repeats) * 1e3}
+                                     repeats) * 1e3,
+            "after_parallel": statistics.median(after_parallel() for _ in range(repeats)) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,11 +87,12 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--repeats must be at least 7")
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats} "
           "calls; ms")
-    print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} {'chunked':>8} {'draw':>8} {'reused':>8} | "
-          "scaled/outside inside/outside chunked/scaled reused/draw")
+    print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} {'chunked':>8} {'draw':>8} {'reused':>8} "
+          f"{'after_parallel':>14} | scaled/outside inside/outside chunked/scaled reused/draw")
     for size in args.sizes:
         r = measure(size, args.repeats, args.device)
         times = " ".join(f"{r[k]:8.3f}" for k in ("outside", "scaled", "inside", "chunked", "draw", "reused"))
+        times += f" {r['after_parallel']:14.3f}"
         print(f"{size:>10} | {times} | "
               f"{r['scaled'] / r['outside']:14.2f} {r['inside'] / r['outside']:14.2f} "
               f"{r['chunked'] / r['scaled']:14.2f} {r['reused'] / r['draw']:11.2f}", flush=True)
