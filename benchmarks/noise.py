@@ -15,6 +15,10 @@ For each number of parameters P, side by side in one process (medians of ``--rep
 - ``after_parallel``: the reused draw timed right after an op that ATen runs on its OpenMP threads, as in a
   training loop where the draw follows the previous step's program: the OpenMP workers spin-wait for a while
   after a parallel region, on the cores the draw's threads need (CPU only).
+- ``threefry``: a candidate, not what compiled_psg does: one compiled ``g + sigma * z`` with ``z`` from the
+  counter-based Threefry-2x32-20 (Random123's; JAX's default generator) and Box-Muller, in integer and float ops
+  Inductor fuses and runs on its OpenMP threads (``threefry_normal`` below), timed in a loop after a parallel op
+  as ``after_parallel``.
 
 Outside is also the only way to keep seeded runs resumable (the noise comes from a ``torch.Generator`` whose state
 is saved) and to use ``secure_rng`` (``os.urandom``), which cannot run inside a graph.
@@ -23,6 +27,7 @@ is saved) and to use ``secure_rng`` (``os.urandom``), which cannot run inside a 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -31,6 +36,32 @@ import torch
 from compiled_psg._train.dp import gaussian_many
 
 from .timing import median_seconds
+
+_M32 = 0xFFFFFFFF
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry2x32(k0, k1, c0, c1):
+    """Threefry-2x32 with 20 rounds (Salmon et al. 2011) on int64 tensors holding uint32 words: the block
+    cipher of counter ``(c0, c1)`` under key ``(k0, k1)``, as two words."""
+    ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+    x0, x1 = (c0 + k0) & _M32, (c1 + k1) & _M32
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = (x0 + x1) & _M32
+            x1 = (((x1 << r) & _M32) | (x1 >> (32 - r))) ^ x0
+        x0 = (x0 + ks[(i + 1) % 3]) & _M32
+        x1 = (x1 + ks[(i + 2) % 3] + (i + 1)) & _M32
+    return x0, x1
+
+
+def threefry_normal(key: torch.Tensor, n: int, device: str = "cpu") -> torch.Tensor:
+    """``n`` N(0, 1) float32 numbers, number ``e`` from the cipher of counter ``(e, 0)`` under ``key`` (two
+    uint32 words in an int64 tensor): Box-Muller on its two words."""
+    w0, w1 = threefry2x32(key[0], key[1], torch.arange(n, device=device), 0)
+    u1 = (w0.to(torch.float32) + 0.5) * 2.0 ** -32
+    u2 = w1.to(torch.float32) * 2.0 ** -32
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2 * math.pi) * u2)
 
 
 def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
@@ -53,11 +84,14 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
 
     big = torch.randn(1 << 22, device=device)
 
-    def after_parallel() -> float:
+    def after_parallel(draw=lambda: gaussian_many([g], sigma, generator=generator, reuse=reuse)) -> float:
         big.mul_(1.0)  # over ATen's grain size: an OpenMP parallel region
         start = time.perf_counter()
-        gaussian_many([g], sigma, generator=generator, reuse=reuse)
+        draw()
         return time.perf_counter() - start
+
+    key = torch.tensor([0x13198A2E, 0x03707344], device=device)
+    add_threefry = torch.compile(lambda g, key: g + sigma * threefry_normal(key, g.numel(), device), dynamic=False)
 
     def sync(fn):
         def run():
@@ -74,7 +108,8 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
             "draw": median_seconds(sync(lambda: gaussian_many([g], sigma, generator=generator)), repeats) * 1e3,
             "reused": median_seconds(sync(lambda: gaussian_many([g], sigma, generator=generator, reuse=reuse)),
                                      repeats) * 1e3,
-            "after_parallel": statistics.median(after_parallel() for _ in range(repeats)) * 1e3}
+            "after_parallel": statistics.median(after_parallel() for _ in range(repeats)) * 1e3,
+            "threefry": statistics.median(after_parallel(lambda: add_threefry(g, key)) for _ in range(repeats)) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,11 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats} "
           "calls; ms")
     print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} {'chunked':>8} {'draw':>8} {'reused':>8} "
-          f"{'after_parallel':>14} | scaled/outside inside/outside chunked/scaled reused/draw")
+          f"{'after_parallel':>14} {'threefry':>8} | scaled/outside inside/outside chunked/scaled reused/draw")
     for size in args.sizes:
         r = measure(size, args.repeats, args.device)
         times = " ".join(f"{r[k]:8.3f}" for k in ("outside", "scaled", "inside", "chunked", "draw", "reused"))
-        times += f" {r['after_parallel']:14.3f}"
+        times += f" {r['after_parallel']:14.3f} {r['threefry']:8.3f}"
         print(f"{size:>10} | {times} | "
               f"{r['scaled'] / r['outside']:14.2f} {r['inside'] / r['outside']:14.2f} "
               f"{r['chunked'] / r['scaled']:14.2f} {r['reused'] / r['draw']:11.2f}", flush=True)

@@ -174,3 +174,24 @@ def test_breakdown_attributes_a_call_to_its_ops():
     assert ms["library matmul/conv"] > 0 and ms["noise"] > 0
     assert ms["noise"] > ms["Inductor fused kernels"] == 0
     assert got["top_ops"][0]["calls"] >= 1
+
+
+def test_the_threefry_candidate_matches_random123_and_is_gaussian():
+    """``benchmarks.noise``'s candidate generator: Threefry-2x32-20's known answers (Random123's kat_vectors),
+    and Box-Muller on its words gives N(0, 1) (Kolmogorov-Smirnov), a different stream for another key."""
+    import torch
+    from scipy import stats
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.noise import threefry2x32, threefry_normal
+
+    known = [((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
+             ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+             ((0x243F6A88, 0x85A308D3), (0x13198A2E, 0x03707344), (0xC4923A9C, 0x483DF7A0))]
+    for counter, key, want in known:
+        got = threefry2x32(*(torch.tensor(w) for w in (*key, *counter)))
+        assert tuple(int(w) for w in got) == want
+    z = threefry_normal(torch.tensor([7, 9]), 100_000).double()
+    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-3
+    other = threefry_normal(torch.tensor([7, 10]), 100_000).double()
+    assert abs(float(torch.corrcoef(torch.stack([z, other]))[0, 1])) < 0.02
