@@ -14,9 +14,9 @@ process with an empty Inductor cache (one subprocess per model), the methods of 
   op (Python, guards, argument handling, the wrappers of compiled graphs and of the optimizer step);
 - the ops that allocate the most memory (``profile_memory``: bytes the op allocated and kept past its return).
 
-Writes ``OUT/breakdown.json`` and ``OUT/breakdown.md`` (one table per model and batch size, ms per call); models
-already in ``OUT/breakdown.json`` from an earlier command and not measured again are kept, and the page names
-both commands.
+Writes ``OUT/breakdown.json`` and ``OUT/breakdown.md`` (one table per model and batch size, ms per call); the
+tables of each model and batch size already in ``OUT/breakdown.json`` from an earlier command and not measured
+again are kept, and the page names both commands.
 """
 
 from __future__ import annotations
@@ -186,9 +186,11 @@ def main(argv: list[str] | None = None) -> None:
                                    f"torch {torch.__version__}"}, "models": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     earlier = args.out / "breakdown.json"
-    if earlier.exists():  # models measured by an earlier command into the same folder stay (each names its own)
+    if earlier.exists():  # the (model, size) tables of earlier commands into the same folder stay unless measured again
         old = json.loads(earlier.read_text())
-        results["models"] = {m: v for m, v in old["models"].items() if m not in args.models}
+        results["models"] = {m: {b: rows for b, rows in sizes.items()
+                                 if m not in args.models or int(b) not in args.sizes}
+                             for m, sizes in old["models"].items()}
         results["meta"]["command"] = "; ".join([old["meta"]["command"], results["meta"]["command"]])
     for model in args.models:
         with tempfile.TemporaryDirectory() as cache:
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             if "RESULT " not in proc.stdout:
                 sys.stderr.write(proc.stderr[-3000:])
                 continue
-            results["models"][model] = json.loads(proc.stdout.rsplit("RESULT ", 1)[1])
+            results["models"].setdefault(model, {}).update(json.loads(proc.stdout.rsplit("RESULT ", 1)[1]))
         (args.out / "breakdown.json").write_text(json.dumps(results, indent=1))
         (args.out / "breakdown.md").write_text(markdown(results))
     print(markdown(results))

@@ -444,13 +444,16 @@ def markdown(results: dict) -> str:
             "",
             *sizes_table(model, gpu),
             "",
-            f"### Changing batch size {tuple(model['plan']['sequence'])}",
-            "",
-            "Run after the batch sizes above, on the same (already compiled) callables.",
-            "",
-            *sequence_table(model, gpu),
-            "",
         ]
+        if model["plan"]["sequence"]:  # none with --no-sequence
+            out += [
+                f"### Changing batch size {tuple(model['plan']['sequence'])}",
+                "",
+                "Run after the batch sizes above, on the same (already compiled) callables.",
+                "",
+                *sequence_table(model, gpu),
+                "",
+            ]
     out += ["## Where compiled_psg is not the fastest or the leanest", "",
             "Generated from the tables above: each model, batch size and quantity where a peer that ran and "
             "passed the check beats compiled_psg's best method for that quantity.", "",
