@@ -24,6 +24,7 @@ from .._errors import BatchInputError, CompileError, InternalError, PerSampleErr
 from .._reduce.reductions import holds_low_precision
 from .._rewrite.rules.conv import calls_batch_as_groups
 from .build import Rewritten
+from .heap import retain_freed_memory
 from .prepare import for_inductor
 
 BACKENDS = ("inductor", "eager")
@@ -50,6 +51,7 @@ class CompiledPerSample:
         self.compile_seconds = 0.0
         self.compiles = 0
         self._plan: list[tuple[int, str, object]] | None = None  # built on first use (_make_plan)
+        self._heap_checked = False
 
     def _inputs(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int) -> list:
         if self._plan is None:
@@ -92,6 +94,10 @@ class CompiledPerSample:
         return plan
 
     def _callable(self, batch_size: int, inputs: list) -> Callable:
+        if not self._heap_checked:  # a CPU program: recycle its buffers between calls (heap.py)
+            self._heap_checked = True
+            if any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
+                retain_freed_memory()
         if self.backend == "eager":
             return self.graph.forward  # not the module call: global module hooks must not run on our graph
         key = "one" if batch_size == 1 else "any"

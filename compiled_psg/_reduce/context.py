@@ -100,10 +100,15 @@ class ReduceContext:
 
         strategy, cost, rejected = choose(self, quantity, p)
         details = {"flops": cost.flops, "bytes": cost.bytes}
+        if cost.held:
+            details["held"] = cost.held
         if rejected is not None:
-            details[f"vs {rejected[0]}"] = f"{rejected[1].flops:g} flops, {rejected[1].bytes:g} bytes"
-        self._note(p, quantity, strategy.name, **details)
-        if quantity == "sq_norm":
+            other = rejected[1]
+            held = f", {other.held:g} held" if other.held else ""
+            details[f"vs {rejected[0]}"] = f"{other.flops:g} flops, {other.bytes:g} bytes{held}"
+        # a clip norm is shown as the squared norm it is, its cost including the sum it bounds
+        self._note(p, "sq_norm" if quantity == "clip_sq_norm" else quantity, strategy.name, **details)
+        if quantity in ("sq_norm", "clip_sq_norm"):
             self._norm_strategy[p.name] = strategy.name
         return strategy.emit(self, p, *extra)
 
@@ -111,26 +116,37 @@ class ReduceContext:
         """``[n]`` squared L2 norms of the per-sample gradients of ``p``."""
         return self.compute("sq_norm", p)
 
+    def clip_sq_norms(self, p: ParamGrad) -> fx.Node:
+        """``[n]`` squared norms that will clip ``weighted_sum(p, ...)``: the norm and the sum it bounds are
+        priced together (strategies ``clip_sq_norm``), and ``weighted_sum`` then uses the sum that norm bounds."""
+        return self.compute("clip_sq_norm", p)
+
     def weighted_sum(self, p: ParamGrad, weights: fx.Node) -> fx.Node:
         """``sum_n weights[n] * g_n`` for ``weights`` of shape ``[n]``.
 
         Weights are clip factors computed from the norms, and a clip bound holds for the values summed only if
-        the norm was taken of those values. A materialized norm is of ``fl(g_n)``; another strategy (book-keeping)
+        the norm bounds those values. A materialized norm is of ``fl(g_n)``; another strategy (book-keeping)
         rounds its sum of ``t`` terms per entry differently, and where the terms cancel (near-repeated tokens with
         opposite gradients) the two differ by more than ``g_n`` itself: 1.35 C got into a float32 sum. So after a
         materialized norm the sum is taken of the same materialized values, unless each entry is one product
-        (``t = 1``, nothing to cancel). A ghost norm is certified against both roundings
+        (``t = 1``, nothing to cancel) or the norm carries a bound on the book-keeping sum's rounding
+        (``materialize, bounded``). A ghost norm is certified against both roundings
         (``contraction.certified_sq_norms``), so any sum strategy fits it."""
+        from .strategies import SUM_AFTER, emit_strategy
+
         if p.grad is None:
             return self.total(p)
-        if self._norm_strategy.get(p.name) == "materialize" and not self._one_term_per_entry(p):
-            from .strategies import emit_strategy
-
-            self._note(p, "weighted_sum", "materialize (the values its norm was taken of)")
-            return emit_strategy(self, "weighted_sum", "materialize", p, weights)
+        norm = self._norm_strategy.get(p.name)
+        fitting = SUM_AFTER.get(norm) if norm is not None else None
+        if norm == "materialize" and self.one_term_per_entry(p):
+            fitting = None
+        if fitting is not None:
+            detail = "the values its norm was taken of" if fitting == "materialize" else "the sum its norm bounds"
+            self._note(p, "weighted_sum", f"{fitting} ({detail})")
+            return emit_strategy(self, "weighted_sum", fitting, p, weights)
         return self.compute("weighted_sum", p, weights)
 
-    def _one_term_per_entry(self, p: ParamGrad) -> bool:
+    def one_term_per_entry(self, p: ParamGrad) -> bool:
         """Each entry of the per-sample gradient is one product (``a x^T`` for t = 1, a bias of ``[n, o]``)."""
         c = self.single_isometric(p)
         if c is None:

@@ -76,7 +76,7 @@ class ClipSum(Reduction):
     return_norms: bool = False
 
     def emit(self, ctx):
-        norms = _sqrt_of_sum(ctx, [ctx.sq_norms(p) for p in ctx.params])
+        norms = _sqrt_of_sum(ctx, [ctx.clip_sq_norms(p) for p in ctx.params])
         max_norm = float(self.max_norm)
         factors = ctx.emit(lambda n: clip_factor(n, max_norm), [norms], "clip_factors")
         sums = {p.name: ctx.weighted_sum(p, factors) for p in ctx.params}
@@ -235,7 +235,7 @@ class DPClip(Reduction):
                 ctx._note(p, "sq_norm", f"materialize ({str(acc).removeprefix('torch.')})")
                 return ctx.emit(lambda g: g.to(acc).reshape(g.shape[0], -1).pow(2).sum(1), [ctx.per_sample(p)],
                                 "sq_norm")
-            return ctx.emit(lambda s: s.to(acc), [ctx.sq_norms(p)], "sq_norm")
+            return ctx.emit(lambda s: s.to(acc), [ctx.clip_sq_norms(p)], "sq_norm")
 
         def weighted_sum(p, w):
             if low and p.grad is not None:

@@ -8,6 +8,11 @@ o out, i in); where a rule gives no such factors, ``P`` (the parameter's size) s
 
 - ``sq_norm``: ``ghost`` (the rule's norm from the factors, ``<A A^T, X X^T>``, ``||a|| ||x||`` for t = 1) or
   ``materialize``;
+- ``clip_sq_norm``: squared norms that clip a weighted sum of the same parameter (``clip_sum``, ``compile_step``).
+  A clip factor bounds what is summed only if the norm bounds those values, so the norm and its sum are priced
+  together: ``ghost`` (certified for any sum), ``materialize`` (the sum reuses the materialized values, kept alive
+  until the clip factors are known) or ``materialize, bounded`` (the materialized norm plus a bound on the
+  rounding of a book-keeping sum, so each per-sample gradient is freed after its norm);
 - ``weighted_sum``: ``book-keeping`` (scale one sample's rows of the operand that is cheapest to scale, the
   cotangent or the layer input, redo the contraction, replay the tail) or ``materialize``;
 - ``sum_squares``: ``factored`` (``(A*A)^T (X*X)`` for t = 1) or ``materialize``;
@@ -17,7 +22,9 @@ o out, i in); where a rule gives no such factors, ``P`` (the parameter's size) s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,22 +32,38 @@ import torch.fx as fx
 
 from .._analyze.batch_dims import value_of
 from .._analyze.layout import scale_batch
-from .._rewrite.contraction import Contraction, factored_gram, factored_sum_squares
+from .._compile.heap import retains
+from .._rewrite.contraction import Contraction, bounded_materialized_sq_norms, factored_gram, factored_sum_squares
 from .context import ParamGrad, ReduceContext
 
 ITEMSIZE = 4  # bytes per element in the estimates; only the ratios between strategies matter
 FLOPS_PER_BYTE = 4.0  # machine balance: a byte moved costs about this many FLOPs (2-core CPU: ~100 GF/s, 25 GB/s)
+# A buffer kept alive across the program is not recycled between calls: each call faults in fresh zeroed pages,
+# writing which costs about 6.4 to 7 times writing warm ones (``python -m benchmarks.fresh_pages``: 16 to 256 MiB),
+# so a held byte costs about six more written bytes.
+FRESH_PAGE_FACTOR = 6.0
+
+
+def held_price() -> float:
+    """Where the heap keeps freed memory (glibc, the default: ``_compile/heap.py``) a held buffer's pages are
+    recycled and it costs its bytes alone; elsewhere its fresh pages every call."""
+    return 0.0 if retains() else FRESH_PAGE_FACTOR
 
 
 @dataclass(frozen=True)
 class Cost:
     flops: float
     bytes: float
+    held: float = 0  # bytes kept alive across the rest of the program (not recycled between calls)
 
     @property
     def total(self) -> float:
-        """The one cost function: FLOPs plus bytes weighted by the machine balance."""
-        return self.flops + FLOPS_PER_BYTE * self.bytes
+        """The one cost function: FLOPs plus bytes weighted by the machine balance, and held bytes at the price
+        of the fresh pages they take every call where the heap does not keep freed memory (``heap.py``)."""
+        return self.flops + FLOPS_PER_BYTE * (self.bytes + held_price() * self.held)
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.flops + other.flops, self.bytes + other.bytes, self.held + other.held)
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,22 @@ def choose(ctx: ReduceContext, quantity: str, p: ParamGrad) -> tuple[Strategy, C
     priced.sort(key=lambda sc: sc[1].total)
     runner_up = (priced[1][0].name, priced[1][1]) if len(priced) > 1 else None
     return priced[0][0], priced[0][1], runner_up
+
+
+@contextlib.contextmanager
+def preferred(quantity: str, name: str) -> Iterator[None]:
+    """Price strategy ``name`` of ``quantity`` at zero wherever it applies, for the captures made inside: every
+    parameter it applies to gets it, the others keep the cheapest (how tests and benchmarks force a plan)."""
+    saved = STRATEGIES[quantity]
+
+    def free(applies):
+        return lambda ctx, p: None if applies(ctx, p) is None else Cost(0, 0)
+
+    STRATEGIES[quantity] = [dataclasses.replace(s, applies=free(s.applies)) if s.name == name else s for s in saved]
+    try:
+        yield
+    finally:
+        STRATEGIES[quantity] = saved
 
 
 def emit_strategy(ctx: ReduceContext, quantity: str, name: str, p: ParamGrad, *extra: fx.Node) -> fx.Node:
@@ -204,6 +243,69 @@ def _scaled_rebuild(c: Contraction, arg: int, dim: int, layout):
 def _weighted_sum_materialize(ctx: ReduceContext, p: ParamGrad, weights: fx.Node) -> fx.Node:
     return ctx.emit(lambda g, w: torch.tensordot(w.to(g.dtype), g, dims=1), [ctx.per_sample(p), weights],
                     "weighted_sum")
+
+
+# ----- squared norms that clip a weighted sum of the same parameter -----
+
+
+def _cheapest_sum(ctx: ReduceContext, p: ParamGrad) -> Cost:
+    return choose(ctx, "weighted_sum", p)[1]
+
+
+def _reuse_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
+    """Summing the materialized values again: read them once more, and keep them alive until the clip factors
+    are known (fresh pages every call)."""
+    size = _size(p)
+    return Cost(flops=2 * size, bytes=size * ITEMSIZE, held=size * ITEMSIZE)
+
+
+def _clip_ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
+    norm = _ghost_cost(ctx, p)
+    return None if norm is None else norm + _cheapest_sum(ctx, p)
+
+
+@strategy("clip_sq_norm", "ghost", _clip_ghost_cost)
+def _clip_sq_norm_ghost(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    return _sq_norm_ghost(ctx, p)
+
+
+def _clip_materialize_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
+    norm = _materialize_and_reduce_cost(ctx, p)
+    if ctx.one_term_per_entry(p):  # nothing to cancel: any sum fits the norm
+        return norm + _cheapest_sum(ctx, p)
+    return norm + _reuse_cost(ctx, p)
+
+
+@strategy("clip_sq_norm", "materialize", _clip_materialize_cost)
+def _clip_sq_norm_materialize(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    return _sq_norm_materialize(ctx, p)
+
+
+def _clip_bounded_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
+    c = ctx.single_isometric(p)
+    if c is None or c.factors is None or c.factor_shape is None or c.factor_shape[0] == 1:
+        return None
+    book_keeping = _book_keeping_cost(ctx, p)
+    if book_keeping is None:
+        return None
+    t, o, i = c.factor_shape
+    bound = Cost(flops=2 * t * (o + i), bytes=t * (o + i) * ITEMSIZE)
+    return _materialize_and_reduce_cost(ctx, p) + bound + book_keeping
+
+
+@strategy("clip_sq_norm", "materialize, bounded", _clip_bounded_cost)
+def _clip_sq_norm_bounded(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
+    """Before: ``g[n, o, i] = bmm(A^T, X)``, its norm, and the clipped sum of ``g`` (kept until the factors are
+    known). After: the norm of ``g`` plus the bound of ``bounded_materialized_sq_norms`` (``g`` freed at once),
+    and the clipped sum by book-keeping (``SUM_AFTER``)."""
+    c = ctx.single_isometric(p)
+    sq = _sq_norm_materialize(ctx, p)
+    return ctx.emit(lambda s, *v: bounded_materialized_sq_norms(s, *c.factors(*v)), [sq, *c.inputs],
+                    f"bounded_norm[{c.rule}]")
+
+
+# the weighted sum each clip norm's bound holds for (None: any): a materialized norm bounds only its own values
+SUM_AFTER = {"ghost": None, "materialize": "materialize", "materialize, bounded": "book-keeping"}
 
 
 # ----- sums of squares and variance -----

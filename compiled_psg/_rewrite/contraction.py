@@ -102,6 +102,22 @@ def certified_sq_norms(sq: torch.Tensor, scale: torch.Tensor, dot_length: int, t
     return norm.square().to(dtype)
 
 
+def bounded_materialized_sq_norms(sq: torch.Tensor, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """An upper bound of the squared norm of each sample's contribution to a book-keeping sum, from the squared
+    norm ``sq`` of the materialized ``fl(A[n]^T X[n])`` (t > 1).
+
+    The book-keeping sum redoes the contraction with scaled rows, so its values are not the materialized ones, and
+    where tokens cancel the two differ by more than the gradient itself (see ``certified_sq_norms``). Both are off
+    the exact ``A^T X`` by a rounding of ``t`` token terms per entry: the materialized one by at most
+    ``t eps sqrt(scale)`` in norm, the sum's by ``(t + 2) eps sqrt(scale)``, with ``sqrt(scale) = sum_t ||a_t||
+    ||x_t||``. So ``sqrt(sq) + (2 t + 2) eps sqrt(scale)`` bounds the contribution summed. On ordinary data that
+    adds a relative ``~2 t eps sqrt(t)`` (float32: ~1e-4 at t = 64), as the ghost norm's bound does."""
+    t = a.shape[1]
+    root_scale = (a.norm(dim=2) * x.norm(dim=2)).sum(1).to(sq.dtype)
+    eps = torch.finfo(a.dtype).eps
+    return (sq.clamp_min(0).sqrt() + (2 * t + 2) * eps * root_scale).square()
+
+
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     """Norms of low-precision gradients are kept in float32 (they feed the float32 clip factors)."""
     return torch.promote_types(dtype, torch.float32)

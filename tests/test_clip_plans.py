@@ -1,0 +1,126 @@
+"""Clip norms and the sums they bound: every ``clip_sq_norm`` plan against the loop, the bound under cancellation,
+and the pricing that picks among them (strategies ``clip_sq_norm``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from reference import ref_clip_sum, reference_per_sample
+from zoo import BY_ID
+
+import compiled_psg as psg
+from compiled_psg._reduce import strategies
+
+PLANS = [s.name for s in strategies.STRATEGIES["clip_sq_norm"]]
+CASES = ["seq_linear", "encoder_batch_first_padmask", "mlp_ce_mean"]
+
+
+def _choices(fn, *args) -> dict[str, dict[str, str]]:
+    entry = fn.prepare_call(*args).entry
+    return {name: {c.quantity: c.method for c in cs} for name, cs in entry.rewritten.choices.items()}
+
+
+def test_the_plans_are_the_ones_documented():
+    assert PLANS == ["ghost", "materialize", "materialize, bounded"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("case_id", CASES)
+def test_each_plan_matches_the_loop(case_id, plan, dtype):
+    built = BY_ID[case_id].build(dtype)
+    args = built.make_batch(4, dtype, torch.Generator().manual_seed(7))
+    with strategies.preferred("clip_sq_norm", plan):
+        fn = psg.per_sample(built.model, in_dims=built.in_dims, reduce=psg.clip_sum(0.05, return_norms=True),
+                            backend="eager")(built.loss)
+        (got, norms) = fn(*args)
+        choices = _choices(fn, *args)
+    want, want_norms = ref_clip_sum(reference_per_sample(built.loss, built.params(), args, built.in_dims), 0.05,
+                                    return_norms=True)
+    assert (want_norms > 0.05).any(), "no sample is clipped: the test would not see a wrong norm"
+    # float32: the bounded and ghost norms are upper bounds, larger by a relative ~(2t + 2) eps sqrt(t)
+    tol = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-6)
+    torch.testing.assert_close(norms, want_norms, **tol)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    # the plan was used wherever it applies, and each sum is one its norm bounds
+    for name, chosen in choices.items():
+        if chosen.get("sq_norm") == "materialize, bounded":
+            assert chosen["weighted_sum"].startswith("book-keeping"), (name, chosen)
+        if chosen.get("sq_norm") == "materialize" and "weighted_sum" in chosen:
+            assert chosen["weighted_sum"].startswith(("materialize", "book-keeping")), (name, chosen)
+    if case_id == "seq_linear":  # a Linear over tokens: every plan applies to its weight
+        assert any(c.get("sq_norm") == plan for c in choices.values()), choices
+
+
+@pytest.mark.parametrize("magnitude", [1e4, 1e7])
+def test_a_bounded_materialized_norm_bounds_the_book_keeping_sum_under_cancellation(magnitude):
+    """Near-repeated tokens with opposite output gradients: the materialized norm is of ``fl(g)``, the float32
+    book-keeping sum rounds the same terms differently (1.35 C with the norm alone); the bound covers both."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4, bias=False)
+    base = torch.randn(4, 1, 8) * magnitude
+    x = torch.cat([base + torch.randn(4, 1, 8), base], 1)
+    v1 = torch.randn(4, 1, 4) * 1e3
+    v = torch.cat([v1, -v1], 1)
+    with strategies.preferred("clip_sq_norm", "materialize, bounded"):
+        fn = psg.per_sample(lin, backend="eager", reduce=psg.clip_sum(1.0))(lambda x, v: (lin(x) * v).sum())
+        worst = max(fn(x[k:k + 1].repeat(2, 1, 1), v[k:k + 1].repeat(2, 1, 1))["weight"].double().norm().item() / 2
+                    for k in range(4))
+        assert _choices(fn, x, v)["weight"]["sq_norm"] == "materialize, bounded"
+    assert worst <= 1.0 + 1e-5
+
+
+def _weight_plan(monkeypatch, held_price: float, t: int) -> str:
+    monkeypatch.setattr(strategies, "held_price", lambda: held_price)
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 128, bias=False)
+    fn = psg.per_sample(lin, backend="eager", reduce=psg.clip_sum(1.0))(lambda x: lin(x).square().sum())
+    return _choices(fn, torch.randn(4, t, 128))["weight"]["sq_norm"]
+
+
+def test_held_per_sample_gradients_are_priced(monkeypatch):
+    """Reusing the materialized values holds them until the clip factors are known: where the heap recycles them
+    (price 0), reuse wins where the ghost norm is dear (t = 64); priced at many fresh pages, the bounded plan,
+    which frees them at once."""
+    assert _weight_plan(monkeypatch, 0.0, 64) == "materialize"
+    assert _weight_plan(monkeypatch, 1e3, 64) == "materialize, bounded"
+    assert _weight_plan(monkeypatch, strategies.FRESH_PAGE_FACTOR, 1) == "ghost"  # t = 1: nothing to materialize
+
+
+def test_the_heap_keeps_freed_memory_unless_opted_out(monkeypatch):
+    """glibc: after a CPU program runs, a large block freed and allocated again is recycled, not faulted in
+    fresh; the opt-out is read from the environment."""
+    import resource
+
+    from compiled_psg._compile import heap
+
+    monkeypatch.setenv(heap.ENV, "0")
+    assert not heap.retains()
+    monkeypatch.delenv(heap.ENV)
+    if heap._mallopt() is None:
+        pytest.skip("not glibc: the heap is left as it is")
+    assert heap.retains()
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    psg.per_sample(lin, backend="eager", reduce=psg.norms())(lambda x: lin(x).sum())(torch.randn(3, 4))
+    assert heap.retain_freed_memory()
+    faults = []
+    for _ in range(4):  # 64 MiB, above any mmap threshold, as a program's buffer is, call after call
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        torch.empty(2**24).fill_(1.0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert min(faults[1:]) < 1000, faults  # 16384 pages each time when mapped fresh
+
+
+def test_norms_alone_are_not_inflated():
+    """``psg.norms()`` prices the norm alone: a materialized norm there is the plain norm of the values."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16, bias=False).double()
+    x = torch.randn(3, 64, 16, dtype=torch.float64)
+    fn = psg.per_sample(lin, backend="eager", reduce=psg.norms())(lambda x: lin(x).square().sum())
+    got = fn(x)
+    assert _choices(fn, x)["weight"]["sq_norm"] == "materialize"
+    ref = reference_per_sample(lambda x: lin(x).square().sum(), dict(lin.named_parameters()), (x,))["weight"]
+    torch.testing.assert_close(got, ref.flatten(1).norm(dim=1), rtol=1e-13, atol=0)
