@@ -13,7 +13,7 @@ import compiled_psg as psg
 from compiled_psg._reduce import strategies
 
 PLANS = [s.name for s in strategies.STRATEGIES["clip_sq_norm"]]
-CASES = ["seq_linear", "encoder_batch_first_padmask", "mlp_ce_mean"]
+CASES = ["seq_linear", "encoder_batch_first_padmask"]
 
 
 def _choices(fn, *args) -> dict[str, dict[str, str]]:
