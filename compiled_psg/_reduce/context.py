@@ -137,7 +137,7 @@ class ReduceContext:
         if p.grad is None:
             return self.total(p)
         norm = self._norm_strategy.get(p.name)
-        fitting = SUM_AFTER.get(norm) if norm is not None else None
+        fitting = SUM_AFTER.get(norm)
         if norm == "materialize" and self.one_term_per_entry(p):
             fitting = None
         if fitting is not None:

@@ -254,7 +254,7 @@ def _cheapest_sum(ctx: ReduceContext, p: ParamGrad) -> Cost:
 
 def _reuse_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
     """Summing the materialized values again: read them once more, and keep them alive until the clip factors
-    are known (fresh pages every call)."""
+    are known (``held``: fresh pages every call where the heap gives freed memory back)."""
     size = _size(p)
     return Cost(flops=2 * size, bytes=size * ITEMSIZE, held=size * ITEMSIZE)
 
