@@ -285,6 +285,8 @@ def _clip_bounded_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     c = ctx.single_isometric(p)
     if c is None or c.factors is None or c.factor_shape is None or c.factor_shape[0] == 1:
         return None
+    if c.node.meta["val"].dtype not in (torch.float32, torch.float64):
+        return None  # bfloat16/float16: (2t + 2) eps is several times the norm itself (ghost, in float32, fits)
     book_keeping = _book_keeping_cost(ctx, p)
     if book_keeping is None:
         return None

@@ -110,12 +110,14 @@ def bounded_materialized_sq_norms(sq: torch.Tensor, a: torch.Tensor, x: torch.Te
     where tokens cancel the two differ by more than the gradient itself (see ``certified_sq_norms``). Both are off
     the exact ``A^T X`` by a rounding of ``t`` token terms per entry: the materialized one by at most
     ``t eps sqrt(scale)`` in norm, the sum's by ``(t + 2) eps sqrt(scale)``, with ``sqrt(scale) = sum_t ||a_t||
-    ||x_t||``. So ``sqrt(sq) + (2 t + 2) eps sqrt(scale)`` bounds the contribution summed. On ordinary data that
-    adds a relative ``~2 t eps sqrt(t)`` (float32: ~1e-4 at t = 64), as the ghost norm's bound does."""
-    t = a.shape[1]
-    root_scale = (a.norm(dim=2) * x.norm(dim=2)).sum(1).to(sq.dtype)
+    ||x_t||``. So ``sqrt(sq) + (2 t + 2) eps sqrt(scale)`` bounds the contribution summed; the roundings of the
+    norm itself are covered by the slack of ``eps = 2u`` over Higham's ``gamma_t`` and ``gamma_{t+2}``. On ordinary
+    data that adds a relative ``~2 t eps sqrt(t)`` (float32: ~1e-4 at t = 64), as the ghost norm's bound does.
+    Like the ghost norm's certificate, it assumes matmuls round in the inputs' precision (no TF32)."""
+    t, dtype = a.shape[1], _norm_dtype(sq.dtype)
+    root_scale = (a.to(dtype).norm(dim=2) * x.to(dtype).norm(dim=2)).sum(1)
     eps = torch.finfo(a.dtype).eps
-    return (sq.clamp_min(0).sqrt() + (2 * t + 2) * eps * root_scale).square()
+    return (sq.to(dtype).clamp_min(0).sqrt() + (2 * t + 2) * eps * root_scale).square()
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
