@@ -96,6 +96,7 @@ def test_the_heap_keeps_freed_memory_unless_opted_out(monkeypatch):
 
     from compiled_psg._compile import heap
 
+    monkeypatch.setattr(heap, "_state", {})  # as before the first program: the environment decides
     monkeypatch.setenv(heap.ENV, "0")
     assert not heap.retains()
     monkeypatch.delenv(heap.ENV)
