@@ -25,6 +25,7 @@ from .._reduce.reductions import holds_low_precision
 from .._rewrite.rules.conv import calls_batch_as_groups
 from .build import Rewritten
 from .heap import retain_freed_memory
+from .indexing import simplified_indexing
 from .prepare import for_inductor
 
 BACKENDS = ("inductor", "eager")
@@ -125,7 +126,7 @@ class CompiledPerSample:
         else:
             examples = inputs
         try:
-            with torch._inductor.config.patch(**_inductor_settings(gm.graph)):
+            with torch._inductor.config.patch(**_inductor_settings(gm.graph)), simplified_indexing():
                 compiled = compile_fx(gm, examples)
         except PerSampleError:
             raise
