@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"{args.model}, B={args.batch}: medians of {args.repeats} interleaved calls, one process per setting, "
           "each with an empty Inductor cache")
-    print(f"{'rules':>5} {'method':>20} {'first call s':>13} {'ms':>8}  slowest Inductor kernel (ms per method call, all its calls)")
+    print(f"{'rules':>5} {'method':>20} {'first call s':>13} {'ms':>8}  "
+          "slowest Inductor kernel (ms per method call, all its calls)")
     for setting in ("on", "off"):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE": "1"}
