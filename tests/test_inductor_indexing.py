@@ -113,6 +113,31 @@ def test_attention_kernels_do_not_compute_the_batch_modulus():
     # one is real: the [T, B] -> [B, T] transpose of the output projection's input; 82 without the rules
     assert len(modulo_by_batch) <= 1, modulo_by_batch
     assert SizeVarAllocator._simplify_with_ranges.__module__.startswith("torch.")
+    assert torch._inductor.config.post_grad_custom_post_pass is None
     ref = reference_per_sample(loss, dict(attention.named_parameters()), (x,))
     for name, r in ref.items():
         torch.testing.assert_close(got[name], r, rtol=1e-4, atol=1e-6)
+
+
+def test_the_rules_key_inductors_cache_after_the_users_own_passes():
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    import compiled_psg._compile.indexing as indexing
+
+    class UserPass(CustomGraphPass):
+        def __call__(self, graph):
+            return None
+
+        def uuid(self):
+            return "the user's"
+
+    mine = UserPass()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=mine):
+        with simplified_indexing():
+            passes = torch._inductor.config.post_grad_custom_post_pass
+            assert passes == (mine, indexing.RULES_IN_CACHE_KEY)
+            assert indexing.RULES_IN_CACHE_KEY.uuid() == get_hash_for_files((indexing.__file__,))
+            with simplified_indexing():  # re-entered: still one key
+                assert torch._inductor.config.post_grad_custom_post_pass == passes
+        assert torch._inductor.config.post_grad_custom_post_pass is mine
+    assert torch._inductor.config.post_grad_custom_post_pass is None

@@ -17,7 +17,9 @@ interval arithmetic over the loop ranges (``0 <= x0 <= ks0 - 1``, shape symbols 
 
 Both are exact identities on integers under those bounds; an index they cannot bound is left as it was. The
 rules are in force only while compiled_psg compiles (a class attribute swapped under a lock and restored), so a
-user's own ``torch.compile`` is untouched.
+user's own ``torch.compile`` is untouched. A no-op post-grad pass whose ``uuid`` is this file's hash puts the rules
+into the key of Inductor's FX graph cache: a program compiled under other rules (an earlier version of this file)
+is compiled again rather than loaded.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import threading
 from collections.abc import Iterator
 
 import sympy
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
 from torch._inductor.sizevars import SizeVarAllocator
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
@@ -35,16 +39,34 @@ _depth = 0
 _inductor_simplify = SizeVarAllocator._simplify_with_ranges
 
 
+class _RulesInCacheKey(CustomGraphPass):
+    """Changes no graph; its ``uuid`` keys Inductor's FX graph cache by the rules' source."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
+RULES_IN_CACHE_KEY = _RulesInCacheKey()
+
+
 @contextlib.contextmanager
 def simplified_indexing() -> Iterator[None]:
-    """Inductor simplifies index expressions with the rules above while this is entered (re-entrant)."""
+    """Inductor simplifies index expressions with the rules above while this is entered (re-entrant), and keys
+    its FX graph cache by them (after any post-grad passes already configured)."""
     global _depth
+    passes = get_custom_graph_passes(torch._inductor.config.post_grad_custom_post_pass)
+    if RULES_IN_CACHE_KEY not in passes:
+        passes = (*passes, RULES_IN_CACHE_KEY)
     with _lock:
         if _depth == 0:
             SizeVarAllocator._simplify_with_ranges = _simplify_with_ranges
         _depth += 1
     try:
-        yield
+        with torch._inductor.config.patch(post_grad_custom_post_pass=passes):
+            yield
     finally:
         with _lock:
             _depth -= 1
