@@ -141,3 +141,12 @@ def test_the_rules_key_inductors_cache_after_the_users_own_passes():
                 assert torch._inductor.config.post_grad_custom_post_pass == passes
         assert torch._inductor.config.post_grad_custom_post_pass is mine
     assert torch._inductor.config.post_grad_custom_post_pass is None
+
+
+def test_an_index_with_a_divisor_not_known_positive_is_left_alone():
+    # torch folds FloorDiv(FloorDiv(x, a), b) into FloorDiv(x, a * b), which is wrong for b < 0: a rule that made
+    # the inner FloorDiv would change the value (x = s0 = 2: 0 before, -1 after)
+    x = X0 + BATCH - 1
+    expr = FloorDiv(ModularIndexing(x, BATCH, 2), -2)
+    assert simplify_index(expr, RANGES) == expr
+    assert _values(simplify_index(expr, RANGES), 2) == _values(expr, 2)

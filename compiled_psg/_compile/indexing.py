@@ -83,13 +83,15 @@ def simplify_index(expr: sympy.Expr, var_ranges: dict) -> sympy.Expr:
     """``expr`` with the two rules applied bottom-up; ``var_ranges`` maps each loop variable to its size."""
     if not expr.has(ModularIndexing, FloorDiv):
         return expr
+    if not all(all(_known(a > 0) for a in e.args[1:]) for e in expr.atoms(ModularIndexing, FloorDiv)):
+        return expr  # torch folds FloorDiv(FloorDiv(x, a), b) as FloorDiv(x, a*b), wrong for b < 0: left alone
 
     def rule(e: sympy.Expr) -> sympy.Expr:
         if isinstance(e, ModularIndexing):
             base, divisor, modulus = e.args
-            if _known(divisor > 0) and _known(modulus > 0) and _below(base, divisor * modulus, var_ranges):
+            if _below(base, divisor * modulus, var_ranges):
                 return FloorDiv(base, divisor)
-        elif isinstance(e, FloorDiv) and _known(e.args[1] > 0):
+        elif isinstance(e, FloorDiv):
             base, divisor = e.args
             whole, rest = [], []
             for term in sympy.Add.make_args(sympy.expand(base)):
