@@ -35,8 +35,10 @@ from torch._inductor.sizevars import SizeVarAllocator
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 _lock = threading.Lock()
-_depth = 0
-_inductor_simplify = SizeVarAllocator._simplify_with_ranges
+_depth = 0  # contexts open in all threads: the method is swapped while > 0
+_active = threading.local()  # contexts open in this thread: the rules apply only there
+_inductor_simplify = SizeVarAllocator._simplify_with_ranges  # the method found when the first context opens
+_SOURCE_HASH = get_hash_for_files((__file__,))  # the rules loaded, not a later edit of the file
 
 
 class _RulesInCacheKey(CustomGraphPass):
@@ -46,7 +48,7 @@ class _RulesInCacheKey(CustomGraphPass):
         return None
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        return _SOURCE_HASH
 
 
 RULES_IN_CACHE_KEY = _RulesInCacheKey()
@@ -56,18 +58,21 @@ RULES_IN_CACHE_KEY = _RulesInCacheKey()
 def simplified_indexing() -> Iterator[None]:
     """Inductor simplifies index expressions with the rules above while this is entered (re-entrant), and keys
     its FX graph cache by them (after any post-grad passes already configured)."""
-    global _depth
+    global _depth, _inductor_simplify
     passes = get_custom_graph_passes(torch._inductor.config.post_grad_custom_post_pass)
     if RULES_IN_CACHE_KEY not in passes:
         passes = (*passes, RULES_IN_CACHE_KEY)
     with _lock:
         if _depth == 0:
+            _inductor_simplify = SizeVarAllocator._simplify_with_ranges
             SizeVarAllocator._simplify_with_ranges = _simplify_with_ranges
         _depth += 1
+    _active.depth = getattr(_active, "depth", 0) + 1
     try:
         with torch._inductor.config.patch(post_grad_custom_post_pass=passes):
             yield
     finally:
+        _active.depth -= 1
         with _lock:
             _depth -= 1
             if _depth == 0:
@@ -75,15 +80,29 @@ def simplified_indexing() -> Iterator[None]:
 
 
 def _simplify_with_ranges(self: SizeVarAllocator, expr: sympy.Expr, var_ranges: dict) -> sympy.Expr:
+    ranges = self.shape_env.var_to_range
+    if not getattr(_active, "depth", 0) or any(  # another thread's compile, or a size symbol that may be 0
+            s not in var_ranges and (s not in ranges or ranges[s].lower < 1) for s in expr.free_symbols):
+        return _inductor_simplify(self, expr, var_ranges)
     expr = _inductor_simplify(self, simplify_index(expr, var_ranges), var_ranges)
     return simplify_index(expr, var_ranges)
 
 
 def simplify_index(expr: sympy.Expr, var_ranges: dict) -> sympy.Expr:
-    """``expr`` with the two rules applied bottom-up; ``var_ranges`` maps each loop variable to its size."""
+    """``expr`` with the two rules applied bottom-up; ``var_ranges`` maps each loop variable to its size. An index
+    the rules cannot reason about (a divisor not known positive, a symbol not known integer, sympy failing) is
+    returned as it was."""
+    try:
+        return _simplify_index(expr, var_ranges)
+    except Exception:  # noqa: BLE001 - a rule that cannot decide must not fail the user's compile
+        return expr
+
+
+def _simplify_index(expr: sympy.Expr, var_ranges: dict) -> sympy.Expr:
     if not expr.has(ModularIndexing, FloorDiv):
         return expr
-    if not all(all(_known(a > 0) for a in e.args[1:]) for e in expr.atoms(ModularIndexing, FloorDiv)):
+    if not all(s.is_integer for s in expr.free_symbols) or not all(
+            all(a.is_integer and _known(a > 0) for a in e.args[1:]) for e in expr.atoms(ModularIndexing, FloorDiv)):
         return expr  # torch folds FloorDiv(FloorDiv(x, a), b) as FloorDiv(x, a*b), wrong for b < 0: left alone
 
     def rule(e: sympy.Expr) -> sympy.Expr:
@@ -156,13 +175,13 @@ def _bounds(e: sympy.Expr, var_ranges: dict) -> tuple[sympy.Expr, sympy.Expr] | 
     if isinstance(e, FloorDiv) and e.args[1].is_Integer and e.args[1] > 0:
         inner, divisor = _bounds(e.args[0], var_ranges), e.args[1]
         if inner is None:
-            return None  # floor(x / d) lies in [(x - d + 1) / d, x / d] for integers x
-        low = sympy.S.Zero if _known(inner[0] >= 0) else (inner[0] - divisor + 1) / divisor
+            return None  # floor(x / d) lies in (x / d - 1, x / d]
+        low = sympy.S.Zero if _known(inner[0] >= 0) else inner[0] / divisor - 1
         return low, inner[1] / divisor
     if isinstance(e, ModularIndexing):
         base, _, modulus = e.args
         inner = _bounds(base, var_ranges)
-        if inner is not None and _known(inner[0] >= 0) and _known(modulus > 0):
+        if inner is not None and _known(inner[0] >= 0) and modulus.is_integer and _known(modulus > 0):
             return sympy.S.Zero, modulus - 1
     return None
 
@@ -172,6 +191,8 @@ def _known(relation: sympy.Basic) -> bool:
     if relation in (sympy.true, sympy.false):
         return bool(relation)
     difference = sympy.expand(relation.lhs - relation.rhs)
+    if difference.has(ModularIndexing, FloorDiv):
+        return False  # torch's sign assumptions on these are not reliable
     if isinstance(relation, sympy.GreaterThan):
         return bool(difference.is_nonnegative)
     if isinstance(relation, sympy.StrictLessThan):
