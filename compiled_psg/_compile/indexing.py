@@ -16,8 +16,9 @@ interval arithmetic over the loop ranges (``0 <= x0 <= ks0 - 1``, shape symbols 
   with integer coefficients; ``q`` may be 0; ``d`` a positive number or shape expression).
 
 Both are exact identities on integers under those bounds; an index they cannot bound is left as it was. The
-rules are in force only while compiled_psg compiles (a class attribute swapped under a lock and restored), so a
-user's own ``torch.compile`` is untouched. A no-op post-grad pass whose ``uuid`` is this file's hash puts the rules
+rules are in force only while compiled_psg compiles, in the compiling thread (a class attribute swapped under a lock
+and restored, which applies the rules only where a thread-local flag is set), so a user's own ``torch.compile`` is
+untouched. A no-op post-grad pass whose ``uuid`` is this file's hash puts the rules
 into the key of Inductor's FX graph cache: a program compiled under other rules (an earlier version of this file)
 is compiled again rather than loaded.
 """
