@@ -6,8 +6,8 @@ expressions (``compiled_psg/_compile/indexing.py``), so that a view merging the 
 not leave a modulus by the batch in the C++ kernels. This runs one worker process per setting, each with its own
 empty Inductor cache (so the kernels are generated, not loaded): compiled_psg's methods, and the eager plain step
 and ``torch.compile(vmap(grad))`` DP step as references the rules do not touch. Per method: the first call
-(capture and compile), the median of ``--repeats`` interleaved calls, and the slowest Inductor kernel (profiled,
-ms per call).
+(capture and compile), the median of ``--repeats`` interleaved calls, and the slowest Inductor kernel (profiled;
+its time per call of the method, all its calls summed).
 """
 
 from __future__ import annotations
