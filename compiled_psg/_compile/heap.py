@@ -7,9 +7,13 @@ to the kernel; either way the next call faults in zeroed pages again, which cost
 benchmark transformer's DP step at B = 256 faulted 133,113 pages per step with the heap released and 33 with it kept
 (``python -m benchmarks.heap --model transformer --batch 256``). PyTorch's CUDA caching allocator keeps freed blocks
 for reuse; this does the same for the CPU heap, once per process, when the first CPU program runs: no mmap for large
-blocks (``M_MMAP_MAX = 0``) and no trimming below 2 GiB of free heap (``M_TRIM_THRESHOLD``). As with the CUDA cache,
-the process keeps that memory (its peak heap) after the program's last call. Only on glibc; opt out with
-``COMPILED_PSG_RETAIN_FREED_MEMORY=0`` in the environment before the first compile.
+blocks (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD = -1``). A finite threshold is not enough: with
+glibc's largest, 2 GiB, a freed buffer that leaves more than 2 GiB free at the top of the heap (materialized
+per-sample gradients: 1.2 GB per call for the benchmark CNN at B = 256, beside the program's other buffers) is given
+back, and the next call faults it in again: a 2.5 GiB buffer, freed and allocated again, faulted 655,328 pages per
+call (``tests/test_clip_plans.py::test_the_heap_keeps_freed_memory_unless_opted_out``, which fails with that
+threshold). As with the CUDA cache, the process keeps that memory (its peak heap) after the program's last call.
+Only on glibc; opt out with ``COMPILED_PSG_RETAIN_FREED_MEMORY=0`` in the environment before the first compile.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import threading
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
-TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int
+TRIM_THRESHOLD = -1  # never: "Setting M_TRIM_THRESHOLD to -1 disables trimming completely" (man mallopt)
 ENV = "COMPILED_PSG_RETAIN_FREED_MEMORY"
 
 _lock = threading.Lock()
