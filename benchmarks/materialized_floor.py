@@ -6,15 +6,16 @@ exists (the loss is its end), and writes B x P floats. On this CPU its kernels r
 C++ and ATen's kernels each use every core), so the two costs add up, and the backward's input-gradient chain
 comes on top. Per model and batch size, in one process, interleaved (``measure.interleaved_times``):
 
-- ``write``: B x P floats written into fresh tensors of the per-sample gradients' shapes (the faster of ``zero_``
-  and ``fill_``);
+- ``write``: B x P floats written into newly allocated tensors of the per-sample gradients' shapes (the faster of
+  ``zero_`` and ``fill_``; their pages come from the heap compiled_psg keeps, as the programs' do);
 - ``forward``: the loss without gradients, the faster of eager and ``torch.compile``;
 - ``floor``: write + forward, against compiled_psg's materialized per-sample gradients and
   ``torch.compile(vmap(grad))``; the ordinary backward (forward included; the faster of eager and compiled) for
   scale.
 
-Where ``floor / vmap`` exceeds 0.9, no program gets the per-sample gradients in 0.9 times vmap's time on this
-machine; where it is far below, the gap is in the backward's contractions, not in the writes.
+Where ``floor / vmap`` exceeds 0.9, a program with these kernels (stores through the cache, as ``fill_`` makes)
+cannot get the per-sample gradients in 0.9 times vmap's time on this machine, within its noise; where it is far
+below, the gap is in the backward, not in the writes.
 """
 
 from __future__ import annotations

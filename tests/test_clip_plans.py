@@ -90,8 +90,9 @@ def test_held_per_sample_gradients_are_priced(monkeypatch):
 
 
 def test_the_heap_keeps_freed_memory_unless_opted_out(monkeypatch):
-    """glibc: after a CPU program runs, a large block freed and allocated again is recycled, not faulted in
-    fresh; the opt-out is read from the environment."""
+    """glibc: after a CPU program runs, the heap never trims and never maps large blocks, so a large block freed
+    and allocated again is recycled, not faulted in fresh; the opt-out is read from the environment."""
+    import ctypes
     import resource
 
     from compiled_psg._compile import heap
@@ -103,19 +104,29 @@ def test_the_heap_keeps_freed_memory_unless_opted_out(monkeypatch):
     if heap._mallopt() is None:
         pytest.skip("not glibc: the heap is left as it is")
     assert heap.retains()
+    calls = []
+    mallopt = heap._mallopt()
+    monkeypatch.setattr(heap, "_mallopt", lambda: lambda *a: calls.append(a) or mallopt(*a))
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
     psg.per_sample(lin, backend="eager", reduce=psg.norms())(lambda x: lin(x).sum())(torch.randn(3, 4))
     assert heap.retain_freed_memory()
-    # 64 MiB, above any mmap threshold, as a program's buffer is, call after call; and 2.5 GiB, more than glibc's
-    # largest trim threshold short of "never" (materialized per-sample gradients of a 1.2M-parameter CNN at B = 256)
-    for numel in (2**24, 5 * 2**27):
-        faults = []
-        for _ in range(3):
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            torch.empty(numel).fill_(1.0)
-            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-        assert min(faults[1:]) < 1000, (numel, faults)  # numel / 1024 pages each time when mapped fresh
+    # never trim (-1; a finite threshold gives back a freed block that leaves that much free at the heap's top),
+    # never map (M_MMAP_MAX = 0): the parameter numbers of malloc.h
+    assert sorted(calls) == [(-4, 0), (-1, -1)]
+    try:
+        # 64 MiB, above any mmap threshold, as a program's buffer is, call after call; and 2.5 GiB, more than the
+        # largest finite trim threshold mallopt takes (materialized per-sample gradients of a 1.2M-parameter CNN
+        # at B = 256 are 1.2 GB per call, beside the program's other buffers)
+        for numel in (2**24, 5 * 2**27):
+            faults = []
+            for _ in range(3):
+                before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                torch.empty(numel).fill_(1.0)
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            assert min(faults[1:]) < 1000, (numel, faults)  # numel / 1024 pages each time when mapped fresh
+    finally:
+        ctypes.CDLL(None).malloc_trim(0)  # the rest of this worker's tests need not carry 2.5 GiB
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])

@@ -7,13 +7,16 @@ to the kernel; either way the next call faults in zeroed pages again, which cost
 benchmark transformer's DP step at B = 256 faulted 133,113 pages per step with the heap released and 33 with it kept
 (``python -m benchmarks.heap --model transformer --batch 256``). PyTorch's CUDA caching allocator keeps freed blocks
 for reuse; this does the same for the CPU heap, once per process, when the first CPU program runs: no mmap for large
-blocks (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD = -1``). A finite threshold is not enough: with
-glibc's largest, 2 GiB, a freed buffer that leaves more than 2 GiB free at the top of the heap (materialized
-per-sample gradients: 1.2 GB per call for the benchmark CNN at B = 256, beside the program's other buffers) is given
-back, and the next call faults it in again: a 2.5 GiB buffer, freed and allocated again, faulted 655,328 pages per
-call (``tests/test_clip_plans.py::test_the_heap_keeps_freed_memory_unless_opted_out``, which fails with that
-threshold). As with the CUDA cache, the process keeps that memory (its peak heap) after the program's last call.
-Only on glibc; opt out with ``COMPILED_PSG_RETAIN_FREED_MEMORY=0`` in the environment before the first compile.
+blocks (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD = -1``). A finite threshold is not enough: with 2
+GiB (the largest value mallopt's int takes), a freed buffer that leaves more than 2 GiB free at the top of the heap
+(materialized per-sample gradients: 1.2 GB per call for the benchmark CNN at B = 256, beside the program's other
+buffers) is given back, and the next call faults it in again: a 2.5 GiB buffer, freed and allocated again where it
+bordered the heap's top, faulted 655,328 pages per call
+(``tests/test_clip_plans.py::test_the_heap_keeps_freed_memory_unless_opted_out`` checks the setting and the faults).
+As with the CUDA cache, the process keeps that memory (its peak heap, or more where small cached blocks keep a freed
+buffer from being reused) after the program's last call. The settings hold for the main thread's heap: glibc maps a
+large request from another thread directly and may unmap a free per-thread heap. Only on glibc; opt out with
+``COMPILED_PSG_RETAIN_FREED_MEMORY=0`` in the environment before the first compile.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import threading
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
-TRIM_THRESHOLD = -1  # never: "Setting M_TRIM_THRESHOLD to -1 disables trimming completely" (man mallopt)
+NEVER_TRIM = -1  # "Setting M_TRIM_THRESHOLD to -1 disables trimming completely" (man mallopt)
 ENV = "COMPILED_PSG_RETAIN_FREED_MEMORY"
 
 _lock = threading.Lock()
@@ -47,7 +50,7 @@ def retain_freed_memory() -> bool:
     with _lock:
         if "set" not in _state:
             mallopt = _mallopt() if retains() else None
-            _state["set"] = mallopt is not None and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(
+            _state["set"] = mallopt is not None and bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)) and bool(
                 mallopt(M_MMAP_MAX, 0))
         return _state["set"]
 
