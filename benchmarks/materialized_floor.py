@@ -34,9 +34,9 @@ TIMED = ("psg_grads", "func_compile", "backward", "backward_compile")
 
 
 def _writer(shapes: list[tuple[int, ...]], how: str):
-    def write():
-        return [getattr(torch.empty(s), how)(*(() if how == "zero_" else (1.0,))) for s in shapes]
-    return write
+    if how == "zero_":
+        return lambda: [torch.empty(s).zero_() for s in shapes]
+    return lambda: [torch.empty(s).fill_(1.0) for s in shapes]
 
 
 def _forward(wl):

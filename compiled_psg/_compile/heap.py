@@ -7,8 +7,8 @@ to the kernel; either way the next call faults in zeroed pages again, which cost
 benchmark transformer's DP step at B = 256 faulted 133,113 pages per step with the heap released and 33 with it kept
 (``python -m benchmarks.heap --model transformer --batch 256``). PyTorch's CUDA caching allocator keeps freed blocks
 for reuse; this does the same for the CPU heap, once per process, when the first CPU program runs: no mmap for large
-blocks (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD = -1``). A finite threshold is not enough: with 2
-GiB (the largest value mallopt's int takes), a freed buffer that leaves more than 2 GiB free at the top of the heap
+blocks (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD = -1``). A finite threshold is not enough: with
+2 GiB (the largest value mallopt's int takes), a freed buffer that leaves more than 2 GiB free at the top of the heap
 (materialized per-sample gradients: 1.2 GB per call for the benchmark CNN at B = 256, beside the program's other
 buffers) is given back, and the next call faults it in again: a 2.5 GiB buffer, freed and allocated again where it
 bordered the heap's top, faulted 655,328 pages per call
