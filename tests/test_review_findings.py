@@ -288,3 +288,40 @@ def test_make_private_refuses_a_loader_without_length_and_a_delta_outside_0_1_in
     private = psg.make_private(m, opt, data, loss, noise_multiplier=1.0, backend="eager")
     with pytest.raises(psg.DPConfigError, match="delta must be"):
         private.epsilon(0.0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_multilabel_margin_loss_with_fewer_targets_than_classes_is_exact(reduction, backend):
+    """torch 2.13's traced decomposition of ``multilabel_margin_loss_forward`` counted class 0 once more per target
+    slot after the first -1 (silently wrong losses and gradients; ``torch.compile`` too). The capture traces a
+    corrected one (``_capture/corrected_decompositions.py``) and puts torch's back."""
+    from torch._C import DispatchKey
+
+    from compiled_psg._capture.corrected_decompositions import CORRECTED
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    targets = torch.tensor([[0, 2, -1], [1, -1, 0], [2, 1, 0], [-1, 0, 1], [1, -1, -1]])
+    op = torch.ops.aten.multilabel_margin_loss_forward.default
+    before = op.py_kernels.get(DispatchKey.Autograd)
+
+    def loss(x, t):
+        return F.multilabel_margin_loss(model(x), t, reduction=reduction)
+
+    per_sample = psg.per_sample(model, backend=backend)(loss)
+    got_loss, got_losses, got = per_sample.with_losses(x, targets)
+    want = reference_per_sample(loss, dict(model.named_parameters()), (x, targets))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_loss, loss(x, targets).detach(), rtol=1e-12, atol=1e-12)
+    eager_losses = torch.stack([loss(x[i:i + 1], targets[i:i + 1]).sum() for i in range(5)]).detach()
+    torch.testing.assert_close(got_losses.reshape(-1), eager_losses, rtol=1e-12, atol=1e-12)
+    assert op.py_kernels.get(DispatchKey.Autograd) is before  # torch's own kernel is back
+    # the corrected decomposition matches the eager kernel, targets with and without a -1
+    logits = torch.randn(6, 5, dtype=torch.float64)
+    for t in (torch.randint(-1, 5, (6, 5)), torch.randint(0, 5, (6, 5))):
+        for r in (0, 1, 2):
+            for mine, theirs in zip(CORRECTED[op](logits, t, r), op(logits, t, r), strict=True):  # the C++ kernel
+                torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)

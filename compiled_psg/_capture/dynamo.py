@@ -42,6 +42,8 @@ process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide,
   a batch of one would make differently (only on the capturing thread).
 - stand-ins (``_stand_ins``) for ``nn.modules.transformer._detect_is_causal_mask`` (a data-dependent guard) and
   ``F.linear_cross_entropy`` (its chunked path is opaque), also installed while a call checks the guards.
+- torch decompositions that trace to wrong values replaced by correct ones (``corrected_decompositions``:
+  ``multilabel_margin_loss_forward``).
 
 The list is in docs/semantics.md ("Switches the capture sets"); keep both in step.
 """
@@ -68,7 +70,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analyze.source import where
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
-from . import backward_semantics, batch_size_branches, global_guards, identity_guards, torch_caches
+from . import (
+    backward_semantics,
+    batch_size_branches,
+    corrected_decompositions,
+    global_guards,
+    identity_guards,
+    torch_caches,
+)
 
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
 #: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
@@ -579,7 +588,8 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
                     ignore_logging_functions=_ignored_logging_functions())
     try:
         with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), \
-                _replaced_functions(), batch_size_branches.watched(branches), torch.enable_grad():
+                _replaced_functions(), corrected_decompositions.corrected(), batch_size_branches.watched(branches), \
+                torch.enable_grad():
             out = compiled(*args)
     except _Abort:  # the expected way out: the graph was captured, and nothing ran
         entries = _debug_get_cache_entry_list(joint.__code__)
