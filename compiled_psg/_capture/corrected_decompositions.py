@@ -1,10 +1,11 @@
-"""Torch decompositions that trace to other values than the eager op, replaced by correct ones while capturing.
+"""Torch decompositions that trace to other values than the eager op, or do not trace, replaced while capturing.
 
 torch registers some decompositions as Python kernels of the ``Autograd`` dispatch key (``py_impl``). Every trace
 of such an op (AOT autograd's, so ``torch.compile``'s and the capture's) then records the decomposition, never
 the op: no rule sees it, and a wrong decomposition gives wrong losses and gradients with no error. Each entry of
-``CORRECTED`` names the op, what torch's decomposition gets wrong, and a decomposition that matches the eager
-kernel (``tests/test_review_findings.py`` checks each against it, and the per-sample gradients against the loop).
+``CORRECTED`` names the op, what goes wrong in torch's trace of it, and a decomposition that matches the eager
+kernel (``tests/test_review_findings.py`` and ``tests/test_traced_decompositions.py`` check each against it, and
+the per-sample gradients against the loop).
 
 ``corrected()`` installs them for one capture, under the capture lock, and restores torch's own afterwards (the
 switch list in ``dynamo.py``). Another thread's trace of the op in that window gets the correct decomposition.
@@ -17,6 +18,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch._C import DispatchKey
+
+from .._errors import UnsupportedError
 
 aten = torch.ops.aten
 
@@ -54,9 +57,36 @@ def multilabel_margin_loss_forward(input: torch.Tensor, target: torch.Tensor,
     return loss, is_target.to(input.dtype).reshape(orig_target_shape)
 
 
+def upsample_bicubic2d_aa(input: torch.Tensor, output_size: list[int], align_corners: bool,
+                          scales_h: float | None = None, scales_w: float | None = None) -> torch.Tensor:
+    """``F.interpolate(mode="bicubic", antialias=True)`` as ``out[n, c] = R^T x[n, c] C`` (index letters: h, w
+    in; o, p out).
+
+    torch 2.13 traces the op itself, and the meta kernel of its backward fails on a symbolic batch size (an
+    INTERNAL ASSERT, "Expected IntList but got GenericList"), so no loss with it could be captured. The op is
+    separable and linear: ``R [h, o]`` and ``C [w, p]`` are the op applied to identity images, one spatial axis at
+    a time (the other axis kept at 2 samples, 2 -> 2 being the identity), so the batch only meets an einsum.
+    Equal to the eager kernel within float rounding, except for width 1 -> 1, where the eager kernel's output
+    differs from any separable product: refused."""
+    op = aten._upsample_bicubic2d_aa.default
+    (h, w), (o, p) = input.shape[-2:], output_size
+    if w == 1 and p == 1:
+        raise UnsupportedError(
+            "F.interpolate(mode='bicubic', antialias=True) with input and output width 1: torch's kernel for it "
+            "cannot be traced with a symbolic batch size, and compiled_psg's replacement does not reproduce its "
+            "values at width 1. Fix: antialias=False, or mode='bilinear' with antialias=True")
+    eye_h = torch.eye(h, dtype=input.dtype, device=input.device).view(h, 1, h, 1).expand(h, 1, h, 2)
+    eye_w = torch.eye(w, dtype=input.dtype, device=input.device).view(w, 1, 1, w).expand(w, 1, 2, w)
+    with torch._C._AutoDispatchBelowAutograd():  # constants (no gradient): the op itself, not this kernel again
+        rows = op(eye_h.contiguous(), [o, 2], align_corners, scales_h, None)[:, 0, :, 0]
+        cols = op(eye_w.contiguous(), [2, p], align_corners, None, scales_w)[:, 0, 0, :]
+    return torch.einsum("...hw,ho,wp->...op", input, rows, cols)
+
+
 #: op -> the decomposition traced in place of torch's while capturing.
 CORRECTED: dict[torch._ops.OpOverload, Callable] = {
     aten.multilabel_margin_loss_forward.default: multilabel_margin_loss_forward,
+    aten._upsample_bicubic2d_aa.default: upsample_bicubic2d_aa,
 }
 
 

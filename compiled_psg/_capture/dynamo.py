@@ -43,7 +43,7 @@ process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide,
 - stand-ins (``_stand_ins``) for ``nn.modules.transformer._detect_is_causal_mask`` (a data-dependent guard) and
   ``F.linear_cross_entropy`` (its chunked path is opaque), also installed while a call checks the guards.
 - torch decompositions that trace to wrong values replaced by correct ones (``corrected_decompositions``:
-  ``multilabel_margin_loss_forward``).
+  ``multilabel_margin_loss_forward``, ``_upsample_bicubic2d_aa``).
 
 The list is in docs/semantics.md ("Switches the capture sets"); keep both in step.
 """
@@ -692,6 +692,8 @@ def _root_cause(e: BaseException) -> BaseException:
 def _runtime_failure(e: Exception) -> PerSampleError:
     """A torch op failed while Dynamo ran the loss on fake values with a symbolic batch size."""
     root = _root_cause(e)
+    if isinstance(root, PerSampleError):  # raised by compiled_psg's own code in the traced loss
+        return root
     first = (str(root).strip().splitlines() or [""])[0]
     user = [f for f in _frames(str(e)) if not _is_library(f[0])]
     where = f" at {_show(user[-1])}" if user else ""
