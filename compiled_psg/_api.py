@@ -178,6 +178,19 @@ def _guard_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tup
     return tuple(a.detach().contiguous() if pos in batch_dims else a for pos, a in enumerate(args))
 
 
+def _first_line(e: BaseException) -> str:
+    """The first non-empty line of ``e``, or of the error it wraps (Dynamo's ``BackendCompilerFailed`` says only
+    "backend='...' raised:" on its first line)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        if lines and not lines[0].rstrip().endswith("raised:"):
+            return lines[0].strip()
+        e = e.__cause__ or e.__context__ or getattr(e, "inner_exception", None)
+    return ""
+
+
 @dataclass(frozen=True)
 class PreparedCall:
     """One call, ready to run: the cached (or new) compiled entry and the inputs it takes."""
@@ -294,13 +307,15 @@ class PerSampleFunction:
         except PerSampleError:
             raise
         except Exception as e:  # the last line of "no raw torch traceback": name what failed, and who can fix it
-            text = (str(e).strip().splitlines() or [""])[0]
+            text = _first_line(e)
             hint = ("Fix: use dense gradients (nn.Embedding(..., sparse=False)); sparse gradients are not supported. "
-                    if "Sparse" in text else "")
+                    if "Sparse" in text else
+                    "Fix: compute a new tensor (x = x - m) instead of assigning x.data (or calling x.set_()) in the "
+                    "loss: AOT autograd cannot trace a swapped storage. " if "set_ on a graph input" in text else "")
+            tail = "" if hint else ("If the loss raises this when called eagerly on the batch, fix it there; otherwise "
+                                    "this is a compiled_psg bug: please report this message.")
             raise CaptureError(
-                f"capturing and rewriting the loss failed ({type(e).__name__}: {text}). {hint}If the loss raises "
-                "this when called eagerly on the batch, fix it there; otherwise this is a compiled_psg bug: please "
-                "report this message.") from e
+                f"capturing and rewriting the loss failed ({type(e).__name__}: {text}). {hint}{tail}".rstrip()) from e
 
     def with_losses(self, *args, **kwargs):
         """``(loss, per_sample_losses [B], result)``: the loss as the function computes it, and each sample's

@@ -27,7 +27,7 @@ import compiled_psg as psg
 
 F64 = dict(rtol=1e-9, atol=1e-10)
 SUBSET = ["mlp_ce_mean", "simple_cnn", "seq_linear", "tied_embedding_lm", "position_embedding_lm", "weight_norm_mlp",
-          "encoder_batch_first_padmask", "lstm"]
+          "encoder_batch_first_padmask", "lstm", "raw_strided_slices"]
 
 
 def cosine_reduction(direction: dict[str, torch.Tensor]):

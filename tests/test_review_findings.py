@@ -325,3 +325,43 @@ def test_multilabel_margin_loss_with_fewer_targets_than_classes_is_exact(reducti
         for r in (0, 1, 2):
             for mine, theirs in zip(CORRECTED[op](logits, t, r), op(logits, t, r), strict=True):  # the C++ kernel
                 torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_with_kdim_vdim_a_key_padding_mask_and_its_weights_is_exact():
+    """The retrace of the gradient failed ("SymIntArrayRef expected to contain only concrete integers": baddbmm's
+    meta expands the mask to symbolic sizes) until it traced with the Python dispatcher, as AOT autograd does."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True, kdim=5, vdim=6).double()
+    head = nn.Linear(8, 3).double()
+    model = nn.ModuleDict({"attention": attention, "head": head})
+    q, k, v = (torch.randn(4, n, d, dtype=torch.float64) for n, d in ((7, 8), (4, 5), (4, 6)))
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[1, 2:] = True
+    y = torch.tensor([0, 2, 1, 2])
+
+    def loss(q, k, v, mask, y):
+        out, weights = attention(q, k, v, key_padding_mask=mask)
+        return F.cross_entropy(head(out.mean(1)), y) + weights.pow(2).sum()
+
+    got = psg.per_sample(model, backend="eager")(loss)(q, k, v, mask, y)
+    want = reference_per_sample(loss, dict(model.named_parameters()), (q, k, v, mask, y))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_assigning_an_inputs_data_in_the_loss_is_refused_with_the_cause_and_the_fix():
+    """AOT autograd's "set_ on a graph input" came out as "BackendCompilerFailed: backend='_backend' raised:" and
+    "this is a compiled_psg bug"; the input is left as it was."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    given = x.clone()
+
+    def loss(x, y):
+        x.data = x.data * 2
+        return F.cross_entropy(m(x), y)
+
+    with pytest.raises(psg.CaptureError, match=r"set_ on a graph input.*instead of assigning x\.data") as info:
+        psg.per_sample(m, backend="eager")(loss)(x, y)
+    assert "compiled_psg bug" not in str(info.value)
+    assert torch.equal(x, given)

@@ -468,6 +468,17 @@ def build_raw_affine():
     return Built(m, loss, lambda B, dtype, g: (randn(g, dtype, B, 5), labels(g, 3, B)))
 
 
+def build_raw_strided_slices():
+    """A weight read in strided slices and rows (``slice_backward`` with a step, ``select_backward``)."""
+    m = RawParams(W=torch.randn(4, 6) * 0.4, b=torch.randn(4) * 0.1)
+
+    def loss(x, y):
+        W = torch.cat([m.W[:, ::2], m.W[:, 1::2]], 1)
+        return F.cross_entropy(x @ W.T + m.b[::2].sum(), y) + 0.1 * (x @ m.W[1]).tanh().sum()
+
+    return Built(m, loss, lambda B, dtype, g: (randn(g, dtype, B, 6), labels(g, 4, B)))
+
+
 def build_raw_temperature():
     m = RawParams(W=torch.randn(4, 5) * 0.4, temperature=torch.tensor(1.7))
 
@@ -621,6 +632,7 @@ CASES: list[Case] = [
     Case("weight_norm_mlp", build_weight_norm_mlp),
     Case("raw_affine", build_raw_affine),
     Case("raw_temperature", build_raw_temperature),
+    Case("raw_strided_slices", build_raw_strided_slices),
     Case("raw_einsum", build_raw_einsum),
     Case("layer_reused", build_layer_reused),
     Case("frozen_and_buffers", build_frozen_and_buffers),

@@ -21,6 +21,7 @@ import copy
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -124,6 +125,9 @@ def retrace_joint(forward: fx.GraphModule, fake_inputs: list, param_positions: l
         v.detach().requires_grad_(i in param_positions) if isinstance(v, torch.Tensor) else v
         for i, v in enumerate(fake_inputs)
     ]
-    with torch.enable_grad(), detect_fake_mode(fake_inputs):  # constants made by autograd must be fake too
+    # constants made by autograd must be fake too; the Python dispatcher, as AOT autograd traces with it, gives
+    # ops their symbolic-shape Python kernels (baddbmm's meta expands its input to SymInt sizes, which the C++
+    # expand refuses: nn.MultiheadAttention with kdim/vdim, a key padding mask and its weights)
+    with torch.enable_grad(), detect_fake_mode(fake_inputs), enable_python_dispatcher():
         gm = make_fx(joint)(*inputs)
     return gm

@@ -75,12 +75,13 @@ _SHAPE_OPS = [
     ATEN.reshape.default, ATEN.expand.default, ATEN.unsqueeze.default, ATEN.squeeze.dim, ATEN.squeeze.dims,
     ATEN.sum.dim_IntList, ATEN.mean.dim, ATEN.sum.default, ATEN.mean.default, ATEN.clone.default,
     ATEN.alias.default, ATEN.detach.default, ATEN.contiguous.default, ATEN._to_copy.default,
+    ATEN.slice.Tensor, ATEN.select.int,
 ]
 
 
 @lift_rule(*_SHAPE_OPS, linear=True)
 def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
-    """Views, transposes and reductions of one per-sample tensor: shift every dimension argument by one.
+    """Views, transposes, slices and reductions of one per-sample tensor: shift every dimension argument by one.
 
     Before::  t_3 = aten.t(mm_1)                      # [i, o]
     After::   ps = aten.transpose(ps_mm_1, 1, 2)      # [n, i, o]
@@ -88,6 +89,8 @@ def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     if not _only_first_lifted(lifted):
         return None
     target = node.target
+    if node.kwargs and target in (ATEN.slice.Tensor, ATEN.select.int):  # bounds given by keyword: not seen so far
+        return None
     rank = _logical_rank(node.args[0])
 
     def shift(d):
@@ -127,6 +130,11 @@ def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
             return x
         if target is ATEN._to_copy.default:
             return x.to(node.kwargs.get("dtype") or x.dtype)
+        if target is ATEN.slice.Tensor:
+            dim, *bounds = args[1:] if len(args) > 1 else (0,)
+            return ATEN.slice.Tensor(x, shift(dim), *bounds)
+        if target is ATEN.select.int:
+            return x.select(shift(args[1]), args[2])
         raise InternalError(target)
 
     return run
@@ -155,6 +163,27 @@ def weight_norm_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
         if index == 1:
             return grad_g
         return g.unsqueeze(0) / norms * (grad_w - v.unsqueeze(0) * grad_g / norms)
+
+    return run
+
+
+@lift_rule(ATEN.slice_backward.default, ATEN.select_backward.default, linear=True)
+def slice_or_select_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
+    """The gradient of a slice (any step) or a select of a parameter, placed back into the parameter's shape.
+
+    Before::  sb = aten.slice_backward(g, [o, i], 1, 0, 9223372036854775807, 2)    # g [o, i/2] -> [o, i]
+    After::   ps = aten.slice_backward(ps_g, [n, o, i], 2, 0, 9223372036854775807, 2)   # [n, o, i]
+
+    ``select_backward(g, sizes, dim, index)`` likewise, with ``n`` prepended to ``sizes`` and ``dim`` shifted.
+    """
+    if not _only_first_lifted(lifted):
+        return None
+    rank = len(node.args[1])
+
+    def run(*values):
+        it = iter(values)
+        g, sizes, dim, *rest = fx.map_arg(node.args, lambda _: next(it))
+        return node.target(g, [g.shape[0], *sizes], dim % rank + 1, *rest)
 
     return run
 

@@ -51,6 +51,34 @@ def mm(node: fx.Node, batch: BatchDims) -> Contraction | None:
     )
 
 
+@contraction_rule(ATEN.mv.default)
+def mv(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """``mv(a [o, k], v [k])`` where ``k`` carries the batch: a parameter vector or row read by ``x @ w``.
+
+    Before::
+
+        t_1 = aten.t(x)                   # [i, n]
+        mv_1 = aten.mv(t_1, grad_out)     # [i]       <- contraction over n
+
+    After::
+
+        ps = split_batch(aten.t(t_1)) * split_batch(grad_out).unsqueeze(-1), summed over t   # [n, i]
+    """
+    a, v = node.args
+    if batch.dims(a) != (1,) or batch.dims(v) != (0,):
+        return None
+    layout = batch_layout(a, 1, batch)
+    if layout is None or layout != batch_layout(v, 0, batch):
+        return None
+
+    def per_sample(a, v):
+        a_s, v_s = split_batch(a.t(), 0, layout), split_batch(v, 0, layout)  # [n, t, o], [n, t]
+        return (a_s * v_s.unsqueeze(-1)).sum(1)
+
+    return Contraction(rule="mv", node=node, inputs=[a, v], per_sample=per_sample,
+                       linear_arg=1, linear_layout=(0, layout), other_linear=((0, (1, layout)),), rebuild=torch.mv)
+
+
 @contraction_rule(ATEN.bmm.default)
 def bmm(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``bmm(a [h, o, k], x [h, k, i])`` with the batch in ``k``: per head ``h``, as ``mm``.
