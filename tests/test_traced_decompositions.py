@@ -1,8 +1,11 @@
-"""Ops torch decomposes at the autograd dispatch key (``py_impl(DispatchKey.Autograd)``): every trace records the
-decomposition, never the op, so no rule sees it and a wrong decomposition is silently wrong (torch 2.13's
-``multilabel_margin_loss_forward`` was: ``_capture/corrected_decompositions.py``). Each such op is reached from a
-loss here and its per-sample gradients are checked against the loop in float64; a torch upgrade that decomposes a
-new op this way fails ``test_every_op_decomposed_at_the_autograd_key_is_covered`` until a case is added."""
+"""Ops torch decomposes in Python at the autograd dispatch key (``py_impl(DispatchKey.Autograd)``): a trace records
+a decomposition, not the op, so no rule sees it and a wrong decomposition is silently wrong (torch 2.13's
+``multilabel_margin_loss_forward`` was: ``_capture/corrected_decompositions.py``). Each case builds a loss on the
+op's public function and checks its per-sample gradients against the loop in float64, whichever Python kernel the
+trace takes (for upsampling and the recurrent ops a ``CompositeImplicitAutograd`` one comes first; the ``.data``
+overloads of the recurrent ops, for packed sequences, are listed but not built here). A torch upgrade that
+decomposes a new op this way fails ``test_every_op_decomposed_at_the_autograd_key_is_covered`` until a case is
+added."""
 
 import pytest
 import torch
@@ -156,12 +159,17 @@ def test_bicubic_antialias_is_exact_under_inductor_and_its_replacement_matches_t
                                         ((1, 5), False, (None, None)), ((7, 1), False, (None, None))]:
         torch.testing.assert_close(upsample_bicubic2d_aa(x, list(size), align_corners, *scales),
                                    kernel(x, list(size), align_corners, *scales), rtol=1e-12, atol=1e-12)
+    flat = torch.randn(3, 2, 1, 9, dtype=torch.float64)  # width 1 out, the height (1) kept
+    torch.testing.assert_close(upsample_bicubic2d_aa(flat, [1, 1], False), kernel(flat, [1, 1], False),
+                               rtol=1e-12, atol=1e-12)
 
 
-def test_bicubic_antialias_from_width_one_to_width_one_is_refused_in_our_words():
-    """There the eager kernel's values are no separable product (``[N, C, 7, 1] -> [N, C, 4, 1]``)."""
-    conv = nn.Conv2d(2, 3, (3, 1), padding=(1, 0)).double()
-    x = torch.randn(4, 2, 7, 1, dtype=torch.float64)
+@pytest.mark.parametrize("width", [1, 5])
+def test_bicubic_antialias_to_width_one_with_the_height_changed_is_refused_in_our_words(width):
+    """There the eager forward gives every output row one value and its backward is the true adjoint: no traced
+    form matches the loop (``[N, C, 7, w] -> [N, C, 4, 1]``)."""
+    conv = nn.Conv2d(2, 3, 3, padding=1).double()
+    x = torch.randn(4, 2, 7, width, dtype=torch.float64)
 
     def loss(x):
         return F.interpolate(conv(x), size=(4, 1), mode="bicubic", antialias=True).pow(2).sum()

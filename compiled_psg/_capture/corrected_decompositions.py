@@ -66,15 +66,17 @@ def upsample_bicubic2d_aa(input: torch.Tensor, output_size: list[int], align_cor
     INTERNAL ASSERT, "Expected IntList but got GenericList"), so no loss with it could be captured. The op is
     separable and linear: ``R [h, o]`` and ``C [w, p]`` are the op applied to identity images, one spatial axis at
     a time (the other axis kept at 2 samples, 2 -> 2 being the identity), so the batch only meets an einsum.
-    Equal to the eager kernel within float rounding, except for width 1 -> 1, where the eager kernel's output
-    differs from any separable product: refused."""
+    Equal to the eager kernel within float rounding, except for an output width of 1 with the height changed:
+    there the eager forward gives every output row one value while its backward is the true adjoint, so no
+    function's gradient matches the loop's: refused."""
     op = aten._upsample_bicubic2d_aa.default
     (h, w), (o, p) = input.shape[-2:], output_size
-    if w == 1 and p == 1:
+    if p == 1 and o != h:
         raise UnsupportedError(
-            "F.interpolate(mode='bicubic', antialias=True) with input and output width 1: torch's kernel for it "
-            "cannot be traced with a symbolic batch size, and compiled_psg's replacement does not reproduce its "
-            "values at width 1. Fix: antialias=False, or mode='bilinear' with antialias=True")
+            "F.interpolate(mode='bicubic', antialias=True) to an output width of 1 with the height changed: torch's "
+            "kernel cannot be traced with a symbolic batch size, and its eager forward there is not what its "
+            "backward differentiates, so no traced form matches it. Fix: antialias=False, or mode='bilinear' with "
+            "antialias=True")
     eye_h = torch.eye(h, dtype=input.dtype, device=input.device).view(h, 1, h, 1).expand(h, 1, h, 2)
     eye_w = torch.eye(w, dtype=input.dtype, device=input.device).view(w, 1, 1, w).expand(w, 1, 2, w)
     with torch._C._AutoDispatchBelowAutograd():  # constants (no gradient): the op itself, not this kernel again

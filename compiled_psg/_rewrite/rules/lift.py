@@ -176,7 +176,7 @@ def slice_or_select_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None
 
     ``select_backward(g, sizes, dim, index)`` likewise, with ``n`` prepended to ``sizes`` and ``dim`` shifted.
     """
-    if not _only_first_lifted(lifted):
+    if not _only_first_lifted(lifted) or node.kwargs:  # autograd passes every argument by position
         return None
     rank = len(node.args[1])
 

@@ -57,12 +57,12 @@ def mv(node: fx.Node, batch: BatchDims) -> Contraction | None:
 
     Before::
 
-        t_1 = aten.t(x)                   # [i, n]
-        mv_1 = aten.mv(t_1, grad_out)     # [i]       <- contraction over n
+        t_1 = aten.t(x)                   # [o, n]
+        mv_1 = aten.mv(t_1, grad_out)     # [o]       <- contraction over n (or n*t)
 
     After::
 
-        ps = split_batch(aten.t(t_1)) * split_batch(grad_out).unsqueeze(-1), summed over t   # [n, i]
+        ps = (split_batch(aten.t(t_1)) * split_batch(grad_out).unsqueeze(-1)).sum(1)   # [n, t, o] -> [n, o]
     """
     a, v = node.args
     if batch.dims(a) != (1,) or batch.dims(v) != (0,):
