@@ -13,6 +13,15 @@ from ..registry import contraction_rule
 ATEN = torch.ops.aten
 
 
+def _batch_in_k(a: fx.Node, x: fx.Node, batch: BatchDims):
+    """The batch layout of ``k`` in ``a [o, k]`` and ``x [k, ...]``, or None when the batch is elsewhere or the two
+    lay it out differently."""
+    if batch.dims(a) != (1,) or batch.dims(x) != (0,):
+        return None
+    layout = batch_layout(a, 1, batch)
+    return layout if layout is not None and layout == batch_layout(x, 0, batch) else None
+
+
 @contraction_rule(ATEN.mm.default)
 def mm(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``mm(a [o, k], x [k, i])`` where ``k`` carries the batch (``n`` or ``n*t`` in either order).
@@ -29,10 +38,8 @@ def mm(node: fx.Node, batch: BatchDims) -> Contraction | None:
         ps = aten.bmm(a.transpose(1, 2), x)   # [n, o, i]
     """
     a, x = node.args
-    if batch.dims(a) != (1,) or batch.dims(x) != (0,):
-        return None
-    layout = batch_layout(a, 1, batch)
-    if layout is None or layout != batch_layout(x, 0, batch):
+    layout = _batch_in_k(a, x, batch)
+    if layout is None:
         return None
 
     def factors(a, x):
@@ -65,10 +72,8 @@ def mv(node: fx.Node, batch: BatchDims) -> Contraction | None:
         ps = (split_batch(aten.t(t_1)) * split_batch(grad_out).unsqueeze(-1)).sum(1)   # [n, t, o] -> [n, o]
     """
     a, v = node.args
-    if batch.dims(a) != (1,) or batch.dims(v) != (0,):
-        return None
-    layout = batch_layout(a, 1, batch)
-    if layout is None or layout != batch_layout(v, 0, batch):
+    layout = _batch_in_k(a, v, batch)
+    if layout is None:
         return None
 
     def per_sample(a, v):
