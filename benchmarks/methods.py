@@ -363,16 +363,22 @@ def psg_dp(wl: Workload) -> Prepared:
     return Prepared(run, counters=lambda: _psg_counters(f))
 
 
-def psg_compile_step(wl: Workload) -> Prepared:
-    """``compiled_psg.compile_step``: the same DP step, forward to optimizer update as one compiled program."""
+def dp_compile_step(wl: Workload, **options):
+    """The page's DP step (clip to ``MAX_NORM``, noise ``NOISE_MULTIPLIER``, SGD) on a fresh copy of the model;
+    ``options`` go to ``compile_step`` too (``benchmarks.micro_batches``: ``max_physical_batch_size``)."""
     from compiled_psg._train.step import compile_step
 
     model, _ = _copy(wl)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    step = compile_step(
+    return compile_step(
         lambda x, y: wl.criterion(model(x), y), model, opt,
-        max_grad_norm=MAX_NORM, noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=None,
+        max_grad_norm=MAX_NORM, noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=None, **options,
     )  # fmt: skip
+
+
+def psg_compile_step(wl: Workload) -> Prepared:
+    """``compiled_psg.compile_step``: the same DP step, forward to optimizer update as one compiled program."""
+    step = dp_compile_step(wl)
 
     def counters() -> dict:
         found = _psg_counters(step.per_sample)

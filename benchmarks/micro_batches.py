@@ -32,27 +32,17 @@ from .models import build_workload
 TARGET = 1.25
 
 
-def _dp_step(wl, physical: int | None):
-    from compiled_psg import compile_step
-
-    model, _ = methods._copy(wl)
-    opt = torch.optim.SGD(model.parameters(), lr=methods.LR)
-    return compile_step(lambda x, y: wl.criterion(model(x), y), model, opt, max_grad_norm=methods.MAX_NORM,
-                        noise_multiplier=methods.NOISE_MULTIPLIER, expected_batch_size=None,
-                        max_physical_batch_size=physical)
-
-
 def measure(model: str, size: int, splits: list[int], repeats: int) -> list[dict]:
     torch._dynamo.reset()
     dev = Device(torch.device("cpu"))
     wl = build_workload(model, False, torch.device("cpu"))
     batch = wl.batch(size)
     steps = {"plain": methods.sgd_step(wl).run, "plain compiled": methods.sgd_step_compile(wl).run,
-             "DP, whole batch": _dp_step(wl, None)}
+             "DP, whole batch": methods.dp_compile_step(wl)}
     for k in splits:
         physical = math.ceil(size / k)
         if 1 < k and physical < size:
-            steps[f"DP, {k} x {physical}"] = _dp_step(wl, physical)
+            steps[f"DP, {k} x {physical}"] = methods.dp_compile_step(wl, max_physical_batch_size=physical)
     for step in steps.values():  # first calls (capture, compile) and warm-up
         for _ in range(3):
             step(*batch)
