@@ -7,14 +7,17 @@ For each number of parameters P, side by side in one process (medians of ``--rep
 - ``scaled``: ``torch.randn(P).mul_(sigma)`` eagerly, then a compiled ``g + noise`` (``compile_step``'s layout:
   the scaled noise is an input of the program);
 - ``inside``: one compiled function ``g + sigma * torch.randn_like(g)`` (Inductor's own random generator);
-- ``chunked``: ``compile_step``'s draw today (``dp.gaussian_many``: on CPU, chunks from their own generators on
-  torch's threads, sigma applied in the draw), then a compiled ``g + noise``;
+- ``chunked``: ``compile_step``'s draw today (``dp.gaussian_many``: on CPU in float32 the native AES-CTR stream,
+  ``native_noise``, on torch's threads, where it runs; else ``torch.randn`` tensor by tensor; sigma applied in
+  the draw), then a compiled ``g + noise``;
 - ``draw``: that draw into a fresh buffer alone, what a DP step paid before its program ran (the add is fused
   into the program);
 - ``reused``: the same draw into the previous draw's buffer (``reuse=``), what a DP step pays now;
 - ``after_parallel``: the reused draw timed right after an op that ATen runs on its OpenMP threads, as in a
   training loop where the draw follows the previous step's program: the OpenMP workers spin-wait for a while
   after a parallel region, on the cores the draw's threads need (CPU only).
+- ``mt19937``: as ``after_parallel``, torch's generator filling the buffer (``normal_``: the draw where the
+  native generator cannot run; one thread, mt19937 behind a lock).
 - ``threefry``: a candidate, not what compiled_psg does: one compiled ``g + sigma * z`` with ``z`` from the
   counter-based Threefry-2x32-20 (Random123's; JAX's default generator) and Box-Muller, in integer and float ops
   Inductor fuses and runs on its OpenMP threads (``threefry_normal`` below), timed in a loop after a parallel op
@@ -83,6 +86,7 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
         return add_scaled(g, gaussian_many([g], sigma, generator=generator)[0])
 
     big = torch.randn(1 << 22, device=device)
+    mt_buffer = torch.empty(size, device=device)
 
     def after_parallel(draw) -> float:
         """Median ms of ``draw`` timed right after an OpenMP parallel region, after 3 warm-up calls."""
@@ -114,6 +118,7 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
             "reused": median_seconds(sync(lambda: gaussian_many([g], sigma, generator=generator, reuse=reuse)),
                                      repeats) * 1e3,
             "after_parallel": after_parallel(lambda: gaussian_many([g], sigma, generator=generator, reuse=reuse)),
+            "mt19937": after_parallel(lambda: mt_buffer.normal_(0.0, sigma, generator=generator)),
             "threefry": after_parallel(lambda: add_threefry(g, key))}
 
 
@@ -128,14 +133,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, median of {args.repeats} "
           "calls; ms")
     print(f"{'P':>10} | {'outside':>8} {'scaled':>8} {'inside':>8} {'chunked':>8} {'draw':>8} {'reused':>8} "
-          f"{'after_parallel':>14} {'threefry':>8} | scaled/outside inside/outside chunked/scaled reused/draw")
+          f"{'after_parallel':>14} {'mt19937':>8} {'threefry':>8} | scaled/outside inside/outside chunked/scaled "
+          "reused/draw mt19937/after_parallel")
     for size in args.sizes:
         r = measure(size, args.repeats, args.device)
         times = " ".join(f"{r[k]:8.3f}" for k in ("outside", "scaled", "inside", "chunked", "draw", "reused"))
-        times += f" {r['after_parallel']:14.3f} {r['threefry']:8.3f}"
+        times += f" {r['after_parallel']:14.3f} {r['mt19937']:8.3f} {r['threefry']:8.3f}"
         print(f"{size:>10} | {times} | "
               f"{r['scaled'] / r['outside']:14.2f} {r['inside'] / r['outside']:14.2f} "
-              f"{r['chunked'] / r['scaled']:14.2f} {r['reused'] / r['draw']:11.2f}", flush=True)
+              f"{r['chunked'] / r['scaled']:14.2f} {r['reused'] / r['draw']:11.2f} "
+              f"{r['mt19937'] / r['after_parallel']:22.2f}", flush=True)
 
 
 if __name__ == "__main__":

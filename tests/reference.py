@@ -3,10 +3,13 @@
 Entry ``i`` is autograd's gradient of the SAME loss function called on the batch made of sample ``i`` alone
 (sliced with its batch dimension kept, size 1; unbatched arguments, ``in_dims`` None, passed whole). A loss
 returning per-sample losses ``[1]`` for that batch of one is summed (it has a single entry).
+
+The noise of a DP step has its reference too: N(0, std^2) per coordinate (``check_gaussian``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -97,3 +100,17 @@ def ref_cosine(grads: Mapping[str, torch.Tensor], direction: Mapping[str, torch.
     flat = _flat(grads)
     d = torch.cat([direction[n].flatten() for n in grads])
     return (flat @ d) / (flat.norm(dim=1) * d.norm())
+
+
+def check_gaussian(noise: torch.Tensor, std: float, p_min: float) -> None:
+    """``noise`` passes as iid N(0, std^2): the chi-square test of its sum of squares, the mean within 6 standard
+    errors and the Kolmogorov-Smirnov test, each at significance ``p_min``."""
+    from scipy import stats
+
+    n = noise.numel()
+    noise = noise.double().flatten()
+    chi2 = float((noise / std).pow(2).sum())
+    p_two_sided = 2 * min(stats.chi2.cdf(chi2, n), stats.chi2.sf(chi2, n))
+    assert p_two_sided > p_min, (chi2, n, noise.std().item(), std)
+    assert abs(noise.mean().item()) < 6 * std / math.sqrt(n)
+    assert stats.kstest((noise / std).numpy(), "norm").pvalue > p_min

@@ -220,6 +220,10 @@ def _worker(rank: int, port: int, out: str) -> None:
                                 last_batch_size=step.last_batch_size,
                                 local=[p.to_local().clone() for p in model.parameters()],
                                 forward=model(data()[0][0]).detach())  # FSDP's own forward still works
+        # float32: the noise is the native stream where it runs, drawn parameter by parameter on rank 0
+        model = shard_model(model_for().float())
+        train(model, _float32(data()), SIGMA, rank, WORLD)
+        results["float32"] = full(model)
         # the clip bound and the noise: SGD(lr=0) leaves the parameters as they are and the sums in .grad
         g = torch.Generator().manual_seed(3)
         x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
@@ -272,6 +276,22 @@ def test_two_sharded_ranks_equal_one_process_on_the_union(ranks, one_process):
             torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
             assert torch.equal(local, shards(g)[rank])  # the shard is FSDP's rows (columns) of the full tensor
         torch.testing.assert_close(got["forward"], model(data()[0][0]).detach(), rtol=1e-10, atol=1e-12)
+
+
+def _float32(batches):
+    return [(x.float(), y) for x, y in batches]
+
+
+def test_float32_sharded_ranks_draw_the_noise_one_process_draws(ranks):
+    """In float32 one process draws all the noise at once (the native AES-CTR stream where it runs) and the
+    sharded step one parameter at a time (``gaussian_stream``): the same numbers, so the same parameters up to
+    the order of float32 sums (noise of std sigma C = 0.24 would show far above that)."""
+    model = model_for().float()
+    train(model, _float32(data()), SIGMA)
+    for r in ranks:
+        for got, want in zip(r["float32"], model.parameters(), strict=True):
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_shards_are_the_rows_fsdp_holds(ranks):

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from scipy import stats
+from reference import check_gaussian
 
 from compiled_psg._errors import DPConfigError
-from compiled_psg._train import dp
+from compiled_psg._train import dp, native_noise
 from compiled_psg._train.dp import gaussian_many, secure_gaussian
 from compiled_psg._train.step import compile_step
 
@@ -139,29 +139,20 @@ def _noise_of_empty_step(secure: bool, generator=None, seed: int = 0, width: int
     return torch.cat(moved).double(), 0.7 * 1.3
 
 
-def _check_gaussian(noise: torch.Tensor, std: float, p_min: float):
-    n = noise.numel()
-    chi2 = float((noise / std).pow(2).sum())
-    p_two_sided = 2 * min(stats.chi2.cdf(chi2, n), stats.chi2.sf(chi2, n))
-    assert p_two_sided > p_min, (chi2, n, noise.std().item(), std)
-    assert abs(noise.mean().item()) < 6 * std / math.sqrt(n)
-    assert stats.kstest((noise / std).numpy(), "norm").pvalue > p_min
-
-
 @pytest.mark.parametrize("source", ["default", "generator", "secure"])
 def test_noise_std_is_sigma_C(source):
     """The noise added once per step is N(0, sigma^2 C^2) per coordinate (chi-square and KS tests)."""
     generator = torch.Generator().manual_seed(3) if source == "generator" else None
     noise, std = _noise_of_empty_step(secure=source == "secure", generator=generator)
     # seeded sources are deterministic; the secure one is not: a threshold that fails once in 10^7 runs
-    _check_gaussian(noise, std, p_min=1e-3 if source != "secure" else 1e-7)
+    check_gaussian(noise, std, p_min=1e-3 if source != "secure" else 1e-7)
     assert not torch.allclose(noise.std(), torch.tensor(std * math.sqrt(2), dtype=torch.float64), rtol=0.05)
 
 
 def test_secure_gaussian_moments():
     z = secure_gaussian((200_000,), 2.0, dtype=torch.float64)
     assert z.dtype == torch.float64 and z.shape == (200_000,)
-    _check_gaussian(z, 2.0, p_min=1e-7)
+    check_gaussian(z, 2.0, p_min=1e-7)
     assert not torch.equal(secure_gaussian((8,)), secure_gaussian((8,)))
 
 
@@ -172,27 +163,23 @@ def test_generator_makes_noise_reproducible():
     assert torch.allclose(a, b, atol=1e-5) and not torch.allclose(a, c, atol=1e-2)
 
 
-def test_a_large_draw_is_gaussian_and_independent_of_the_thread_count():
-    """Over _PARALLEL_MIN numbers the noise fills one buffer in chunks, each from its own mt19937 seeded by the
-    generator, on several threads: the same numbers on 1 or 2 threads, Gaussian, and no chunk repeats another."""
+@pytest.mark.parametrize("source", ["native", "torch"])
+def test_a_draw_is_gaussian_reproducible_and_streams_one_tensor_at_a_time(source, monkeypatch):
+    """Both sources (the native AES-CTR stream, and torch's generator tensor by tensor where the native one
+    cannot run): N(0, std^2), the same numbers from the same generator state, other numbers from another, and
+    ``gaussian_stream`` (the sharded step's draw, one parameter at a time) equal to ``gaussian_many``."""
+    if source == "torch":
+        monkeypatch.setattr(native_noise, "available", lambda: False)
     likes = [torch.zeros(300, 700), torch.zeros(300), torch.zeros(40_000)]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = gaussian_many(likes, 1.5, generator=torch.Generator().manual_seed(7))
-        torch.set_num_threads(2)
-        two = gaussian_many(likes, 1.5, generator=torch.Generator().manual_seed(7))
-    finally:
-        torch.set_num_threads(threads)
+    one = gaussian_many(likes, 1.5, generator=torch.Generator().manual_seed(7))
     assert [t.shape for t in one] == [t.shape for t in likes]
-    for a, b in zip(one, two, strict=True):
+    check_gaussian(torch.cat([t.flatten() for t in one]), 1.5, p_min=1e-3)
+    streamed = dp.gaussian_stream(likes, 1.5, generator=torch.Generator().manual_seed(7))
+    for a, b in zip(one, streamed, strict=True):
         assert torch.equal(a, b)
-    flat = torch.cat([t.flatten() for t in one]).double()
-    assert flat.numel() > dp._PARALLEL_MIN
-    _check_gaussian(flat, 1.5, p_min=1e-3)
-    chunks = flat[: flat.numel() // dp._CHUNK * dp._CHUNK].view(-1, dp._CHUNK)
-    corr = torch.corrcoef(chunks)
-    assert (corr - torch.eye(len(chunks), dtype=corr.dtype)).abs().max() < 6 / math.sqrt(dp._CHUNK)
+    if source == "torch":
+        want = torch.randn(300, 700, generator=torch.Generator().manual_seed(7)).mul_(1.5)
+        assert torch.equal(one[0], want)
     other = gaussian_many(likes, 1.5, generator=torch.Generator().manual_seed(8))
     assert not torch.allclose(one[0], other[0], atol=1e-2)
 
@@ -217,11 +204,11 @@ def test_a_reused_noise_buffer_is_filled_again_with_the_same_numbers():
 
 
 def test_a_step_with_a_large_noise_draw_adds_sigma_C():
-    """The step's noise through the parallel draw (360,600 coordinates): N(0, sigma^2 C^2), reproducible."""
+    """The step's noise in one large draw (360,600 coordinates): N(0, sigma^2 C^2), reproducible."""
     a, std = _noise_of_empty_step(False, torch.Generator().manual_seed(5), width=600)
     b, _ = _noise_of_empty_step(False, torch.Generator().manual_seed(5), seed=1, width=600)
-    assert a.numel() > dp._PARALLEL_MIN and torch.allclose(a, b, atol=1e-5)
-    _check_gaussian(a, std, p_min=1e-3)
+    assert a.numel() > 300_000 and torch.allclose(a, b, atol=1e-5)
+    check_gaussian(a, std, p_min=1e-3)
 
 
 def test_every_batch_size_one_graph_each():

@@ -1,19 +1,26 @@
-"""Gaussian noise for DP-SGD: the default source (torch's generators) and a cryptographically secure one.
+"""Gaussian noise for DP-SGD: the default source and a cryptographically secure one.
 
-The secure source reads ``os.urandom`` (the operating system's CSPRNG, what ``secrets`` uses), turns 53 random
-bits into a uniform in (0, 1) in float64 and applies Box-Muller in float64, then casts to the parameter
-dtype. Float64 leaves far fewer gaps in the noise than float32, but any floating-point sampler is only an
-approximation of the continuous Gaussian the analysis assumes (Mironov 2012; Holohan & Braghin 2021).
+Float32 noise on CPU comes from the native AES-CTR stream (``native_noise``) where this CPU and compiler can
+build it: keyed from torch's generator by default, from ``os.urandom`` with ``secure``.
+
+Otherwise the default source is torch's generator, tensor by tensor, and the secure one reads ``os.urandom``
+(the operating system's CSPRNG, what ``secrets`` uses), turns 53 random bits into a uniform in (0, 1) in
+float64 and applies Box-Muller in float64, then casts to the parameter dtype. Any floating-point sampler is only
+an approximation of the continuous Gaussian the analysis assumes (Mironov 2012; Holohan & Braghin 2021): its
+largest value is finite (5.77 std for torch's float32 ``randn``, 8.57 for the float64 path, 9.42 for the native
+stream), and an output past it is one the mechanism cannot produce without the sample that moved the sum.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from . import native_noise
 
 
 def secure_uniform(n: int) -> torch.Tensor:
@@ -40,61 +47,63 @@ def gaussian_like(t: torch.Tensor, std: float, *, secure: bool = False,
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """N(0, std^2) noise shaped like ``t``: secure (os.urandom), or from torch's ``generator`` (default:
     the global one)."""
+    return _torch_gaussian(t.shape, t.dtype, t.device, std, secure, generator)
+
+
+def _torch_gaussian(shape, dtype: torch.dtype, device: torch.device, std: float, secure: bool,
+                    generator: torch.Generator | None) -> torch.Tensor:
     if secure:
-        return secure_gaussian(tuple(t.shape), std, dtype=t.dtype, device=t.device)
-    noise = torch.randn(t.shape, dtype=t.dtype, device=t.device if generator is None else generator.device,
+        return secure_gaussian(tuple(shape), std, dtype=dtype, device=device)
+    noise = torch.randn(shape, dtype=dtype, device=device if generator is None else generator.device,
                         generator=generator)
-    return noise.mul_(std).to(t.device)
+    return noise.mul_(std).to(device)
 
 
-# torch.randn on CPU runs on one thread (mt19937 behind a lock). A large draw is split into chunks of _CHUNK
-# numbers, each from its own mt19937 seeded from the user's generator, filled on torch's intra-op threads: the
-# numbers depend on the generator's state only, not on the thread count.
-_CHUNK = 1 << 16
-_PARALLEL_MIN = 1 << 17
-_pool: ThreadPoolExecutor | None = None
-
-
-def _fill_normal(flat: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
-    """``flat`` (CPU, contiguous, 1-d) filled with N(0, std^2), chunk by chunk."""
-    global _pool
-    chunks = -(-flat.numel() // _CHUNK)
-    seeds = torch.randint(0, 2 ** 62, (chunks,), generator=generator).tolist()
-
-    def fill(i: int) -> None:
-        flat[i * _CHUNK:(i + 1) * _CHUNK].normal_(0.0, std, generator=torch.Generator().manual_seed(seeds[i]))
-
-    threads = min(torch.get_num_threads(), chunks)
-    if threads <= 1:
-        for i in range(chunks):
-            fill(i)
-        return
-    if _pool is None or _pool._max_workers < threads:
-        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="compiled_psg-noise")
-    list(_pool.map(fill, range(chunks)))
+def _native(likes: list[torch.Tensor], generator: torch.Generator | None) -> bool:
+    """Whether the noise for ``likes`` comes from the native stream: float32 on CPU, where it runs."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in likes)
+            and (generator is None or generator.device.type == "cpu") and native_noise.available())
 
 
 def gaussian_many(likes: list[torch.Tensor], std: float, *, secure: bool = False,
                   generator: torch.Generator | None = None, reuse: dict | None = None) -> list[torch.Tensor]:
-    """N(0, std^2) noise shaped like each of ``likes``. A large CPU draw from torch's generators fills one flat
-    buffer in parallel chunks (``_fill_normal``); anything else draws tensor by tensor (``gaussian_like``).
+    """N(0, std^2) noise shaped like each of ``likes``. From the native stream (one key for the whole draw, the
+    tensors as consecutive slices of one flat buffer) where it serves them, else tensor by tensor
+    (``gaussian_like``). ``gaussian_stream`` gives the same numbers one tensor at a time.
 
     ``reuse``: a dict the caller keeps from draw to draw, once it no longer reads the previous draw: the flat
-    buffer is filled again in place (same size and dtype) instead of allocated. A fresh buffer of many MB costs
-    its page faults on every step (glibc maps allocations over 32 MB anew each time); the numbers are the same."""
-    total = sum(t.numel() for t in likes)
-    on_cpu = all(t.device.type == "cpu" for t in likes) and (generator is None or generator.device.type == "cpu")
-    if secure or not on_cpu or total < _PARALLEL_MIN or len({t.dtype for t in likes}) != 1:
-        return [gaussian_like(t, std, secure=secure, generator=generator) for t in likes]
-    flat = None if reuse is None else reuse.get("flat")
-    if flat is None or flat.numel() != total or flat.dtype != likes[0].dtype:
-        flat = torch.empty(total, dtype=likes[0].dtype)
-        if reuse is not None:
-            reuse["flat"] = flat
+    buffer is filled again in place (same size) instead of allocated. A fresh buffer of many MB costs its page
+    faults on every step (glibc maps allocations over 32 MB anew each time); the numbers are the same."""
+    if not likes:
+        return []
     with torch.profiler.record_function("compiled_psg.noise"):  # drawn on worker threads: named for profiles
-        _fill_normal(flat, float(std), generator)
+        if not _native(likes, generator):
+            return [gaussian_like(t, std, secure=secure, generator=generator) for t in likes]
+        total = sum(t.numel() for t in likes)
+        flat = None if reuse is None else reuse.get("flat")
+        if flat is None or flat.numel() != total:
+            flat = torch.empty(total, dtype=torch.float32)
+            if reuse is not None:
+                reuse["flat"] = flat
+        native_noise.normal_(flat, float(std), native_noise.draw_key(generator, secure))
     out, offset = [], 0
     for t in likes:
         out.append(flat[offset:offset + t.numel()].view(t.shape))
         offset += t.numel()
     return out
+
+
+def gaussian_stream(likes: list[torch.Tensor], std: float, *, secure: bool = False,
+                    generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+    """The numbers ``gaussian_many`` draws, one tensor at a time, in order (the sharded step adds each
+    parameter's noise and releases it before the next): the key is drawn now, each tensor is its slice of the
+    stream. Only the shapes of ``likes`` are kept, not the tensors."""
+    metas = [(t.shape, t.dtype, t.device) for t in likes]
+    if not likes or not _native(likes, generator):
+        return (_torch_gaussian(*meta, std, secure, generator) for meta in metas)
+    key = native_noise.draw_key(generator, secure)
+    firsts = [0]
+    for shape, _, _ in metas[:-1]:
+        firsts.append(firsts[-1] + math.prod(shape))
+    return (native_noise.normal_(torch.empty(shape), float(std), key, first)
+            for (shape, _, _), first in zip(metas, firsts, strict=True))

@@ -8,30 +8,37 @@ the others in the same collective.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from . import distributed as dist_utils
+from . import native_noise
 from .binding import OptimizerBinding
 from .config import DPConfig
-from .dp import gaussian_like, gaussian_many
+from .dp import gaussian_like, gaussian_many, gaussian_stream
 
 
 class NoiseSource:
-    """N(0, (sigma C)^2) noise: ``os.urandom`` with ``secure``, else torch's ``generator`` (default: global)."""
+    """N(0, (sigma C)^2) noise: ``os.urandom`` with ``secure``, else keyed from torch's ``generator`` (default:
+    global): the native AES-CTR stream for float32 CPU noise where it runs, torch's generators otherwise."""
 
-    def __init__(self, secure: bool = False, generator: torch.Generator | None = None):
+    def __init__(self, secure: bool = False, generator: torch.Generator | None = None, native_likely: bool = True):
         self.secure = secure
         self.generator = generator
+        if native_likely and (generator is None or generator.device.type == "cpu"):
+            native_noise.prepare()  # built while the program is captured and compiled, not at the first draw
         self._buffer: dict = {}  # the last large draw's flat buffer, filled again by the next (``gaussian_many``)
-
-    def draw(self, config: DPConfig, like: torch.Tensor) -> torch.Tensor:
-        return gaussian_like(like, config.noise_std, secure=self.secure, generator=self.generator)
 
     def draw_many(self, config: DPConfig, likes: list[torch.Tensor]) -> list[torch.Tensor]:
         """Noise for every tensor of ``likes`` at once (one parallel draw on CPU: ``dp.gaussian_many``). The
         tensors are views of one buffer that the next call fills again: read them before drawing more."""
         return gaussian_many(likes, config.noise_std, secure=self.secure, generator=self.generator,
                              reuse=self._buffer)
+
+    def stream(self, config: DPConfig, likes: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """The numbers ``draw_many`` would give, one tensor at a time in order (``dp.gaussian_stream``)."""
+        return gaussian_stream(likes, config.noise_std, secure=self.secure, generator=self.generator)
 
     def draw_scalar(self, std: float) -> float:
         """One N(0, std^2) number (adaptive clipping's count noise), from the same source, in float64."""

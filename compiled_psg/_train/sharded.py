@@ -16,8 +16,9 @@ s rank, j parameter:
    The clipping variants are computed the same way, whole on each rank: ``per_layer`` (a group's norm is a
    sample's) and ``automatic`` need nothing more; ``adaptive`` sums its counts of unclipped samples over the
    ranks after the step, rank 0 alone adding the count's noise (``DPStep._adapt_bound``, as under DDP);
-3. the parameters are resharded; rank 0 adds the noise ``N(0, sigma^2 C^2)`` to its full sums (drawn exactly
-   as one process draws it, parameter by parameter), so the noise is added once per coordinate;
+3. the parameters are resharded; rank 0 adds the noise ``N(0, sigma^2 C^2)`` to its full sums (the numbers one
+   process draws, drawn parameter by parameter: ``NoiseSource.stream``), so the noise is added once per
+   coordinate;
 4. ONE ``reduce_scatter_single`` over the mesh's group sums the ranks' sums and hands rank s only its shard:
    row s of the input is ``cat_j(pad(shard_s(S^r_j)).view(-1), [B_r])``, so the output on rank s is
    ``cat_j(shard_s(noise + sum_r S^r_j)), sum_r B_r``: the shard of the union's noisy clipped sum and the
@@ -331,8 +332,9 @@ class ShardedStep(DPStep):
         """Noise (rank 0, on the full sums), one reduce-scatter, scaling into the shards' ``.grad``, the
         optimizer's step; returns the global batch size. ``sums`` is consumed (its entries are released)."""
         noise = None
-        if config.noise_std > 0 and dist.get_rank() == 0:
-            noise = functools.partial(self.noise.draw, config)
+        if config.noise_std > 0 and dist.get_rank() == 0:  # the numbers one process draws for these sums
+            draws = self.noise.stream(config, sums)
+            noise = lambda g: next(draws)  # noqa: E731 -- called once per parameter, in order
         count = torch.tensor(float(batch_size), dtype=sums[0].dtype, device=sums[0].device)
         shards, count = reduce_scatter_sums(sums, count, self._layouts, self._group, noise)
         global_size = int(round(count.item()))

@@ -6,11 +6,12 @@ and the optimizer's own update, spliced into one FX graph (``fuse.py``) and comp
 batch size from 2 up (a batch of one compiles the same graph once more). The update graph is captured from the
 optimizer's ``step`` by Dynamo and AOT autograd (``update_graph.py``), so any ``torch.optim`` optimizer works.
 
-The noise itself is drawn outside the program (torch's generators, in parallel chunks on CPU into one buffer
-that every step fills again: ``dp.gaussian_many``; or ``os.urandom`` with ``secure_rng``) and enters as an
-input: the secure source cannot run inside a graph, a seeded ``torch.Generator`` keeps runs resumable, and on
-CPU Inductor's in-graph generator was 2.9-5.6x slower than ``torch.randn`` plus a compiled add for 1e5 to 1e7
-parameters (``python -m benchmarks.noise``; 2 cores, quiet machine).
+The noise itself is drawn outside the program into one buffer that every step fills again
+(``dp.gaussian_many``: on CPU in float32 the native AES-CTR stream keyed from the generator, ``native_noise``;
+else torch's generators, or ``os.urandom`` with ``secure_rng``) and enters as an input: the secure source cannot
+run inside a graph, a seeded ``torch.Generator`` keeps runs resumable, and on CPU Inductor's in-graph generator
+was 2.9-5.6x slower than ``torch.randn`` plus a compiled add for 1e5 to 1e7 parameters
+(``python -m benchmarks.noise``; 2 cores, quiet machine).
 
 The first step runs eagerly (the rewritten graph without a compiler, then ``optimizer.step()``): optimizers
 create their state lazily, and the program reads that state. The program is built and compiled at the end of
@@ -151,7 +152,8 @@ class DPStep:
         self.model = model
         self.optimizer = optimizer
         self.backend = backend
-        self.noise = NoiseSource(secure_rng, generator)
+        self.noise = NoiseSource(secure_rng, generator, native_likely=noise_multiplier > 0 and all(
+            p.device.type == "cpu" and p.dtype != torch.float64 for p in model.parameters()))
         self.distributed = dist_utils.is_distributed() if distributed is None else distributed
         self.binding = OptimizerBinding(model, optimizer)
         self.per_sample  # noqa: B018 -- the per-sample function of the initial config, checked now
