@@ -149,7 +149,7 @@ def breakdown(steps: int = 1000, batch: int = 16, backend: str = "inductor", mod
                (_api.PerSampleFunction, "_valid", "  guard check"),
                (step_module.DPStep, "_program_for", "program lookup"),
                (update_graph, "signature", "  optimizer signature"),
-               (step_module.DPStep, "_extra_inputs", "extra inputs"), (eager.NoiseSource, "draw", "  noise draw"),
+               (step_module.DPStep, "_extra_inputs", "extra inputs"), (eager.NoiseSource, "draw_many", "  noise draw"),
                (run.CompiledPerSample, "run", "run the program"), (run.CompiledPerSample, "_inputs", "  inputs")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
 

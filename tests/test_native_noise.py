@@ -103,6 +103,17 @@ def test_the_numbers_are_box_muller_of_the_stream(first, n):
 
 
 @needs_native
+@pytest.mark.parametrize("first, n", [(0, 100_003), (7, 1000), (2 ** 33 + 1, 77)])
+def test_vaes_and_aes_ni_give_the_same_numbers(first, n):
+    """On a CPU with VAES the keystream takes two blocks per instruction; the numbers are AES-NI's. (Without
+    VAES both calls take the AES-NI path, and this test compares it with itself.)"""
+    key = native_noise.draw_key(torch.Generator().manual_seed(6))
+    wide = native_noise.normal_(torch.empty(n), 1.0, key, first)
+    narrow = native_noise.normal_(torch.empty(n), 1.0, key, first, wide_aes=False)
+    assert torch.equal(wide, narrow)
+
+
+@needs_native
 def test_the_numbers_do_not_depend_on_the_thread_count():
     key = native_noise.draw_key(torch.Generator().manual_seed(2))
     threads = torch.get_num_threads()

@@ -59,6 +59,21 @@ inline void keystream_group(uint64_t g, const RoundKeys& K, __m256i w[6]) {
   for (int i = 0; i < 6; ++i) w[i] = _mm256_set_m128i(b[2 * i + 1], b[2 * i]);
 }
 
+// The same words with VAES (two blocks per instruction), where the CPU has it: about 11% faster a draw.
+__attribute__((target("aes,vaes,avx2"))) inline void keystream_group_vaes(uint64_t g, const RoundKeys& K,
+                                                                          __m256i w[6]) {
+  __m256i b[6];
+  __m256i k = _mm256_broadcastsi128_si256(K.k[0]);
+  for (int i = 0; i < 6; ++i)
+    b[i] = _mm256_xor_si256(_mm256_set_epi64x(0, (long long)(12 * g + 2 * i + 1), 0, (long long)(12 * g + 2 * i)), k);
+  for (int r = 1; r < 10; ++r) {
+    k = _mm256_broadcastsi128_si256(K.k[r]);
+    for (int i = 0; i < 6; ++i) b[i] = _mm256_aesenc_epi128(b[i], k);
+  }
+  k = _mm256_broadcastsi128_si256(K.k[10]);
+  for (int i = 0; i < 6; ++i) w[i] = _mm256_aesenclast_epi128(b[i], k);
+}
+
 // ---- Box-Muller in float32: log on (0, 1] and the sine and cosine of a turn, by polynomials ----
 
 // Natural log, x in (0, 1]: x = 2^e m with m in [sqrt(1/2), sqrt(2)), log(1 + f) = f - f^2/2 + f^3 P(f)
@@ -136,6 +151,37 @@ inline void normal_group(uint64_t g, const RoundKeys& K, float std, float* out) 
   box_muller(w, std, out);
 }
 
+__attribute__((target("aes,vaes,avx2"))) inline void normal_group_vaes(uint64_t g, const RoundKeys& K, float std,
+                                                                       float* out) {
+  __m256i w[6];
+  keystream_group_vaes(g, K, w);
+  box_muller(w, std, out);
+}
+
+// Elements [first, first + n) on `threads` OpenMP threads. Dynamic chunks of 64 groups: a thread the OS
+// deschedules on a busy machine leaves its work to the others (each group depends on its index alone, so the
+// numbers do not change).
+template <void (*group)(uint64_t, const RoundKeys&, float, float*)>
+inline void fill_range(float* out, uint64_t first, int64_t n, const RoundKeys& K, float std, int threads) {
+  const uint64_t end = first + (uint64_t)n, g0 = first / 32, g1 = (end + 31) / 32;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 64)
+  for (uint64_t g = g0; g < g1; ++g) {
+    const uint64_t lo = 32 * g > first ? 32 * g : first, hi = 32 * g + 32 < end ? 32 * g + 32 : end;
+    if (lo == 32 * g && hi == 32 * g + 32) {
+      group(g, K, std, out + (32 * g - first));
+    } else {  // a group the range cuts: computed whole, its part copied
+      alignas(32) float part[32];
+      group(g, K, std, part);
+      std::memcpy(out + (lo - first), part + (lo - 32 * g), sizeof(float) * (size_t)(hi - lo));
+    }
+  }
+}
+
+__attribute__((target("aes,vaes,avx2"))) void fill_range_vaes(float* out, uint64_t first, int64_t n,
+                                                               const RoundKeys& K, float std, int threads) {
+  fill_range<normal_group_vaes>(out, first, n, K, std, threads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -146,24 +192,18 @@ int cpu_supported() {
 }
 
 // out[0:n] = elements [first, first + n) of the stream of key (k0, k1) with standard deviation std, on
-// `threads` OpenMP threads. Dynamic chunks of 64 groups: a thread the OS deschedules on a busy machine leaves its
-// work to the others (each group depends on its index alone, so the numbers do not change).
-void normal_fill(float* out, uint64_t first, int64_t n, uint64_t k0, uint64_t k1, float std, int threads) {
+// `threads` OpenMP threads; `wide` = 0 keeps 128-bit AES-NI where the CPU has VAES (for tests: the same numbers).
+void normal_fill(float* out, uint64_t first, int64_t n, uint64_t k0, uint64_t k1, float std, int threads,
+                 int wide) {
   if (n <= 0) return;
   const RoundKeys K = expand_key(k0, k1);
-  const uint64_t end = first + (uint64_t)n, g0 = first / 32, g1 = (end + 31) / 32;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 64)
-  for (uint64_t g = g0; g < g1; ++g) {
-    const uint64_t lo = 32 * g > first ? 32 * g : first, hi = 32 * g + 32 < end ? 32 * g + 32 : end;
-    if (lo == 32 * g && hi == 32 * g + 32) {
-      normal_group(g, K, std, out + (32 * g - first));
-    } else {  // a group the range cuts: computed whole, its part copied
-      alignas(32) float part[32];
-      normal_group(g, K, std, part);
-      std::memcpy(out + (lo - first), part + (lo - 32 * g), sizeof(float) * (size_t)(hi - lo));
-    }
-  }
+  if (wide && __builtin_cpu_supports("vaes"))
+    fill_range_vaes(out, first, n, K, std, threads);
+  else
+    fill_range<normal_group>(out, first, n, K, std, threads);
 }
+
+int has_vaes() { return __builtin_cpu_supports("vaes"); }
 
 // The keystream's words [48 first_group, 48 (first_group + groups)), for tests.
 void keystream_words(uint32_t* out, int64_t groups, uint64_t first_group, uint64_t k0, uint64_t k1) {

@@ -52,8 +52,9 @@ def _build() -> ctypes.CDLL:
     lib.cpu_supported.restype = ctypes.c_int
     if not lib.cpu_supported():
         raise RuntimeError("this CPU lacks AES-NI, AVX2 or FMA")
+    lib.has_vaes.restype = ctypes.c_int
     for name, args in [("normal_fill", [ctypes.c_void_p, _U64, ctypes.c_int64, _U64, _U64, ctypes.c_float,
-                                        ctypes.c_int]),
+                                        ctypes.c_int, ctypes.c_int]),
                        ("keystream_words", [ctypes.c_void_p, ctypes.c_int64, _U64, _U64, _U64]),
                        ("box_muller_words", [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]),
                        ("encrypt_block", [_U64] * 4 + [ctypes.c_void_p])]:
@@ -119,15 +120,17 @@ def _loaded() -> ctypes.CDLL:
     return lib
 
 
-def normal_(out: torch.Tensor, std: float, key: tuple[int, int], first: int = 0) -> torch.Tensor:
+def normal_(out: torch.Tensor, std: float, key: tuple[int, int], first: int = 0, *,
+            wide_aes: bool = True) -> torch.Tensor:
     """Fill ``out`` (CPU float32, contiguous) in place with the stream's numbers ``[first, first + out.numel())``
-    for ``key``, scaled to N(0, std^2)."""
+    for ``key``, scaled to N(0, std^2). ``wide_aes=False`` keeps 128-bit AES-NI on a CPU with VAES (the same
+    numbers; for tests)."""
     lib = _loaded()
     if out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"normal_ fills a contiguous CPU float32 tensor, got {out.dtype} on {out.device}")
     n = out.numel()
     threads = 1 if n < _SERIAL_BELOW else torch.get_num_threads()
-    lib.normal_fill(out.data_ptr(), first, n, key[0], key[1], float(std), threads)
+    lib.normal_fill(out.data_ptr(), first, n, key[0], key[1], float(std), threads, int(wide_aes))
     return out
 
 
