@@ -105,11 +105,12 @@ def test_the_numbers_are_box_muller_of_the_stream(first, n):
 @needs_native
 @pytest.mark.parametrize("first, n", [(0, 100_003), (7, 1000), (2 ** 33 + 1, 77)])
 def test_vaes_and_aes_ni_give_the_same_numbers(first, n):
-    """On a CPU with VAES the keystream takes two blocks per instruction; the numbers are AES-NI's. (Without
-    VAES both calls take the AES-NI path, and this test compares it with itself.)"""
+    """On a CPU with VAES (this machine, and CI's) the keystream takes two blocks per instruction; the numbers are
+    AES-NI's. Without VAES the default path is AES-NI's too (the first assertion)."""
     key = native_noise.draw_key(torch.Generator().manual_seed(6))
-    wide = native_noise.normal_(torch.empty(n), 1.0, key, first)
-    narrow = native_noise.normal_(torch.empty(n), 1.0, key, first, wide_aes=False)
+    wide, narrow = torch.empty(n), torch.empty(n)
+    assert native_noise.fill(wide, 1.0, key, first) == native_noise.has_vaes()
+    assert native_noise.fill(narrow, 1.0, key, first, wide_aes=False) is False
     assert torch.equal(wide, narrow)
 
 
@@ -176,10 +177,34 @@ def test_a_dp_draw_is_the_native_stream_keyed_from_the_generator():
 
 
 @needs_native
-def test_normal_refuses_a_tensor_it_cannot_fill():
+def test_normal_refuses_a_tensor_or_a_slice_it_cannot_fill():
     for bad in (torch.empty(8, dtype=torch.float64), torch.empty(4, 4).t()):
         with pytest.raises(ValueError, match="contiguous CPU float32"):
             native_noise.normal_(bad, 1.0, (1, 2))
+    for first in (-1, 2 ** 64 - 50):
+        with pytest.raises(ValueError, match="not in"):
+            native_noise.normal_(torch.empty(100), 1.0, (1, 2), first)
+
+
+@needs_native
+def test_the_stream_draws_its_key_when_called_and_ignores_torchs_defaults():
+    """``gaussian_stream`` takes its key from the generator when it is called (as ``gaussian_many`` does), and
+    its buffers are CPU float32 whatever torch's default dtype (the sharded step's rank 0 under
+    ``set_default_dtype(float64)`` with float32 parameters)."""
+    likes = [torch.zeros(3, 4), torch.zeros(0), torch.zeros(5)]
+    many_gen, stream_gen = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    many = dp.gaussian_many(likes, 1.0, generator=many_gen)
+    stream = dp.gaussian_stream(likes, 1.0, generator=stream_gen)
+    assert torch.equal(stream_gen.get_state(), many_gen.get_state())
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        streamed = list(stream)
+        again = dp.gaussian_many(likes, 1.0, generator=torch.Generator().manual_seed(2))
+    finally:
+        torch.set_default_dtype(default)
+    for a, b, c in zip(many, streamed, again, strict=True):
+        assert a.dtype == b.dtype == c.dtype == torch.float32 and torch.equal(a, b) and torch.equal(a, c)
 
 
 @needs_native

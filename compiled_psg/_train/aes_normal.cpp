@@ -5,7 +5,7 @@
 // The stream: the keystream word k (k = 0, 1, ...) is the little-endian 32-bit word k % 4 of AES_key(j) for the
 // counter block j = k / 4 (128-bit little-endian). Words are taken in groups of 48 (12 blocks); in group g, for
 // p in {0, 1} and m in 0..7, with lo, hi and b the words 48g + 24p + m, 48g + 24p + 8 + m and 48g + 24p + 16 + m,
-//   u1 = (2^32 hi + lo + 1) / 2^64 in (0, 1] (rounded to float32),   u2 = (b >> 8) / 2^24 in [0, 1) (exact),
+//   u1 = (2^32 hi + lo + 1) / 2^64 in (0, 1] (to within one float32 step: three FMAs),   u2 = (b >> 8) / 2^24 in [0, 1) (exact),
 //   r = std * sqrt(-2 log u1),   element 32g + 16p + m = r cos(2 pi u2),   element 32g + 16p + 8 + m = r sin(2 pi u2).
 // The numbers depend on the key and the element's index only, not on the thread count. A 64-bit u1 puts the
 // largest radius at sqrt(2 log 2^64) = 9.42 std; torch's float32 normal_ takes 24 bits and stops at 5.77 std,
@@ -193,14 +193,16 @@ int cpu_supported() {
 
 // out[0:n] = elements [first, first + n) of the stream of key (k0, k1) with standard deviation std, on
 // `threads` OpenMP threads; `wide` = 0 keeps 128-bit AES-NI where the CPU has VAES (for tests: the same numbers).
-void normal_fill(float* out, uint64_t first, int64_t n, uint64_t k0, uint64_t k1, float std, int threads,
-                 int wide) {
-  if (n <= 0) return;
+// Returns 1 when the VAES path ran, 0 for AES-NI. The caller keeps first + n below 2^64.
+int normal_fill(float* out, uint64_t first, int64_t n, uint64_t k0, uint64_t k1, float std, int threads, int wide) {
+  if (n <= 0) return 0;
   const RoundKeys K = expand_key(k0, k1);
-  if (wide && __builtin_cpu_supports("vaes"))
+  if (wide && __builtin_cpu_supports("vaes")) {
     fill_range_vaes(out, first, n, K, std, threads);
-  else
-    fill_range<normal_group>(out, first, n, K, std, threads);
+    return 1;
+  }
+  fill_range<normal_group>(out, first, n, K, std, threads);
+  return 0;
 }
 
 int has_vaes() { return __builtin_cpu_supports("vaes"); }

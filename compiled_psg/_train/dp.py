@@ -7,7 +7,7 @@ Otherwise the default source is torch's generator, tensor by tensor, and the sec
 (the operating system's CSPRNG, what ``secrets`` uses), turns 53 random bits into a uniform in (0, 1) in
 float64 and applies Box-Muller in float64, then casts to the parameter dtype. Any floating-point sampler is only
 an approximation of the continuous Gaussian the analysis assumes (Mironov 2012; Holohan & Braghin 2021): its
-largest value is finite (5.77 std for torch's float32 ``randn``, 8.57 for the float64 path, 9.42 for the native
+largest value is finite (5.77 std for torch's float32 ``randn``, 8.65 for the float64 path, 9.42 for the native
 stream), and an output past it is one the mechanism cannot produce without the sample that moved the sum.
 """
 
@@ -82,7 +82,7 @@ def gaussian_many(likes: list[torch.Tensor], std: float, *, secure: bool = False
         total = sum(t.numel() for t in likes)
         flat = None if reuse is None else reuse.get("flat")
         if flat is None or flat.numel() != total:
-            flat = torch.empty(total, dtype=torch.float32)
+            flat = torch.empty(total, dtype=torch.float32, device="cpu")
             if reuse is not None:
                 reuse["flat"] = flat
         native_noise.normal_(flat, float(std), native_noise.draw_key(generator, secure))
@@ -105,5 +105,5 @@ def gaussian_stream(likes: list[torch.Tensor], std: float, *, secure: bool = Fal
     firsts = [0]
     for shape, _, _ in metas[:-1]:
         firsts.append(firsts[-1] + math.prod(shape))
-    return (native_noise.normal_(torch.empty(shape), float(std), key, first)
+    return (native_noise.normal_(torch.empty(shape, dtype=torch.float32, device="cpu"), float(std), key, first)
             for (shape, _, _), first in zip(metas, firsts, strict=True))
