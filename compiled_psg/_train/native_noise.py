@@ -61,8 +61,7 @@ def _build() -> ctypes.CDLL:
     lib.has_vaes.restype = lib.normal_fill.restype = ctypes.c_int
     lib.normal_fill.argtypes = [ctypes.c_void_p, _U64, ctypes.c_int64, _U64, _U64, ctypes.c_float, ctypes.c_int,
                                 ctypes.c_int]
-    for name, args in [
-                       ("keystream_words", [ctypes.c_void_p, ctypes.c_int64, _U64, _U64, _U64]),
+    for name, args in [("keystream_words", [ctypes.c_void_p, ctypes.c_int64, _U64, _U64, _U64]),
                        ("box_muller_words", [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]),
                        ("encrypt_block", [_U64] * 4 + [ctypes.c_void_p])]:
         getattr(lib, name).argtypes = args
