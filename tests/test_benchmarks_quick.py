@@ -195,3 +195,33 @@ def test_the_threefry_candidate_matches_random123_and_is_gaussian():
     assert stats.kstest(z.numpy(), "norm").pvalue > 1e-3
     other = threefry_normal(torch.tensor([7, 10]), 100_000).double()
     assert abs(float(torch.corrcoef(torch.stack([z, other]))[0, 1])) < 0.02
+
+
+def test_cold_compile_phases_count_each_function_once():
+    """``benchmarks.cold_compile``'s timer: a phase called inside another is taken out of the outer one, an
+    inclusive phase keeps what it calls, and calls from other threads (the noise build) are not counted."""
+    import threading
+    import time
+    import types
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.cold_compile import PhaseTimer
+
+    ns = types.SimpleNamespace()
+    ns.inner = lambda: time.sleep(0.05)
+    ns.outer = lambda: (time.sleep(0.03), ns.inner())
+    ns.whole = lambda: ns.outer()
+    timer = PhaseTimer()
+    timer.wrap(ns, "inner", "inner")
+    timer.wrap(ns, "outer", "outer")
+    ns.outer()
+    assert 0.05 <= timer.seconds["inner"] < 0.08 and 0.03 <= timer.seconds["outer"] < 0.05, timer.seconds
+    timer.seconds.clear()
+    timer.wrap(ns, "whole", "whole", inclusive=True)
+    ns.whole()
+    assert set(timer.seconds) == {"whole"} and timer.seconds["whole"] >= 0.08, timer.seconds
+    timer.seconds.clear()
+    thread = threading.Thread(target=ns.outer)
+    thread.start()
+    thread.join()
+    assert timer.seconds == {}

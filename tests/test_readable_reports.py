@@ -90,3 +90,31 @@ def test_reduction_argument_errors_are_batch_input_errors():
         NoEmit().emit(None)
     with pytest.raises(psg.BatchInputError, match="no example named 'nope'"):
         report_for("nope")
+
+
+def test_explain_of_a_dp_step_shows_its_clip_choices_and_the_step_reuses_the_capture():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = psg.compile_step(lambda x, y: nn.functional.cross_entropy(model(x), y), model, opt,
+                            max_grad_norm=1.0, noise_multiplier=0.0, backend="eager")
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    before = [p.detach().clone() for p in model.parameters()]
+    report = psg.explain(step, x, y)
+    assert [r.name for r in report.rewrites] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for r in report.rewrites:  # each parameter: the clip norm's plan and the clipped sum's
+        assert sorted(c.quantity for c in r.choices) == ["sq_norm", "weighted_sum"], r.choices
+    assert "0.weight" in str(report) and "weighted_sum: book-keeping" in str(report)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # runs nothing
+    step(x, y)
+    assert step.captures == 1  # the step used the capture explain made
+
+
+def test_explain_of_a_dp_step_with_a_refused_loss_carries_the_report():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = psg.compile_step(lambda x: model(x).sum(), model, opt, max_grad_norm=1.0, noise_multiplier=0.0,
+                            backend="eager")
+    with pytest.raises(psg.SampleMixingError) as info:
+        psg.explain(step, torch.randn(5, 4))
+    assert "BatchNorm1d" in str(info.value.report)

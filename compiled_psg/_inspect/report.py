@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 
 from .._errors import BatchInputError
@@ -199,17 +200,25 @@ def _labels(roles, gm: fx.GraphModule) -> dict[str, str]:
 
 
 def explain(fn, *args) -> Report:
-    """The inspection report of ``fn`` (a ``@psg.per_sample`` function) for these arguments.
+    """The inspection report of ``fn`` (a ``@psg.per_sample`` function, or a ``compile_step`` DP step) for
+    these arguments.
 
-    Captures and rewrites like a call would (and caches it), runs nothing. If the loss is refused, the
+    Captures and rewrites like a call would (and caches it), runs nothing. For a DP step it is the per-sample
+    graph of the step's current clipping settings, whose clip norms and clipped sums carry the per-layer choices
+    (``step.graph`` is the fused program after the first step). If the loss is refused, the
     ``SampleMixingError`` raised carries the report as ``error.report``.
     """
     from .._api import PerSampleFunction
+    from .._train.step import DPStep
 
+    if isinstance(fn, DPStep):
+        fn = fn.per_sample
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)  # as the step does
     if not isinstance(fn, PerSampleFunction):
-        raise BatchInputError(f"psg.explain expects a function decorated with @psg.per_sample(model), got "
-                              f"{type(fn).__name__} {getattr(fn, '__name__', '')!s}. Fix: explain(psg.per_sample("
-                              "model)(loss_fn), *batch), or decorate loss_fn with @psg.per_sample(model)")
+        raise BatchInputError(f"psg.explain expects a function decorated with @psg.per_sample(model) or a "
+                              f"compile_step DP step, got {type(fn).__name__} {getattr(fn, '__name__', '')!s}. "
+                              "Fix: explain(psg.per_sample(model)(loss_fn), *batch), decorate loss_fn with "
+                              "@psg.per_sample(model), or explain(step, *batch) for a compile_step step")
     entry = fn.prepare_call(*args).entry
     return Report.from_rewritten(entry.rewritten)
 
