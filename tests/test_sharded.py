@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from spawn_ranks import WORLD, gloo_group, run_ranks
 from torch.utils import _pytree as pytree
 
+from compiled_psg import explain
 from compiled_psg._errors import DPConfigError, UnsupportedError
 from compiled_psg._train.step import compile_step
 
@@ -241,8 +242,11 @@ def _worker(rank: int, port: int, out: str) -> None:
                                max_grad_norm=C, noise_multiplier=1.0, backend="eager")
         for _, (xb, yb) in zip(range(2), private.data_loader, strict=False):  # every rank: the same step count
             private.step(xb, yb)
+        report = explain(private, xb, yb)  # the per-sample graph on the unsharded parameters, captured already
         results["private"] = dict(sharded=private.dp_step.sharded, steps=private.steps,
-                                  sample_rate=private.sample_rate, epsilon=private.epsilon())
+                                  sample_rate=private.sample_rate, epsilon=private.epsilon(),
+                                  explained=[(r.name, tuple(r.shape)) for r in report.rewrites],
+                                  captures=private.dp_step.captures)
         results["swapped"] = swapped(rank, WORLD)
         results["variants"] = {name: variant(name, rank, WORLD) for name in VARIANTS}
         results["resume"] = resume(rank, out)
@@ -331,6 +335,8 @@ def test_make_private_on_a_sharded_model(ranks):
         assert got["sharded"] and got["steps"] == 2
         assert got["sample_rate"] == pytest.approx(4 / 20)  # each rank: 20 examples, batches of 4
         assert 0 < got["epsilon"] < float("inf")
+        full_shapes = [(n, tuple(p.shape)) for n, p in model_for().named_parameters()]
+        assert got["explained"] == full_shapes and got["captures"] == 1  # explain reused the steps' capture
 
 
 def test_a_swapped_submodule_is_recaptured(ranks):

@@ -200,8 +200,8 @@ def _labels(roles, gm: fx.GraphModule) -> dict[str, str]:
 
 
 def explain(fn, *args) -> Report:
-    """The inspection report of ``fn`` (a ``@psg.per_sample`` function, or a ``compile_step`` DP step) for
-    these arguments.
+    """The inspection report of ``fn`` (a ``@psg.per_sample`` function, a ``compile_step`` DP step or what
+    ``make_private`` returns) for these arguments.
 
     Captures and rewrites like a call would (and caches it), runs nothing. For a DP step it is the per-sample
     graph of the step's current clipping settings, whose clip norms and clipped sums carry the per-layer choices
@@ -209,17 +209,21 @@ def explain(fn, *args) -> Report:
     ``SampleMixingError`` raised carries the report as ``error.report``.
     """
     from .._api import PerSampleFunction
+    from .._train.private import PrivateTraining
     from .._train.step import DPStep
 
-    if isinstance(fn, DPStep):
-        fn = fn.per_sample
+    if isinstance(fn, PrivateTraining):
+        fn = fn.dp_step
+    if isinstance(fn, DPStep):  # its per-sample function (a sharded step's unshards the parameters around it)
         args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)  # as the step does
-    if not isinstance(fn, PerSampleFunction):
+        entry = fn.per_sample.prepare_call(*args).entry
+    elif isinstance(fn, PerSampleFunction):
+        entry = fn.prepare_call(*args).entry
+    else:
         raise BatchInputError(f"psg.explain expects a function decorated with @psg.per_sample(model) or a "
                               f"compile_step DP step, got {type(fn).__name__} {getattr(fn, '__name__', '')!s}. "
                               "Fix: explain(psg.per_sample(model)(loss_fn), *batch), decorate loss_fn with "
                               "@psg.per_sample(model), or explain(step, *batch) for a compile_step step")
-    entry = fn.prepare_call(*args).entry
     return Report.from_rewritten(entry.rewritten)
 
 
