@@ -8,7 +8,7 @@ reduce). This times both, side by side in one process (medians of ``--repeats`` 
 which one the cost model in ``compiled_psg/_reduce/strategies.py`` picks, its estimated costs, and how often that
 pick was the faster one (within ``--tie`` of each other counts as right either way). ``--quantity clip_sq_norm``
 does the same for ``psg.clip_sum``, where each norm is priced with the sum it bounds. ``--model`` times a whole
-benchmark model's ``clip_sum`` under each plan, with its peak memory.
+benchmark model's ``clip_sum`` under each plan, with its peak memory; ``--model M --step`` its DP step.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ def only(quantity: str, name: str):
         strategies.STRATEGIES[quantity] = saved
 
 
-def measure_model(model_name: str, batch: int, repeats: int, overrides: dict | None = None) -> None:
+def measure_model(model_name: str, batch: int, repeats: int, overrides: dict | None = None, step: bool = False) -> None:
     """The whole benchmark model's clipped sum (``psg.clip_sum``, Inductor) under each ``clip_sq_norm`` plan and
     under the cost model's own choice: what a per-layer timing cannot see is the per-sample gradients a plan holds
-    across the program (fresh pages every call, and the peak memory)."""
+    across the program (fresh pages every call, and the peak memory). ``step``: the page's DP step
+    (``compile_step``) under each plan instead, against the plain SGD steps (eager and compiled), with the ratios
+    of the page's targets (time against the faster plain step, peak against the lower one)."""
     from . import models
     from .measure import Device
     from .models import build_workload
@@ -70,10 +72,20 @@ def measure_model(model_name: str, batch: int, repeats: int, overrides: dict | N
     def loss(x, y):
         return wl.criterion(model(x), y)
 
+    if step:
+        from .methods import METHODS, dp_compile_step
+
+        plains = {key: METHODS[key].setup(wl).run for key in ("sgd_step", "sgd_step_compile")}
+        plans = {**{key: contextlib.nullcontext() for key in plains}, **plans}
     for plan, ctx in plans.items():
         with ctx:
-            fn = psg.per_sample(model, reduce=psg.clip_sum(1.0))(loss)
-            fn(*args)
+            if step:
+                fn = plains[plan] if plan in plains else dp_compile_step(wl)
+                fn(*args)
+                fn(*args)  # the first step runs eagerly; the plan's program compiles at its end
+            else:
+                fn = psg.per_sample(model, reduce=psg.clip_sum(1.0))(loss)
+                fn(*args)
         calls[plan] = lambda fn=fn: fn(*args)
         peaks[plan] = dev.peak_bytes(calls[plan], ()) / 2**20
         calls[plan]()
@@ -81,10 +93,16 @@ def measure_model(model_name: str, batch: int, repeats: int, overrides: dict | N
         calls[plan]()
         faults[plan] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     times = _interleaved_ms(calls, repeats)
-    print(f"{model_name} {overrides or ''}, B={batch}: psg.clip_sum, Inductor, median of {repeats} interleaved calls")
-    print(f"{'plan':>22} {'ms':>9} {'peak MiB':>9} {'page faults/call':>17}")
+    what = "compile_step's DP step" if step else "psg.clip_sum"
+    print(f"{model_name} {overrides or ''}, B={batch}: {what}, Inductor, median of {repeats} interleaved calls")
+    ratios = " x plain (time, memory)" if step else ""
+    print(f"{'plan':>22} {'ms':>9} {'peak MiB':>9} {'page faults/call':>17}{ratios}")
     for plan in plans:
-        print(f"{plan:>22} {times[plan]:9.1f} {peaks[plan]:9.1f} {faults[plan]:17d}")
+        line = f"{plan:>22} {times[plan]:9.1f} {peaks[plan]:9.1f} {faults[plan]:17d}"
+        if step and plan not in plains:
+            line += (f" {times[plan] / min(times[k] for k in plains):8.2f} "
+                     f"{peaks[plan] / max(min(peaks[k] for k in plains), 1e-9):6.2f}")
+        print(line)
 
 
 def _norms_fn(shape, backend: str, quantity: str = "sq_norm"):
@@ -142,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="sq_norm: psg.norms(); clip_sq_norm: psg.clip_sum (each norm with the sum it bounds)")
     p.add_argument("--model", help="a benchmark model (benchmarks/models.py): time its whole clip_sum per plan")
     p.add_argument("--batch", type=int, default=64, help="the batch size for --model")
+    p.add_argument("--step", action="store_true",
+                   help="with --model: the DP step (compile_step) under each plan, against the plain SGD steps")
     p.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                    help="change an integer size of the --model's config (e.g. seq=32)")
     p.add_argument("--tie", type=float, default=0.05, help="relative difference counted as a tie (default 0.05)")
@@ -150,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--repeats must be at least 7")
     if args.model:
         overrides = dict(kv.split("=", 1) for kv in args.set)
-        measure_model(args.model, args.batch, args.repeats, {k: int(v) for k, v in overrides.items()})
+        measure_model(args.model, args.batch, args.repeats, {k: int(v) for k, v in overrides.items()}, args.step)
         return
     shapes, backend = (QUICK_SHAPES, "eager") if args.quick else (SHAPES, args.backend)
     if args.quantity == "clip_sq_norm" and not args.quick:
