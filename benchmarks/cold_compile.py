@@ -11,9 +11,10 @@ the work, each phase counting its own time only (a phase called inside another i
 - ``dynamo``: Dynamo's trace of the user's function (``torch.compile``'s methods), less what it calls below;
 - ``aot trace``: AOT autograd's metadata pass and graph trace of the graph handed to Inductor (``compile_fx``
   re-traces compiled_psg's rewritten program with Inductor's decompositions; Dynamo's graph for ``vmap``);
-- ``lowering``, ``codegen``: Inductor's lowering to its IR and its Python code generation;
+- ``lowering``: Inductor's lowering of the graph to its IR;
+- ``codegen``: Inductor's scheduling, fusion and code generation (``GraphLowering.codegen``);
 - ``c++ wait``: waiting for the C++ compiler (the kernels compile on Inductor's worker processes);
-- ``inductor other``: the rest of ``_compile_fx_inner`` (post-grad passes, scheduling, its cache);
+- ``inductor other``: the rest of ``_compile_fx_inner`` (post-grad passes, its cache, loading the module);
 - ``compile_fx other``: the rest of ``compile_fx`` (AOT autograd's wrappers and cache, Inductor's joint-graph
   passes);
 - ``eager step``: the DP step's first step, which runs the rewritten graph op by op and the optimizer eagerly
@@ -22,10 +23,12 @@ the work, each phase counting its own time only (a phase called inside another i
   background thread, started when the step is built);
 - ``rest``: the first call's remainder (Python around the phases, running the program once).
 
-``kernels`` counts the C++ kernels Inductor compiled in the call (its wrapper compiles a kernel once per distinct
-source). One process per model with an empty Inductor cache (``--scratch``), as on the page; in it
-``backward_compile``'s first call runs first, untimed, so that the compiler's one-time work (its check of the
-CPU's vector instructions, its worker pool, imports) is not charged to the first measured method.
+``kernels`` counts the C++ kernels the call's generated code loads (Inductor's wrapper creates one per distinct
+kernel source; one that an earlier method of the process compiled comes from the cache). One process per model
+with an empty Inductor cache (``--scratch``); in it ``backward_compile``'s first call runs first, untimed, so that
+the compiler's one-time work (its check of the CPU's vector instructions, its worker pool, imports) is not
+charged to the first measured method. The page's first calls follow all the other methods of their model, so
+their seconds differ from these.
 """
 
 from __future__ import annotations
@@ -52,12 +55,21 @@ class PhaseTimer:
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
         self._stack: list[list[float]] = []  # per open phase: [seconds of timed calls inside it]
         self._inclusive_depth = 0
         self.kernels = 0
+        self._originals: list[tuple[object, str, object]] = []
+
+    def restore(self) -> None:
+        """Put every wrapped function back."""
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+        self._originals.clear()
 
     def wrap(self, owner, name: str, phase: str, inclusive: bool = False) -> None:
         original = getattr(owner, name)
+        self._originals.append((owner, name, original))
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
@@ -73,6 +85,7 @@ class PhaseTimer:
                 self._inclusive_depth -= inclusive
                 inner = self._stack.pop()[0]
                 self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed - inner
+                self.calls[phase] = self.calls.get(phase, 0) + 1
                 if self._stack:
                     self._stack[-1][0] += elapsed
 
@@ -80,6 +93,7 @@ class PhaseTimer:
 
     def count_kernels(self, owner, name: str) -> None:
         original = getattr(owner, name)
+        self._originals.append((owner, name, original))
 
         @functools.wraps(original)
         def counted(*args, **kwargs):
@@ -90,8 +104,8 @@ class PhaseTimer:
 
 
 def install(timer: PhaseTimer) -> None:
+    """Wrap the functions of the phases where their callers look them up (``timer.restore()`` undoes it)."""
     import torch._dynamo.convert_frame as convert_frame
-    import torch._functorch._aot_autograd.graph_compile as graph_compile
     import torch._functorch.aot_autograd as aot_autograd
     import torch._inductor.async_compile as async_compile
     import torch._inductor.compile_fx as compile_fx
@@ -110,7 +124,7 @@ def install(timer: PhaseTimer) -> None:
     timer.wrap(convert_frame, "_compile", "dynamo")
     timer.wrap(compile_fx, "compile_fx", "compile_fx other")  # the run-time imports of compile_fx find this one
     timer.wrap(aot_autograd, "create_aot_state", "aot trace")
-    timer.wrap(graph_compile, "aot_stage1_graph_capture", "aot trace")
+    timer.wrap(aot_autograd, "aot_stage1_graph_capture", "aot trace")  # imported by name into aot_autograd
     timer.wrap(compile_fx, "_compile_fx_inner", "inductor other")  # compile_fx_inner is bound as a default
     timer.wrap(native_noise, "available", "noise wait")
     timer.wrap(inductor_graph.GraphLowering, "run", "lowering")
@@ -129,7 +143,7 @@ def worker(model: str, batch: int, methods: list[str]) -> list[dict]:
     args = wl.batch(batch)
     METHODS["backward_compile"].setup(wl).run(*args)  # the compiler's one-time work, untimed
     timer = PhaseTimer()
-    install(timer)
+    install(timer)  # the worker process ends after its rows
     rows = []
     for key in methods:
         timer.seconds.clear()

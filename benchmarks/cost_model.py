@@ -1,5 +1,5 @@
 """``python -m benchmarks.cost_model [--quick] [--backend eager|inductor] [--quantity sq_norm|clip_sq_norm]
-[--model NAME --batch B [--set seq=32]]``: does the cost model pick the faster way?
+[--model NAME --batch B [--set seq=32] [--step]]``: does the cost model pick the faster way?
 
 For each shape of a Linear layer over a sequence (``x [n, t, i] -> [n, t, o]``, index letters n batch, t tokens,
 i in, o out), the per-sample squared norms (``psg.norms()``) can come from the ``ghost`` strategy
@@ -93,8 +93,8 @@ def measure_model(model_name: str, batch: int, repeats: int, overrides: dict | N
         calls[plan]()
         faults[plan] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     times = _interleaved_ms(calls, repeats)
-    what = "compile_step's DP step" if step else "psg.clip_sum"
-    print(f"{model_name} {overrides or ''}, B={batch}: {what}, Inductor, median of {repeats} interleaved calls")
+    what = "compile_step's DP step (Inductor; sgd_step eager)" if step else "psg.clip_sum, Inductor"
+    print(f"{model_name} {overrides or ''}, B={batch}: {what}, median of {repeats} interleaved calls")
     ratios = " x plain (time, memory)" if step else ""
     print(f"{'plan':>22} {'ms':>9} {'peak MiB':>9} {'page faults/call':>17}{ratios}")
     for plan in plans:

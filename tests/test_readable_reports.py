@@ -118,3 +118,17 @@ def test_explain_of_a_dp_step_with_a_refused_loss_carries_the_report():
     with pytest.raises(psg.SampleMixingError) as info:
         psg.explain(step, torch.randn(5, 4))
     assert "BatchNorm1d" in str(info.value.report)
+
+
+def test_explain_refuses_what_the_step_refuses_an_empty_batch_and_autocast():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = psg.compile_step(lambda x: model(x).sum(), model, opt, max_grad_norm=1.0, noise_multiplier=0.0,
+                            backend="eager")
+    fn = psg.per_sample(model, backend="eager")(lambda x: model(x).sum())
+    for target in (step, fn):
+        with pytest.raises(psg.BatchInputError, match="empty batch"):
+            psg.explain(target, torch.randn(0, 3))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(psg.DPConfigError, match="autocast"):
+        psg.explain(step, torch.randn(4, 3))
+    assert step.captures == 0  # neither refusal captured anything
