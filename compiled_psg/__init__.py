@@ -6,6 +6,8 @@ its per-sample form with rules keyed by ATen op, fuse the requested reduction, c
 
 import logging
 
+from ._compat import warn_outside_window as _warn_outside_window
+
 from ._api import PerSampleFunction as PerSampleFunction
 from ._api import per_sample as per_sample
 from ._api import per_sample_grad as per_sample_grad
@@ -43,3 +45,4 @@ from ._train.step import compile_step as compile_step
 __version__ = "0.1.0"
 
 logging.getLogger("compiled_psg").addHandler(logging.NullHandler())
+_warn_outside_window()

@@ -87,14 +87,14 @@ def _membership_compares_sizes():
 
     before = dynamo_utils.iter_contains
 
-    def iter_contains(items, search, tx, check_tensor_identity=False):
+    def iter_contains(items, search, tx, *rest, **options):  # 2.13 has a fourth argument, 2.14 has not
         items = list(items)
         if search.is_python_constant() and any(isinstance(x, SymNodeVariable) for x in items):
             value = search.as_python_constant()
             return ConstantVariable.create(any(
                 guard_bool(x.sym_num == value) if isinstance(x, SymNodeVariable)
                 else x.is_python_constant() and x.as_python_constant() == value for x in items))
-        return before(items, search, tx, check_tensor_identity)
+        return before(items, search, tx, *rest, **options)
 
     dynamo_utils.iter_contains = dynamo_lists.iter_contains = iter_contains
     try:

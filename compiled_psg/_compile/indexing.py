@@ -31,9 +31,11 @@ from collections.abc import Iterator
 
 import sympy
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.sizevars import SizeVarAllocator
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+from .._compat import as_pass_config, configured_passes
 
 _lock = threading.Lock()
 _depth = 0  # contexts open in all threads: the method is swapped while > 0
@@ -60,7 +62,7 @@ def simplified_indexing() -> Iterator[None]:
     """Inductor simplifies index expressions with the rules above while this is entered (re-entrant), and keys
     its FX graph cache by them (after any post-grad passes already configured)."""
     global _depth, _inductor_simplify
-    passes = get_custom_graph_passes(torch._inductor.config.post_grad_custom_post_pass)
+    passes = configured_passes(torch._inductor.config.post_grad_custom_post_pass)
     if RULES_IN_CACHE_KEY not in passes:
         passes = (*passes, RULES_IN_CACHE_KEY)
     with _lock:
@@ -70,7 +72,7 @@ def simplified_indexing() -> Iterator[None]:
         _depth += 1
     _active.depth = getattr(_active, "depth", 0) + 1
     try:
-        with torch._inductor.config.patch(post_grad_custom_post_pass=passes):
+        with torch._inductor.config.patch(post_grad_custom_post_pass=as_pass_config(passes)):
             yield
     finally:
         _active.depth -= 1

@@ -1,0 +1,509 @@
+"""``python -m benchmarks.scale``: the DP step at the scale people train (``benchmarks.scale_models``), against
+the plain step (eager and ``torch.compile``d), Opacus ghost clipping and ``torch.compile(vmap(grad))`` + clip.
+
+    python -m benchmarks.scale --device cpu --out runs/scale                 # scaled configs, one process each
+    python -m benchmarks.scale --device cuda --out DIR --parallel --profile gpt2 --budget 420
+
+One process per model. In each: every method is set up and called until compiled (its first call is timed:
+the cold compile when the Inductor cache is empty), then the methods are timed side by side
+(``measure.interleaved_times``: rounds, the order rotated, at least ``--reps`` timed calls each after warm-up;
+the median is reported), then each method's peak memory over one step on top of what the process holds
+(``measure.Device.peak_bytes``). ``--parallel`` (GPU) runs the model processes at once for their compiles,
+which are CPU work, and lets one at a time time its methods (a lock file): the GPU is timed alone, the host
+shares its cores with the other models' compiles. ``--profile M`` adds a ``torch.profiler`` kernel table of the
+DP step and the compiled plain step of model M; ``TORCH_LOGS=output_code`` there gives Inductor's code.
+
+Every DP step clips to 1.0, adds noise of multiplier 1.0, divides by the batch size and steps SGD (lr 0.01),
+over the parameters that require a gradient. Writes ``DIR/MODEL.jsonl`` (one record per method) and, with
+``--report``, prints the targets table of issue 30 from the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fcntl
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .measure import Device, Plan, environment, interleaved_times, short_error
+from .scale_models import SCALE_MODELS, build_scale_model
+
+MAX_NORM, NOISE_MULTIPLIER, LR = 1.0, 1.0, 0.01
+METHOD_LABELS = {  # set up in this order: past the deadline the last ones are skipped
+    "plain": "plain SGD step, eager",
+    "psg": "compiled_psg compile_step DP step",
+    "plain_compile": "plain SGD step, torch.compile",
+    "opacus_ghost": "Opacus 1.6 DP step, ghost clipping",
+    "vmap_dp": "torch.compile(vmap(grad)) + clip DP step",
+}
+DP_METHODS = ("psg", "opacus_ghost", "vmap_dp")
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def plain(model, criterion):
+    opt = torch.optim.SGD([p for _, p in _trainable(model)], lr=LR)
+
+    def run(x, y):
+        opt.zero_grad(set_to_none=True)
+        criterion(model(x), y).backward()
+        opt.step()
+
+    return run
+
+
+def plain_compile(model, criterion):
+    """forward + loss under ``torch.compile`` (static shapes; its backward compiled with it) and the optimizer's
+    step under its own ``torch.compile``: PyTorch's compiled-optimizer recipe."""
+    opt = torch.optim.SGD([p for _, p in _trainable(model)], lr=LR)
+    loss = torch.compile(lambda x, y: criterion(model(x), y), dynamic=False)
+    step = torch.compile(opt.step, dynamic=False)
+
+    def run(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss(x, y).backward()
+        step()
+
+    return run
+
+
+def psg(model, criterion):
+    import compiled_psg as psg_lib
+
+    opt = torch.optim.SGD([p for _, p in _trainable(model)], lr=LR)
+    return psg_lib.compile_step(lambda x, y: criterion(model(x), y), model, opt, max_grad_norm=MAX_NORM,
+                                noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=None)
+
+
+def opacus_ghost(model, criterion, batch):
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    opt = torch.optim.SGD([p for _, p in _trainable(model)], lr=LR)
+    loader = DataLoader(TensorDataset(*[t.cpu() for t in batch]), batch_size=len(batch[0]))
+    dp_model, dp_opt, dp_criterion, _ = PrivacyEngine().make_private(
+        module=model, optimizer=opt, criterion=copy.deepcopy(criterion), data_loader=loader,
+        noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_NORM, poisson_sampling=False,
+        grad_sample_mode="ghost")
+
+    def run(x, y):
+        dp_opt.zero_grad(set_to_none=True)
+        dp_criterion(dp_model(x), y).backward()
+        dp_opt.step()
+
+    return run
+
+
+def vmap_dp(model, criterion):
+    """``torch.compile(vmap(grad))`` of the loss of one sample, clip and sum in the same compiled function,
+    then noise, ``p.grad`` and the optimizer's step (the torch.func recipe; one compile per batch size)."""
+    from torch.func import functional_call, grad, vmap
+
+    named = _trainable(model)
+    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def loss_one(trained, x, y):
+        out = functional_call(model, ({**trained, **frozen}, buffers), (x.unsqueeze(0),))
+        return criterion(out, y.unsqueeze(0))
+
+    per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")
+
+    def clipped_sum(trained, x, y):
+        grads = per_sample(trained, x, y)
+        norms = torch.stack([g.float().flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+        factors = (MAX_NORM / (norms + 1e-6)).clamp(max=1.0)
+        return {n: torch.einsum("b,b...->...", factors, g.float()) for n, g in grads.items()}
+
+    compiled = torch.compile(clipped_sum, fullgraph=True)
+    opt = torch.optim.SGD([p for _, p in named], lr=LR)
+
+    def run(x, y):
+        sums = compiled({n: p.detach() for n, p in named}, x, y)
+        for n, p in named:
+            p.grad = ((sums[n] + NOISE_MULTIPLIER * MAX_NORM * torch.randn_like(sums[n])) / x.shape[0]).to(p.dtype)
+        opt.step()
+
+    return run
+
+
+def _setup(method: str, model, criterion, batch) -> Callable:
+    model = copy.deepcopy(model)
+    if method == "opacus_ghost":
+        return opacus_ghost(model, criterion, batch)
+    return {"plain": plain, "plain_compile": plain_compile, "psg": psg, "vmap_dp": vmap_dp}[method](model, criterion)
+
+
+# -- one model's process ---------------------------------------------------------------------------
+
+
+class _PastDeadline(BaseException):
+    """Raised by SIGALRM in a set-up or warm-up still running at the deadline (a BaseException, so that no
+    ``except Exception`` inside torch swallows it)."""
+
+
+def _past_deadline(signum, frame):
+    raise _PastDeadline("not measured: its set-up and compile ran past the deadline")
+
+
+class _Turn:
+    """One model process at a time holds the GPU for timing (a lock file); without ``--parallel`` a no-op."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.handle = path, None
+
+    def __enter__(self):
+        if self.path is not None:
+            self.handle = open(self.path, "a")
+            fcntl.flock(self.handle, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            fcntl.flock(self.handle, fcntl.LOCK_UN)
+            self.handle.close()
+
+
+def worker(name: str, methods: list[str], device: str, out: Path, reps: int, deadline: float, warm_calls: int,
+           lock: Path | None, barrier: tuple[Path, int, float] | None, profile: bool, tiny: bool = False) -> None:
+    for noise in ("Full backward hook is firing", "Secure RNG turned off", "Using a non-full backward hook",
+                  "Optimal order"):
+        warnings.filterwarnings("ignore", message=noise)
+    signal.signal(signal.SIGALRM, _past_deadline)
+    dev = Device(torch.device(device))
+    scaled = dev.device.type == "cpu"
+    spec = SCALE_MODELS[name]
+    record_path = out / f"{name}.jsonl"
+
+    def emit(obj: dict) -> None:
+        with open(record_path, "a") as f:
+            f.write(json.dumps(obj) + "\n")
+
+    def log(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    model, make_batch, criterion = build_scale_model(name, scaled, dev.device, tiny)
+    batch_size = 4 if tiny else spec.cpu_batch if scaled else spec.gpu_batch
+    batch = tuple(t.to(dev.device) for t in make_batch(batch_size, torch.Generator().manual_seed(0)))
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for _, p in _trainable(model))
+    emit({"model": name, "label": spec.label, "config": spec.config(scaled, tiny), "batch": batch_size, "tiny": tiny,
+          "params": total, "trained_params": trained, "dtype": str(next(model.parameters()).dtype),
+          "environment": environment(dev)})
+    log(f"{total / 1e6:.1f}M parameters ({trained / 1e6:.2f}M trained), B={batch_size}")
+
+    runs, records = {}, {}
+    for method in methods:
+        rec = records[method] = {"model": name, "method": method}
+        if time.time() > deadline:
+            rec["error"] = "not measured: out of time before its set-up"
+            continue
+        try:
+            dev.release()
+            signal.alarm(max(1, int(deadline - time.time())))  # a compile still running at the deadline stops
+            start = time.perf_counter()
+            run = _setup(method, model, criterion, batch)
+            rec["setup_s"] = round(time.perf_counter() - start, 3)
+            first, _ = dev.timed(run, batch)
+            rec["first_call_s"] = round(first, 3)
+            for _ in range(warm_calls):
+                dev.timed(run, batch)
+            signal.alarm(0)
+            runs[method] = run
+            log(f"{method}: first call {first:.1f} s")
+        except BaseException as e:
+            signal.alarm(0)
+            if not isinstance(e, Exception | _PastDeadline):
+                raise
+            rec["error"] = short_error(e)
+            log(f"{method} failed: {traceback.format_exc(limit=-6)}")
+            dev.release()
+    for rec in records.values():  # first calls now; the timed record replaces it (``load`` keeps the last)
+        emit(rec)
+    if barrier is not None:  # wait for the other models' compiles to end (or for the deadline)
+        folder, count, until = barrier
+        (folder / f"compiled_{name}").touch()
+        while len(list(folder.glob("compiled_*"))) < count and time.time() < until:
+            time.sleep(1)
+    with _Turn(lock):
+        log("timing")
+        plan = Plan(sizes=(batch_size,), sequence=(), check_size=batch_size, warmup=0, reps=reps, min_seconds=0.0,
+                    max_reps=reps)
+        times, errors = interleaved_times({m: (lambda r=r: r(*batch)) for m, r in runs.items()}, plan, dev)
+        for method, run in runs.items():
+            rec = records[method]
+            if method in errors:
+                rec["error"] = short_error(errors[method])
+                continue
+            rec["times_s"] = [round(t, 6) for t in times[method]]
+            rec["median_s"] = statistics.median(times[method])
+            try:
+                rec["peak_extra_bytes"] = dev.peak_bytes(run, batch)
+                if dev.cuda:
+                    rec["peak_total_bytes"] = dev.last_total
+            except Exception as e:
+                rec["peak_error"] = short_error(e)
+                dev.release()
+        if profile:
+            _profile(name, {m: runs[m] for m in ("psg", "plain_compile", "plain") if m in runs}, batch, out, dev)
+    for rec in records.values():
+        emit(rec)
+    log("done")
+
+
+def _profile(name: str, runs: dict, batch: tuple, out: Path, dev: Device, steps: int = 5) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    tables, kernels = [f"{dev.name()}, torch {torch.__version__}, {name}"], {}
+    for method, run in runs.items():
+        dev.sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                run(*batch)
+            dev.sync()
+        averages = prof.key_averages()
+        rows = []
+        for ev in averages:
+            us = getattr(ev, "self_device_time_total", 0) or 0
+            if us and ev.device_type == torch.autograd.DeviceType.CUDA:
+                rows.append({"name": ev.key, "launches_per_step": ev.count / steps, "us_per_step": us / steps})
+        kernels[method] = sorted(rows, key=lambda r: -r["us_per_step"])
+        try:
+            table = averages.table(sort_by="self_cuda_time_total", row_limit=50, max_name_column_width=100)
+        except Exception as e:
+            table = f"(table: {e})"
+        tables += [f"\n===== {method} ({steps} steps) =====", table]
+    (out / f"profile_{name}.txt").write_text("\n".join(tables))
+    (out / f"kernels_{name}.json").write_text(json.dumps({"device": dev.name(), "torch": torch.__version__,
+                                                          "steps": kernels}, indent=1))
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--models", nargs="+", default=None)
+    ap.add_argument("--methods", nargs="+", default=list(METHOD_LABELS))
+    ap.add_argument("--out", type=Path, default=Path("runs/scale"))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warm-calls", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=3600.0, help="seconds: no method is set up past it")
+    ap.add_argument("--parallel", action="store_true", help="compile the models at once, time them one by one")
+    ap.add_argument("--profile", default=None, help="a model whose kernels to profile")
+    ap.add_argument("--output-code", action="store_true", help="TORCH_LOGS=output_code for the profiled model")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny configs: checks the harness, gives no figures")
+    ap.add_argument("--report", action="store_true", help="print the tables of the records in --out")
+    ap.add_argument("--save", type=Path, default=None, help="with --report: also write --out's records to one JSON")
+    ap.add_argument("--page", type=Path, default=None, help="write the benchmarks page from the saved JSONs")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--barrier", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.page:
+        args.page.write_text(page())
+        return
+    if args.report:
+        if args.save:
+            save(load(args.out), args.save)
+        print(report(args.out))
+        return
+    if args.worker:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        worker(args.worker, args.methods, args.device, args.out, args.reps, args.deadline, args.warm_calls,
+               args.out / "gpu.lock" if args.parallel else None,
+               (args.out, args.count, args.barrier) if args.parallel else None, args.profile == args.worker,
+               args.tiny)
+        return
+    scaled = args.device == "cpu"
+    models = args.models or [m for m, s in SCALE_MODELS.items() if not scaled or args.tiny or s.cpu is not None]
+    args.out.mkdir(parents=True, exist_ok=True)
+    for stale in [*args.out.glob("compiled_*"), *(args.out / f"{m}.jsonl" for m in models)]:
+        stale.unlink(missing_ok=True)
+    start = time.time()
+    deadline = start + args.budget
+    common = [sys.executable, "-m", "benchmarks.scale", "--device", args.device, "--out", str(args.out),
+              "--reps", str(args.reps), "--warm-calls", str(args.warm_calls), "--methods", *args.methods,
+              "--deadline", str(deadline)]
+    if args.threads:
+        common += ["--threads", str(args.threads)]
+    if args.tiny:
+        common += ["--tiny"]
+    if args.profile:
+        common += ["--profile", args.profile]
+    procs = []
+    for model in models:
+        cmd = common + ["--worker", model]
+        env = dict(os.environ)
+        if args.output_code and model == args.profile:
+            env["TORCH_LOGS"] = "output_code"
+        if args.parallel:
+            cmd += ["--parallel", "--count", str(len(models)), "--barrier", str(deadline)]
+            log = open(args.out / f"stderr_{model}.txt", "w")
+            procs.append((model, subprocess.Popen(cmd, env=env, stderr=log), log))
+        else:
+            with open(args.out / f"stderr_{model}.txt", "w") as log:
+                rc = subprocess.run(cmd, env=env, stderr=log, timeout=max(60.0, deadline - time.time() + 600)).returncode
+            print(f"{model}: rc={rc} after {time.time() - start:.0f} s", flush=True)
+    for model, proc, log in procs:
+        rc = proc.wait()
+        log.close()
+        print(f"{model}: rc={rc} after {time.time() - start:.0f} s", flush=True)
+    print(report(args.out))
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+TARGETS = {"time": 1.15, "memory": {"cpu": 1.25, "cuda": 1.15}, "opacus": 0.5}
+
+
+def load(source: Path) -> dict[str, dict]:
+    """The records of a run folder (``MODEL.jsonl``, a later record of a method replacing an earlier one) or
+    of a saved JSON (``--save``): ``{model: {"head": ..., "methods": {method: record}}}``."""
+    if source.is_file():
+        lines = [json.dumps(r) for r in json.loads(source.read_text())]
+    else:
+        lines = [ln for path in sorted(source.glob("*.jsonl")) for ln in path.read_text().splitlines()]
+    models: dict[str, dict] = {}
+    for line in lines:
+        rec = json.loads(line)
+        entry = models.setdefault(rec["model"], {"head": None, "methods": {}})
+        if "method" in rec:
+            entry["methods"][rec["method"]] = rec
+        else:
+            entry["head"] = rec
+    return {name: entry for name, entry in models.items() if entry["head"] is not None}
+
+
+def save(models: dict[str, dict], path: Path) -> None:
+    records = [r for e in models.values() for r in (e["head"], *e["methods"].values())]
+    path.write_text(json.dumps(records, indent=1) + "\n")
+
+
+def _ms(rec: dict | None) -> str:
+    if not rec or "median_s" not in rec:
+        return (rec or {}).get("error", "not run").replace("|", "/")[:70]
+    return f"{rec['median_s'] * 1e3:.1f}"
+
+
+def _mib(rec: dict | None, key: str = "peak_extra_bytes") -> str:
+    value = (rec or {}).get(key)
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _verdict(value: float | None, limit: float, strict: bool = False) -> str:
+    if value is None:
+        return "not measured"
+    ok = value < limit if strict else value <= limit
+    return f"{'PASS' if ok else 'FAIL'} ({value:.2f})"
+
+
+def ratios(methods: dict) -> dict:
+    """The DP step against the faster plain step (time), against the plain step of lower peak (memory: the
+    extra memory of one step, and the whole allocation at the peak on CUDA), and against the peers."""
+    plains = [methods[k] for k in ("plain", "plain_compile") if "median_s" in methods.get(k, {})]
+    dp = methods.get("psg", {})
+    found: dict = {"time": None, "memory": None, "memory_total": None, "opacus_ghost": None, "vmap_dp": None}
+    if not plains or "median_s" not in dp:
+        return found
+    found["time"] = dp["median_s"] / min(r["median_s"] for r in plains)
+    for key, out in (("peak_extra_bytes", "memory"), ("peak_total_bytes", "memory_total")):
+        peaks = [r[key] for r in plains if r.get(key)]
+        if peaks and dp.get(key):
+            found[out] = dp[key] / min(peaks)
+    for peer in ("opacus_ghost", "vmap_dp"):
+        if "median_s" in methods.get(peer, {}):
+            found[peer] = dp["median_s"] / methods[peer]["median_s"]
+    return found
+
+
+def report(source: Path) -> str:
+    models = load(source)
+    if not models:
+        return f"no records in {source}"
+    env = next(iter(models.values()))["head"]["environment"]
+    kind = "cuda" if env.get("device", "").startswith("cuda") else "cpu"
+    lines = [f"Device: {env.get('device_name', '?')}; torch {env.get('torch', '?')}, {env.get('threads')} threads.",
+             "",
+             "| model | B | parameters (trained) | " + " | ".join(METHOD_LABELS[m] + ", ms" for m in METHOD_LABELS)
+             + " |", "|---|---|---|" + "---|" * len(METHOD_LABELS)]
+    memory = ["| model | peak extra MiB: plain eager / plain compiled / DP step / Opacus / vmap | "
+              "whole allocation at the peak, MiB: plain eager / compiled / DP | "
+              "first call s: plain compiled / DP step / vmap |", "|---|---|---|---|"]
+    targets = [f"| model | B | DP / faster plain time <= {TARGETS['time']} | DP / plain peak extra memory <= "
+               f"{TARGETS['memory'][kind]} | the same, whole allocation | DP / Opacus ghost time < "
+               f"{TARGETS['opacus']} | DP / compiled vmap time |", "|---|---|---|---|---|---|---|"]
+    for name, entry in models.items():
+        head, m = entry["head"], entry["methods"]
+        lines.append(f"| {name} | {head['batch']} | {head['params'] / 1e6:.1f}M ({head['trained_params'] / 1e6:.2f}M) | "
+                     + " | ".join(_ms(m.get(k)) for k in METHOD_LABELS) + " |")
+        memory.append(f"| {name} | " + " / ".join(_mib(m.get(k)) for k in ("plain", "plain_compile", "psg",
+                                                                          "opacus_ghost", "vmap_dp"))
+                      + " | " + " / ".join(_mib(m.get(k), "peak_total_bytes") for k in ("plain", "plain_compile", "psg"))
+                      + " | " + " / ".join(str(m.get(k, {}).get("first_call_s", "-"))
+                                           for k in ("plain_compile", "psg", "vmap_dp")) + " |")
+        r = ratios(m)
+        targets.append(f"| {name} | {head['batch']} | {_verdict(r['time'], TARGETS['time'])} | "
+                       f"{_verdict(r['memory'], TARGETS['memory'][kind])} | "
+                       f"{_verdict(r['memory_total'], TARGETS['memory'][kind])} | "
+                       f"{_verdict(r['opacus_ghost'], TARGETS['opacus'], strict=True)} | "
+                       f"{'-' if r['vmap_dp'] is None else format(r['vmap_dp'], '.2f')} |")
+    return "\n".join(lines + ["", *memory, "", *targets])
+
+
+PAGE_SOURCES = (("GPU, full configs", "benchmarks-scale-gpu.json",
+                 "bash benchmarks/gpu_scale.sh 450 270` (which runs `python -m benchmarks.scale --device cuda --parallel "
+                 "--profile gpt2 --output-code --budget 270`); llama_lora from a second call on the same machine, "
+                 "`python -m benchmarks.scale --device cuda --models llama_lora --methods plain plain_compile psg "
+                 "opacus_ghost --budget 280"),
+                ("CPU, scaled configs", "benchmarks-scale-cpu.json",
+                 "python -m benchmarks.scale --device cpu --threads 2 --out DIR"))
+
+
+def page(docs: Path = Path(__file__).resolve().parent.parent / "docs") -> str:
+    """docs/benchmarks-scale.md: the tables of the saved runs, then ``scale_notes.md`` (the measured causes)."""
+    parts = ["# The DP step at scale", "",
+             "Generated by `python -m benchmarks.scale --page docs/benchmarks-scale.md` from the saved records "
+             "beside it; every number comes from the command named in its section. Models: "
+             "`benchmarks/scale_models.py`. Each model runs in its own process; the methods of a model are timed "
+             "side by side, in rounds whose order rotates (median of 7 timed calls after 3 warm-up calls, each "
+             "call between two device synchronizations). Peak extra memory: the most memory one step allocates on "
+             "top of what the process holds before it (CUDA: `torch.cuda.max_memory_allocated`; CPU: the peak "
+             "resident set); the whole allocation adds the model, optimizer and inputs. First call: the method's "
+             "first step, compile included (GPU: five model processes compiling at once, so these are upper "
+             "bounds). Targets (issue 30): DP step time over the faster plain step; DP step peak over the plain "
+             "step of lower peak; DP step time over Opacus ghost clipping's.", ""]
+    for title, name, command in PAGE_SOURCES:
+        path = docs / name
+        parts += [f"## {title}", ""]
+        if not path.exists():
+            parts += ["Not measured yet.", ""]
+            continue
+        parts += [f"Command: `{command}`. Records: [{name}]({name}).", "", report(path), ""]
+    notes = Path(__file__).with_name("scale_notes.md")
+    if notes.exists():
+        parts += [notes.read_text().rstrip(), ""]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    main()

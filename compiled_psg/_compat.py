@@ -1,0 +1,63 @@
+"""Where the supported torch versions differ, in one place.
+
+compiled_psg is tested on torch 2.11 to 2.15 (``TESTED``). Every difference between those versions that the
+package meets (a changed signature, a list that used to be one value, a new trace of the same Python) is a
+function here, named for what it does, with the versions it distinguishes; no other module tests
+``torch.__version__``. Outside the window, importing compiled_psg warns once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+TESTED = ((2, 11), (2, 15))  # inclusive: the minor versions CI or a recorded run covered
+
+
+def torch_minor() -> tuple[int, int]:
+    """torch's (major, minor), from ``torch.__version__`` ("2.14.1+cu130" -> (2, 14))."""
+    major, minor = str(torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def warn_outside_window() -> None:
+    low, high = TESTED
+    if not low <= torch_minor() <= high:
+        warnings.warn(f"compiled_psg is tested on torch {low[0]}.{low[1]} to {high[0]}.{high[1]}; this is torch "
+                      f"{torch.__version__}. Capture relies on torch internals that change between releases: "
+                      "errors or refusals may be this version's, not your code's.", stacklevel=3)
+
+
+def as_pass_config(passes: tuple):
+    """The value for ``torch._inductor.config.post_grad_custom_post_pass`` that runs ``passes`` in order.
+    torch 2.13+ takes a list; 2.11 and 2.12 take one pass, so several are chained into one whose ``uuid`` (the
+    FX graph cache's key) names them all."""
+    if torch_minor() >= (2, 13) or len(passes) <= 1:
+        return passes if torch_minor() >= (2, 13) else (passes[0] if passes else None)
+    return _Chain(passes)
+
+
+def configured_passes(value) -> tuple:
+    """The passes in ``post_grad_custom_post_pass``: a list on 2.13+, one pass (or a ``_Chain``) on 2.11/2.12."""
+    if value is None:
+        return ()
+    if isinstance(value, _Chain):
+        return value.passes
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+class _Chain(CustomGraphPass):
+    """Several post-grad passes as one (torch 2.11/2.12 hold one); a ``CustomGraphPass``, as Inductor's FX
+    graph cache requires of a post-grad pass."""
+
+    def __init__(self, passes: tuple):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self):
+        return tuple(p.uuid() if hasattr(p, "uuid") else repr(p) for p in self.passes)
