@@ -1,10 +1,10 @@
 """``python -m benchmarks.heap --model transformer --batch 256``: the DP step with and without the kept heap.
 
-compiled_psg keeps freed memory in glibc's heap (``compiled_psg/_compile/heap.py``), so a program's buffers are
-recycled between calls instead of faulted in fresh. This runs one worker process per setting (the setting is
-per process: ``COMPILED_PSG_RETAIN_FREED_MEMORY=0`` leaves the heap as it is), and in each the plain SGD step
-(eager and ``torch.compile``) and ``compile_step``'s DP step, timed in interleaved rounds (medians of
-``--repeats``), with the minor page faults of one call and its peak memory.
+``compiled_psg.retain_freed_memory()`` keeps freed memory in glibc's heap (``compiled_psg/_compile/heap.py``), so a
+program's buffers are recycled between calls instead of faulted in fresh. This runs one worker process per setting
+(the setting is per process: ``COMPILED_PSG_RETAIN_FREED_MEMORY=1`` asks for it, ``0`` leaves the heap as it is),
+and in each the plain SGD step (eager and ``torch.compile``) and ``compile_step``'s DP step, timed in interleaved
+rounds (medians of ``--repeats``), with the minor page faults of one call and its peak memory.
 """
 
 from __future__ import annotations

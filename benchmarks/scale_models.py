@@ -7,7 +7,9 @@
 | ``llama_lora`` | Llama-3.2-1B-shaped, 1.2B, LoRA r = 16 on attention and MLP, bfloat16, T = 512 | GPU only |
 | ``vit`` | ViT-B/16 at 224 x 224, 86M | 6 layers of width 384 |
 | ``resnet50_gn`` | ResNet-50 with GroupNorm(32), 224 x 224, 25.5M | width 48 at 96 x 96 |
-| ``bert_last`` | BERT-base classification, only the last encoder layer, pooler and classifier trained (Opacus' own benchmark), T = 128 | 4 layers of width 256 |
+| ``bert_last`` | BERT-base classification, T = 128, last layer, pooler, classifier trained | 4 layers, width 256 |
+
+``bert_last`` trains what Opacus' own BERT benchmark trains.
 
 Each entry gives ``(model, make_batch, criterion)`` like ``benchmarks.models``: ``model(x)`` returns logits (the
 Hugging Face models are wrapped in ``LogitsOf``) and frozen parameters have ``requires_grad=False``.

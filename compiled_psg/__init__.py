@@ -6,11 +6,11 @@ its per-sample form with rules keyed by ATen op, fuse the requested reduction, c
 
 import logging
 
-from ._compat import warn_outside_window as _warn_outside_window
-
 from ._api import PerSampleFunction as PerSampleFunction
 from ._api import per_sample as per_sample
 from ._api import per_sample_grad as per_sample_grad
+from ._compat import warn_outside_window as _warn_outside_window
+from ._compile.heap import retain_freed_memory as retain_freed_memory
 from ._errors import BatchInputError as BatchInputError
 from ._errors import CaptureError as CaptureError
 from ._errors import CompileError as CompileError

@@ -30,6 +30,13 @@ def warn_outside_window() -> None:
                       "errors or refusals may be this version's, not your code's.", stacklevel=3)
 
 
+def traces_batch_size_exponent() -> bool:
+    """``h ** x.shape[0]`` (a tensor to a symbolic integer power): torch 2.11 to 2.13 fail inside torch while
+    tracing (``NYI SymInt equality``, refused as a ``CaptureError``); 2.14 and later trace it, and the exponent
+    reads 1 per sample like any batch-size value (exact against the loop)."""
+    return torch_minor() >= (2, 14)
+
+
 def as_pass_config(passes: tuple):
     """The value for ``torch._inductor.config.post_grad_custom_post_pass`` that runs ``passes`` in order.
     torch 2.13+ takes a list; 2.11 and 2.12 take one pass, so several are chained into one whose ``uuid`` (the

@@ -114,3 +114,16 @@ def check_gaussian(noise: torch.Tensor, std: float, p_min: float) -> None:
     assert p_two_sided > p_min, (chi2, n, noise.std().item(), std)
     assert abs(noise.mean().item()) < 6 * std / math.sqrt(n)
     assert stats.kstest((noise / std).numpy(), "norm").pvalue > p_min
+
+
+def assert_numbers_close(got, want, rel: float) -> None:
+    """Nested lists or tuples of numbers (per-layer clip bounds: one tuple per step) equal in structure and
+    within ``rel``; ``pytest.approx`` takes no nested sequences from pytest 9.2 on."""
+    if isinstance(want, list | tuple):
+        assert isinstance(got, list | tuple) and len(got) == len(want), (got, want)
+        for g, w in zip(got, want, strict=True):
+            assert_numbers_close(g, w, rel)
+    elif want is None:
+        assert got is None, (got, want)
+    else:
+        assert math.isclose(got, want, rel_tol=rel, abs_tol=0.0), (got, want)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from reference import reference_per_sample
 
 import compiled_psg as psg
+from compiled_psg._compat import traces_batch_size_exponent
 from compiled_psg._errors import BatchInputError, CaptureError, SampleMixingError
 
 DTYPE = torch.float64
@@ -182,13 +183,22 @@ def test_tuple_loss_is_batch_input_error():
     _refuse(model, lambda x: (model(x).sum(), model(x)), BatchInputError, "must return a tensor", "got tuple")
 
 
-def test_batch_size_as_exponent_is_capture_error():
+def test_batch_size_as_exponent_per_torch_version():
+    """torch 2.11 to 2.13 cannot trace a symbolic exponent (refused, naming the cause); 2.14+ trace it, and each
+    sample's gradient is that of its loss alone, where the exponent is 1 (``_compat``)."""
     model = _mlp()
 
     def loss(x):
         return (model(x) ** x.shape[0]).sum()
 
-    _refuse(model, loss, CaptureError, "batch size as a number", "Fix:")
+    if not traces_batch_size_exponent():
+        _refuse(model, loss, CaptureError, "batch size as a number", "Fix:")
+        return
+    x = torch.randn(4, 4, dtype=DTYPE)
+    got = psg.per_sample(model, backend="eager")(loss)(x)
+    ref = reference_per_sample(loss, dict(model.named_parameters()), (x,))
+    for key, r in ref.items():
+        torch.testing.assert_close(got[key], r, rtol=1e-10, atol=1e-12)
 
 
 def test_batchnorm_cumulative_average_in_train_mode_is_sample_mixing():

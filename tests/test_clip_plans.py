@@ -89,28 +89,31 @@ def test_held_per_sample_gradients_are_priced(monkeypatch):
     assert _weight_plan(monkeypatch, strategies.FRESH_PAGE_FACTOR, 1) == "ghost"  # t = 1: nothing to materialize
 
 
-def test_the_heap_keeps_freed_memory_unless_opted_out(monkeypatch):
-    """glibc: after a CPU program runs, the heap never trims and never maps large blocks, so a large block freed
-    and allocated again is recycled, not faulted in fresh; the opt-out is read from the environment."""
+def test_the_heap_keeps_freed_memory_only_when_asked(monkeypatch):
+    """glibc: a CPU program leaves the heap as it is by default; opted in (the environment, read when the first
+    CPU program runs, or ``psg.retain_freed_memory()``), the heap never trims and never maps large blocks, so a
+    large block freed and allocated again is recycled, not faulted in fresh."""
     import ctypes
     import resource
 
     from compiled_psg._compile import heap
 
-    monkeypatch.setattr(heap, "_state", {})  # as before the first program: the environment decides
-    monkeypatch.setenv(heap.ENV, "0")
-    assert not heap.retains()
-    monkeypatch.delenv(heap.ENV)
+    monkeypatch.setattr(heap, "_state", {})  # as before the first program: nothing asked for
+    monkeypatch.delenv(heap.ENV, raising=False)
     if heap._mallopt() is None:
         pytest.skip("not glibc: the heap is left as it is")
-    assert heap.retains()
     calls = []
     mallopt = heap._mallopt()
     monkeypatch.setattr(heap, "_mallopt", lambda: lambda *a: calls.append(a) or mallopt(*a))
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
+    per_sample = psg.per_sample(lin, backend="eager", reduce=psg.norms())(lambda x: lin(x).sum())
+    per_sample(torch.randn(3, 4))
+    assert not heap.retains() and calls == []  # no process-wide setting by default
+    monkeypatch.setenv(heap.ENV, "1")
+    assert heap.retains()
     psg.per_sample(lin, backend="eager", reduce=psg.norms())(lambda x: lin(x).sum())(torch.randn(3, 4))
-    assert heap.retain_freed_memory()
+    assert psg.retain_freed_memory()
     # never trim (-1; a finite threshold gives back a freed block that leaves that much free at the heap's top),
     # never map (M_MMAP_MAX = 0): the parameter numbers of malloc.h
     assert sorted(calls) == [(-4, 0), (-1, -1)]

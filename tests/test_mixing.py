@@ -149,6 +149,12 @@ def take_flat(lin, x, y):
     return F.cross_entropy(h, y) + torch.take(h, torch.tensor([0, 5, 9])).sum()  # <take>
 
 
+def index_fill_shifted_positions(lin, x, y):
+    h = lin(x)
+    shifted = (torch.arange(x.shape[0]) + 1) % x.shape[0]
+    return F.cross_entropy(h.index_fill(0, shifted, 0.5), y)  # <index_fill_shift>
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -172,6 +178,7 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "batch_max_flows_back": (item_back, (), "item_max"),
     "masked_scatter_in_flat_order": (masked_scatter_rows, (), "masked_scatter"),
     "take_in_flat_order": (take_flat, (), "take"),
+    "index_fill_of_other_samples": (index_fill_shifted_positions, (), "index_fill_shift"),
 }
 
 
@@ -256,6 +263,12 @@ def masked_write(lin, x, y):
     return F.cross_entropy(lin(h), y)
 
 
+def index_fill_own_positions(lin, x, y):
+    """Each sample fills its own position along the batch (torch 2.15 traces ``masked_write``'s second line so)."""
+    h = lin(x)
+    return F.cross_entropy(h.index_fill(0, torch.arange(x.shape[0]), 0.5) + h, y)
+
+
 def batch_size_scalar(lin, x, y):
     return F.cross_entropy(lin(x), y, reduction="sum") / x.shape[0] + lin(x).sum() * (1.0 / x.shape[0])
 
@@ -275,6 +288,7 @@ ACCEPTED = {
     "cumsum_and_softmax_over_features": cumsum_features,
     "reshape_within_sample": reshape_per_sample,
     "masked_write": masked_write,
+    "index_fill_own_positions": index_fill_own_positions,
     "batch_size_as_scalar": batch_size_scalar,
     "batch_size_as_tensor": batch_size_tensor,
 }

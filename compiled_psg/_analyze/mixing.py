@@ -1059,11 +1059,28 @@ _SCATTERS = ops._overloads("scatter.src", "scatter.value", "scatter_add", "scatt
                            "index_copy", "index_fill.int_Scalar", "index_fill.int_Tensor")
 
 
+_INDEX_FILLS = ops._overloads("index_fill.int_Scalar", "index_fill.int_Tensor")
+
+
+def _fills_own_positions(an: Analysis, node: fx.Node, k: int) -> bool:
+    """``x.index_fill(k, arange(n), v)`` with ``k`` the batch dimension and ``v`` shared: every sample fills its
+    own position, as in a batch of its own (torch 2.15 traces ``h[torch.arange(n), j] = v`` so; earlier versions
+    trace it as ``index_put``). The same condition as ``index_select``'s."""
+    x, _, idx, value = node.args[:4]
+    fx_, fi = an.fact(x), an.fact(idx)
+    fv = an.fact(value) if isinstance(value, fx.Node) else SHARED
+    return (node.target in _INDEX_FILLS and isinstance(fx_, PerSample) and fx_.dim == k and fx_.layout == (1, 1)
+            and isinstance(fi, SampleIndex) and fi.stride == 1 and isinstance(fv, Shared))
+
+
 @_handles(_SCATTERS)
 def _scatter(an: Analysis, node: fx.Node) -> Fact:
-    """Writes along ``dim``: per sample when the batch is elsewhere and every operand holds it alike."""
+    """Writes along ``dim``: per sample when the batch is elsewhere and every operand holds it alike, or when an
+    ``index_fill`` fills each sample's own position (``_fills_own_positions``)."""
     x, dim = node.args[:2]
     k = _norm_dim(dim, _rank(x))
+    if _fills_own_positions(an, node, k):
+        return an.fact(x)
     facts = _tensor_facts(an, node)
     _no_sample_index(facts.values())
     fx_ = facts[x]

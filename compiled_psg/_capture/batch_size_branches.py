@@ -25,6 +25,8 @@ import sympy
 import torch
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
+from . import patches
+
 # The shape environment between a decision's maker and the evaluation.
 _MACHINERY = ("torch/fx/experimental/", "compiled_psg/_capture/batch_size_branches.py")
 # Dynamo interpreting the traced Python code: its branches, truth tests, ``assert``s and builtins on sizes.
@@ -49,11 +51,12 @@ _not_a_guard_source()
 
 
 @contextlib.contextmanager
-def watched(found: list[str]):
-    """While this thread traces, append to ``found`` each decision on the batch size that a batch of one would
-    make differently, outside tensor ops. Process-wide patch, restored on exit; other threads pass through."""
+def watched():
+    """While this thread traces, append to the list yielded each decision on the batch size that a batch of one
+    would make differently, outside tensor ops. Process-wide patch, restored on exit; other threads pass through."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    found: list[str] = []
     before = ShapeEnv.evaluate_expr
     owner = threading.get_ident()
 
@@ -68,15 +71,14 @@ def watched(found: list[str]):
         return value
 
     ShapeEnv.evaluate_expr = evaluate_expr
-    with _membership_compares_sizes():
-        try:
-            yield found
-        finally:
-            ShapeEnv.evaluate_expr = before
+    try:
+        yield found
+    finally:
+        ShapeEnv.evaluate_expr = before
 
 
 @contextlib.contextmanager
-def _membership_compares_sizes():
+def membership_compares_sizes():
     """Dynamo answers ``1 in x.shape`` by comparing the constant with the constant items only: False for a
     symbolic batch size, with no decision to watch (and wrong for a batch of one). Compare with the symbolic
     items too, through the shape environment, so that the decision is seen."""
@@ -86,10 +88,12 @@ def _membership_compares_sizes():
     from torch.fx.experimental.symbolic_shapes import guard_bool
 
     before = dynamo_utils.iter_contains
+    owner = threading.get_ident()
 
-    def iter_contains(items, search, tx, *rest, **options):  # 2.13 has a fourth argument, 2.14 has not
+    def iter_contains(items, search, tx, *rest, **options):  # 2.11 to 2.13 have a fourth argument, 2.14+ not
         items = list(items)
-        if search.is_python_constant() and any(isinstance(x, SymNodeVariable) for x in items):
+        if threading.get_ident() == owner and search.is_python_constant() and any(
+                isinstance(x, SymNodeVariable) for x in items):
             value = search.as_python_constant()
             return ConstantVariable.create(any(
                 guard_bool(x.sym_num == value) if isinstance(x, SymNodeVariable)
@@ -101,6 +105,37 @@ def _membership_compares_sizes():
         yield
     finally:
         dynamo_utils.iter_contains = dynamo_lists.iter_contains = before
+
+
+def _evaluate_expr():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return (ShapeEnv.evaluate_expr,)
+
+
+def _iter_contains():
+    import torch._dynamo.utils as dynamo_utils
+    import torch._dynamo.variables.lists as dynamo_lists
+
+    return dynamo_utils.iter_contains, dynamo_lists.iter_contains
+
+
+patches.register(patches.Patch(
+    "batch-size decisions", "torch.fx.experimental.symbolic_shapes.ShapeEnv.evaluate_expr",
+    "to see every decision on the batch size that a batch of one would take the other way (this module)",
+    ("capture",), "the class attribute is process-wide; the wrapper records only on the capturing thread",
+    "the original method restored on exit", enter=watched, current=_evaluate_expr))
+patches.register(patches.Patch(
+    "membership on sizes", "torch._dynamo.utils.iter_contains, torch._dynamo.variables.lists.iter_contains",
+    "Dynamo answers `1 in x.shape` from the constant sizes alone: compare with the symbolic batch size too, so "
+    "that the decision is watched", ("capture",),
+    "process-wide; acts only on the capturing thread, others get torch's answer",
+    "the original functions restored on exit", enter=membership_compares_sizes, current=_iter_contains))
+patches.register(patches.Patch(
+    "guard source", "torch.fx.experimental.symbolic_shapes.uninteresting_files()",
+    "this file added once, so that a guard is attributed to the code that made the decision, not to our wrapper",
+    ("process",), "all threads; only names in guard messages change", "permanent: torch caches the set and "
+    "offers no removal; the file holds only our wrapper, which no user frame is"))
 
 
 def _at_batch_of_one(expr):

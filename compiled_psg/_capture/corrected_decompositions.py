@@ -20,6 +20,7 @@ import torch
 from torch._C import DispatchKey
 
 from .._errors import UnsupportedError
+from . import patches
 
 aten = torch.ops.aten
 
@@ -108,3 +109,12 @@ def corrected() -> Iterator[None]:
             else:
                 op.py_kernels[DispatchKey.Autograd] = before
             op._dispatch_cache.clear()
+
+
+patches.register(patches.Patch(
+    "corrected decompositions", "OpOverload.py_kernels[DispatchKey.Autograd] of " + ", ".join(
+        str(op) for op in CORRECTED),
+    "torch's decompositions of these ops trace to other values than the eager kernel (see each function)",
+    ("capture",), "process-wide: another thread's trace of the op in that window gets the correct decomposition",
+    "torch's kernel put back (or the entry removed) and the dispatch cache cleared, on exit", enter=corrected,
+    current=lambda: tuple(op.py_kernels.get(DispatchKey.Autograd) for op in CORRECTED)))

@@ -21,8 +21,9 @@ attributes and globals the loss read, tensor metadata, grad mode). ``Captured.gu
 so a later call can ask whether the graph still applies (``Guards.check``) and, if not, why (``Guards.why``).
 ``global_guards`` adds what Dynamo's guards miss (global module hooks, module classes' methods, numpy inputs).
 
-Settings the capture switches on, each restored when it returns (``config.patch`` / ``finally``), under one
-process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide, not thread-safe):
+Settings the capture switches on, each restored when it returns, entered together as ``patches.applied("capture")``
+(the registry of every change inside torch, with each one's thread policy and undo) under one process-wide lock
+(``CAPTURE_LOCK``: Dynamo and these switches are process-wide, not thread-safe) and Dynamo's compile lock:
 
 - ``torch._dynamo.config.trace_autograd_ops = True``: trace ``torch.autograd.grad`` into the graph.
 - ``torch._dynamo.config.allow_rnn = True``: trace ``nn.RNN``/``LSTM``/``GRU`` instead of breaking the graph.
@@ -45,7 +46,7 @@ process-wide lock (``CAPTURE_LOCK``: Dynamo and these switches are process-wide,
 - torch decompositions that trace to wrong values replaced by correct ones (``corrected_decompositions``:
   ``multilabel_margin_loss_forward``, ``_upsample_bicubic2d_aa``).
 
-The list is in docs/semantics.md ("Switches the capture sets"); keep both in step.
+docs/semantics.md ("Every change inside torch") carries the registry's table, checked by tests/test_patches.py.
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analyze.source import where
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
-from . import (
+from . import (  # noqa: F401 - they register capture-phase changes
     backward_semantics,
     batch_size_branches,
     corrected_decompositions,
     global_guards,
     identity_guards,
+    patches,
     torch_caches,
 )
 
@@ -165,7 +167,7 @@ class Guards:
             with torch.enable_grad():
                 yield
             return
-        with CAPTURE_LOCK, _replaced_functions(), torch.enable_grad():
+        with CAPTURE_LOCK, patches.applied("guard check"), torch.enable_grad():
             yield
 
     def _failing(self, f_locals: dict) -> list[str]:
@@ -510,6 +512,42 @@ def _replaced_functions():
             setattr(module, name, before)
 
 
+_DYNAMO_KEYS = ("trace_autograd_ops", "allow_rnn", "replay_side_effects", "skip_nnmodule_hook_guards",
+                "skip_fsdp_guards", "ignore_logging_functions")
+
+
+def _dynamo_settings():
+    return torch._dynamo.config.patch(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
+                                      skip_nnmodule_hook_guards=False, skip_fsdp_guards=False,
+                                      ignore_logging_functions=_ignored_logging_functions())
+
+
+patches.register(patches.Patch(
+    "Dynamo settings", "torch._dynamo.config: " + ", ".join(_DYNAMO_KEYS),
+    "trace torch.autograd.grad and RNNs into one graph; never write the user's objects (no side-effect replay); "
+    "guard on hooks and FSDP modules; logging calls become no-ops in the traced loss (module docstring)",
+    ("capture",), "process-wide config; another thread's torch.compile waits on Dynamo's compile lock",
+    "torch._dynamo.config.patch restores each value on exit", enter=_dynamo_settings,
+    current=lambda: tuple(getattr(torch._dynamo.config, k) for k in _DYNAMO_KEYS)))
+patches.register(patches.Patch(
+    "mkldnn off", "torch._C._set_mkldnn_enabled", "float32 RNNs would become mkldnn_rnn_layer ops whose backward "
+    "does not trace", ("capture",), "process-wide flag: another thread's eager RNN in that window runs the "
+    "native kernel (same values)", "the flag restored on exit", enter=_mkldnn_disabled,
+    current=lambda: (torch._C._get_mkldnn_enabled(),)))
+patches.register(patches.Patch(
+    "opt_einsum off", "torch.backends.opt_einsum.enabled", "opt_einsum plans contractions from concrete sizes, "
+    "which would fix the batch size", ("capture",), "process-wide flag: another thread's eager einsum in that "
+    "window uses the default contraction order (same values)", "the attribute restored on exit",
+    enter=_opt_einsum_disabled, current=lambda: (torch.backends.opt_einsum.enabled,)))
+patches.register(patches.Patch(
+    "stand-ins", "torch.nn.modules.transformer._detect_is_causal_mask, torch.nn.functional.linear_cross_entropy",
+    "the first reads the mask's values (a data-dependent guard); the second's chunked path is opaque to "
+    "autograd tracing: equivalent functions Dynamo can trace (_stand_ins)", ("capture", "guard check"),
+    "process-wide module attributes: another thread's eager call in that window takes the stand-in, which "
+    "computes the same values", "the original attributes restored on exit", enter=_replaced_functions,
+    current=lambda: tuple(getattr(module, name) for module, name, _ in _stand_ins())))
+
+
 def _ignored_logging_functions() -> set:
     """Logging calls that become no-ops in the traced loss (library code logs, e.g. transformers' warning_once)."""
     names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log",
@@ -583,13 +621,9 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     # torch.compile would wrap _backend in a new object per call, which Dynamo caches for the whole process.
     compiled = torch._dynamo.optimize(_backend, nopython=True, dynamic=False)(joint)
     manager, out, branches = None, None, []
-    settings = dict(trace_autograd_ops=True, allow_rnn=True, replay_side_effects=False,
-                    skip_nnmodule_hook_guards=False, skip_fsdp_guards=False,
-                    ignore_logging_functions=_ignored_logging_functions())
     try:
-        with torch._dynamo.config.patch(**settings), _mkldnn_disabled(), _opt_einsum_disabled(), \
-                _replaced_functions(), corrected_decompositions.corrected(), batch_size_branches.watched(branches), \
-                torch.enable_grad():
+        with patches.applied("capture") as entered, torch.enable_grad():
+            branches = entered["batch-size decisions"]
             out = compiled(*args)
     except _Abort:  # the expected way out: the graph was captured, and nothing ran
         entries = _debug_get_cache_entry_list(joint.__code__)
@@ -701,8 +735,8 @@ def _runtime_failure(e: Exception) -> PerSampleError:
         return CaptureError(
             f"the loss uses the batch size as a number in an op that torch cannot trace with a symbolic batch size"
             f"{where} ({type(root).__name__}: {first}). Per-sample gradients also need the loss of a batch of one, "
-            "where that number would be 1. Fix: do not use x.shape[0] (or len(x)) in the loss's math, e.g. "
-            "h ** x.shape[0]; a mean over the batch (loss.mean()) is fine")
+            "where that number would be 1. Fix: do not use x.shape[0] (or len(x)) in this op; a mean over the "
+            "batch (loss.mean()) is fine")
     return CaptureError(
         f"torch failed while tracing the loss on fake tensors with a symbolic batch size{where}: "
         f"{type(root).__name__}: {first}\nFix: check that the loss runs eagerly on this batch and on a batch of "

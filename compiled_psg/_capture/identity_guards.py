@@ -15,6 +15,8 @@ from __future__ import annotations
 import gc
 import weakref
 
+from . import patches
+
 # id(watched object) -> (a weak reference to it, the Guards that matched it by identity)
 _watched: dict[int, tuple[weakref.ref, weakref.WeakSet]] = {}
 
@@ -62,3 +64,12 @@ def _freed(key: int, name: str) -> None:
     entry = _watched.pop(key, None)
     for guards in list(entry[1]) if entry else ():
         guards.stale(f"{name} (matched by identity at capture) was freed")
+
+
+patches.register(patches.Patch(
+    "guard finalizers", "weakref.finalize entries of Dynamo's CheckFunctionManager (its cache invalidation)",
+    "each finalizer keeps a capture's whole guard tree alive for as long as a watched object lives (about 0.3 MB "
+    "a capture); adopt() moves them onto our Guards, one small finalizer per object", ("process",),
+    "only the finalizers of our own captures' frames; another frame's are untouched", "permanent by design: "
+    "the capture's frame is never run again (its cache entry dies with the capture), so torch's invalidation "
+    "has nothing left to invalidate; our finalizer marks our Guards stale instead"))

@@ -24,6 +24,8 @@ import torch.fx as fx
 from torch.fx import graph_module as _fx_graph_module
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from . import patches
+
 _used: weakref.WeakSet[ShapeEnv] = weakref.WeakSet()
 _KEY = re.compile(r"<eval_with_key>\.(\d+)")
 _sources_seen = 0  # generated-source keys below this number were looked at by an earlier release
@@ -81,3 +83,11 @@ def _release_dead_sources() -> None:
         cache.pop(key, None)
         linecache.cache.pop(key, None)
     _sources_pending.difference_update(dead)
+
+
+patches.register(patches.Patch(
+    "memo caches released", "ShapeEnv's class-level lru_caches, tracked_fakes and fake_tensor_cache of the "
+    "environments our captures used; linecache entries of dead GraphModules",
+    "they hold every capture's shape environment for the life of the process (about 1 MB a capture)",
+    ("process",), "the memo caches are shared by all threads; they refill on demand",
+    "nothing to undo: caches only, refilled on demand; an environment still in use keeps working"))

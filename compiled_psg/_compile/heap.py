@@ -6,7 +6,8 @@ to the kernel; either way the next call faults in zeroed pages again, which cost
 (``python -m benchmarks.fresh_pages``). A per-sample program's ``[B, ...]`` buffers are such allocations: the
 benchmark transformer's DP step at B = 256 faulted 133,113 pages per step with the heap released and 33 with it kept
 (``python -m benchmarks.heap --model transformer --batch 256``). PyTorch's CUDA caching allocator keeps freed blocks
-for reuse; this does the same for the CPU heap, once per process, when the first CPU program runs: no mmap for large
+for reuse; ``compiled_psg.retain_freed_memory()`` does the same for the CPU heap, once per process, when the user
+asks for it (it changes the whole process's heap, so it is never on by default): no mmap for large
 blocks (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD = -1``). A finite threshold is not enough: with
 2 GiB (the largest value mallopt's int takes), a freed buffer that leaves more than 2 GiB free at the top of the heap
 (materialized per-sample gradients: 1.2 GB per call for the benchmark CNN at B = 256, beside the program's other
@@ -15,8 +16,9 @@ bordered the heap's top, faulted 655,328 pages per call
 (``tests/test_clip_plans.py::test_the_heap_keeps_freed_memory_unless_opted_out`` checks the setting and the faults).
 As with the CUDA cache, the process keeps that memory (its peak heap, or more where small cached blocks keep a freed
 buffer from being reused) after the program's last call. The settings hold for the main thread's heap: glibc maps a
-large request from another thread directly and may unmap a free per-thread heap. Only on glibc; opt out with
-``COMPILED_PSG_RETAIN_FREED_MEMORY=0`` in the environment before the first compile.
+large request from another thread directly and may unmap a free per-thread heap. Only on glibc; also set by
+``COMPILED_PSG_RETAIN_FREED_MEMORY=1`` in the environment, read when the first CPU program runs. The cost model
+prices held per-sample buffers by whether the heap keeps freed memory (``retains``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import ctypes
 import functools
 import os
 import threading
+
+from .._capture import patches
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
@@ -36,20 +40,29 @@ _state: dict[str, bool] = {}
 
 
 def retains() -> bool:
-    """Whether freed memory is (or will be, from the first program on) kept: glibc, and not opted out. The cost
+    """Whether freed memory is (or will be, from the first program on) kept: glibc, and opted in. The cost
     model prices held buffers by it; once the heap is set, the setting made."""
     if "set" in _state:
         return _state["set"]
-    return os.environ.get(ENV, "1") != "0" and _mallopt() is not None
+    return opted_in_by_environment() and _mallopt() is not None
+
+
+def opted_in_by_environment() -> bool:
+    return os.environ.get(ENV, "0") == "1"
 
 
 def retain_freed_memory() -> bool:
-    """Set glibc's heap to keep freed memory (once per process); True when it is set."""
+    """Keep what compiled CPU programs free in the process heap, so their large buffers are recycled between
+    calls instead of faulted in fresh (glibc: ``mallopt(M_TRIM_THRESHOLD, -1)`` and ``mallopt(M_MMAP_MAX, 0)``,
+    once per process, for the whole process, never undone). Returns True when the heap is set; False where the C
+    library is not glibc. Measured effect: the benchmark transformer's DP step at B = 256 faults 133,113 pages a
+    step without it and 33 with it (``python -m benchmarks.heap --model transformer --batch 256``); the process
+    keeps its peak heap afterwards, as PyTorch's CUDA caching allocator does on the GPU."""
     if "set" in _state:
         return _state["set"]
     with _lock:
         if "set" not in _state:
-            mallopt = _mallopt() if retains() else None
+            mallopt = _mallopt()
             _state["set"] = mallopt is not None and bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)) and bool(
                 mallopt(M_MMAP_MAX, 0))
         return _state["set"]
@@ -65,3 +78,10 @@ def _mallopt():
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt
+
+
+patches.register(patches.Patch(
+    "heap keeps freed memory", "glibc's mallopt(M_TRIM_THRESHOLD, -1) and mallopt(M_MMAP_MAX, 0)",
+    "a CPU program's large buffers are then recycled between calls instead of faulted in fresh (this module)",
+    ("process",), "the whole process's heap; only when the user calls compiled_psg.retain_freed_memory() or sets "
+    "COMPILED_PSG_RETAIN_FREED_MEMORY=1", "permanent once asked for: glibc's settings are not read back"))

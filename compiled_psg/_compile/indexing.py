@@ -35,6 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.sizevars import SizeVarAllocator
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
+from .._capture import patches
 from .._compat import as_pass_config, configured_passes
 
 _lock = threading.Lock()
@@ -205,3 +206,15 @@ def _known(relation: sympy.Basic) -> bool:
     if isinstance(relation, sympy.StrictGreaterThan):
         return bool(difference.is_positive)
     return False
+
+
+patches.register(patches.Patch(
+    "index simplification", "torch._inductor.sizevars.SizeVarAllocator._simplify_with_ranges, "
+    "torch._inductor.config.post_grad_custom_post_pass",
+    "Inductor leaves modulus and floor-division index expressions it cannot bound where the batch size is a "
+    "symbol, and the CPU kernels then do not vectorize (this module); the rules key the FX graph cache",
+    ("compile",), "the method is swapped process-wide but applies the rules only on the compiling thread; the "
+    "config is process-wide (another thread's torch.compile waits on Dynamo's compile lock)",
+    "the original method restored when the last context closes; config.patch restores the passes",
+    enter=simplified_indexing, current=lambda: (SizeVarAllocator._simplify_with_ranges,
+                                                torch._inductor.config.post_grad_custom_post_pass)))

@@ -18,17 +18,21 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
-from .._capture import torch_caches
+from .._capture import patches, torch_caches
 from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import BatchInputError, CompileError, InternalError, PerSampleError
 from .._reduce.reductions import holds_low_precision
 from .._rewrite.rules.conv import calls_batch_as_groups
+from . import indexing  # noqa: F401 - registers the compile phase's index simplification
 from .build import Rewritten
-from .heap import retain_freed_memory
-from .indexing import simplified_indexing
+from .heap import opted_in_by_environment, retain_freed_memory
 from .prepare import for_inductor
 
 BACKENDS = ("inductor", "eager")
+
+
+def _inductor_config(graph: torch.fx.Graph):
+    return torch._inductor.config.patch(**_inductor_settings(graph))
 
 
 def _inductor_settings(graph: torch.fx.Graph) -> dict:
@@ -36,6 +40,15 @@ def _inductor_settings(graph: torch.fx.Graph) -> dict:
     clipped sum read the same values), and no channels-last layouts where per-sample convolutions read NCHW."""
     return {"emulate_precision_casts": holds_low_precision(graph),
             "layout_optimization": torch._inductor.config.layout_optimization and not calls_batch_as_groups(graph)}
+
+
+patches.register(patches.Patch(
+    "Inductor settings", "torch._inductor.config: emulate_precision_casts, layout_optimization",
+    "bf16 intermediates rounded as eager rounds them (the norm and the clipped sum read the same values); no "
+    "channels-last layouts where per-sample convolutions read NCHW", ("compile",),
+    "process-wide config; another thread's torch.compile waits on Dynamo's compile lock",
+    "torch._inductor.config.patch restores each value on exit", enter=_inductor_config, takes=("graph",),
+    current=lambda: (torch._inductor.config.emulate_precision_casts, torch._inductor.config.layout_optimization)))
 
 
 class CompiledPerSample:
@@ -95,9 +108,10 @@ class CompiledPerSample:
         return plan
 
     def _callable(self, batch_size: int, inputs: list) -> Callable:
-        if not self._heap_checked:  # a CPU program: recycle its buffers between calls (heap.py)
+        if not self._heap_checked:  # a CPU program, and the environment opts in: recycle buffers (heap.py)
             self._heap_checked = True
-            if any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
+            if opted_in_by_environment() and any(isinstance(x, torch.Tensor) and x.device.type == "cpu"
+                                                 for x in inputs):
                 retain_freed_memory()
         if self.backend == "eager":
             return self.graph.forward  # not the module call: global module hooks must not run on our graph
@@ -126,7 +140,7 @@ class CompiledPerSample:
         else:
             examples = inputs
         try:
-            with torch._inductor.config.patch(**_inductor_settings(gm.graph)), simplified_indexing():
+            with patches.applied("compile", graph=gm.graph):
                 compiled = compile_fx(gm, examples)
         except PerSampleError:
             raise
