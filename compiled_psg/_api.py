@@ -163,7 +163,10 @@ def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> t
                 a = a.index_select(batch_dims[pos], index)
             else:
                 a = a.detach().contiguous()
-                a = a.view_as(a)  # a fresh tensor object even when already contiguous
+                # a fresh tensor object even when already contiguous; a copy where the batch starts inside its
+                # storage (x[8:]): Dynamo makes a nonzero storage offset a symbol of its own, an input no batch
+                # size determines
+                a = a.clone() if a.storage_offset() else a.view_as(a)
         out.append(a)
     return tuple(out)
 

@@ -96,7 +96,10 @@ class CompiledPerSample:
         plan = []
         for i, role in enumerate(rw.roles):
             if role.kind == "size":
-                expr = rw.captured.fake_inputs[i].node.expr
+                node = rw.captured.fake_inputs[i].node
+                # the shape environment's replacements (a size equal to the batch size is unified with it), which
+                # node.expr applies only once something has asked the environment about this size
+                expr = node.shape_env.replace(node.expr)
                 if expr == rw.batch.symbol:
                     plan.append((i, "batch", None))
                 elif expr.is_number:

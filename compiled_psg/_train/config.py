@@ -17,6 +17,7 @@ Sensitivity (add or remove one sample) of the clipped sum, which the noise std i
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -35,6 +36,8 @@ def _as_bound(value):
     raise DPConfigError(f"max_grad_norm must be a number, a list of numbers (clipping='per_layer') or None, "
                         f"got {type(value).__name__}")
 
+
+_LOG_FLOAT_MAX = math.log(sys.float_info.max)
 
 @dataclass(frozen=True)
 class DPConfig:
@@ -197,8 +200,11 @@ class DPConfig:
         expected batch size (the actual one without it)."""
         m = self.expected_batch_size if self.expected_batch_size is not None else max(batch_size, 1)
         fraction = (unclipped - batch_size / 2 + count_noise) / m + 0.5
-        bound = self.max_grad_norm * math.exp(-self.clipbound_learning_rate
-                                              * (fraction - self.target_unclipped_quantile))
+        # in logarithms: a large learning rate makes the factor overflow a float (math.exp raises past e^709);
+        # the bound then saturates at max_clipbound, or is infinite, which DPStep refuses to step with
+        log_bound = math.log(self.max_grad_norm) - self.clipbound_learning_rate * (
+            fraction - self.target_unclipped_quantile)
+        bound = math.exp(log_bound) if log_bound < _LOG_FLOAT_MAX else math.inf
         return min(max(bound, self.min_clipbound, 1e-12), self.max_clipbound)
 
     def replace(self, **changes) -> DPConfig:

@@ -174,6 +174,7 @@ class DPStep:
         # fails after it (e.g. compiling the program at the end of the first step) still released a noisy update,
         # which the accountant must count (``PrivateTraining.step``)
         self.released_config: DPConfig | None = None
+        self._stalled_bound: str | None = None  # why adaptive clipping cannot go on (_adapt_bound)
         self.last_unclipped: float | None = None  # adaptive clipping: samples with norm <= C in the last step
         self.last_count_noise: float | None = None  # and the noise added to their (centred) count
 
@@ -198,6 +199,7 @@ class DPStep:
     @max_grad_norm.setter
     def max_grad_norm(self, value: float | None) -> None:
         self.config = self._config.replace(max_grad_norm=value)
+        self._stalled_bound = None
 
     @property
     def noise_multiplier(self) -> float:
@@ -440,18 +442,22 @@ class DPStep:
 
     # --- one step ------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
+        # Nothing is released until _step's update: a refusal below must not let a caller count the last step
+        # again (PrivateTraining counts released_config when a step raises).
+        self.released_config = None
+        config = self._config  # one snapshot for the whole step: clipping, noise, scaling and accounting agree
         _refuse_ambient_autocast()
+        if self._stalled_bound is not None:
+            raise DPConfigError(self._stalled_bound)
         # contiguous copies of strided views (x[rank::world]): the capture assumes dense batch inputs
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
-        config = self._config  # one snapshot for the whole step: clipping, noise, scaling and accounting agree
-        self.released_config = None
         loss = self._step(config, batch)
         self.last_config = config
+        self.steps_taken += 1  # the update is applied: counted before anything else can fail
         if config.clipping == "adaptive":
             self._adapt_bound(config)
-        self.steps_taken += 1
         if (self.captures, self.program_builds, self.compiles) != before:  # the call's time is compile time
             self.compile_seconds += time.perf_counter() - start
         return loss
@@ -471,7 +477,16 @@ class DPStep:
             unclipped, size, noise = (dist_utils.all_reduce_scalar(v) for v in (unclipped, size, noise))
         self.last_unclipped = unclipped
         self.last_count_noise = noise
-        self._config = self._config.replace(max_grad_norm=config.next_bound(unclipped, size, noise))
+        bound = config.next_bound(unclipped, size, noise)
+        if not math.isfinite(bound):  # the step itself is done and counted; the next one cannot be noised
+            self._stalled_bound = (
+                f"adaptive clipping moved the clip bound past the float range after step {self.steps_taken} "
+                f"(clipbound_learning_rate={config.clipbound_learning_rate}, target_unclipped_quantile="
+                f"{config.target_unclipped_quantile}, max_clipbound={config.max_clipbound}), so the noise, whose "
+                "std scales with it, would be infinite. No step was taken. Fix: set a finite max_clipbound or a "
+                "smaller clipbound_learning_rate, or assign step.max_grad_norm before the next step")
+            return
+        self._config = self._config.replace(max_grad_norm=bound)
 
     def _micro_batches(self, batch: tuple, in_dims, batch_size: int) -> list[tuple]:
         from .._api import batch_dims_of
@@ -559,7 +574,10 @@ class DPStep:
         if self.generator is not None:
             self.generator.set_state(state["generator"])
         self.steps_taken = int(state["steps_taken"])
-        self._state_ready = bool(self.optimizer.state)  # the program reads the state: no eager step needed
+        # The first step runs eagerly so that the optimizer creates its state, which the program reads. A run
+        # that has stepped has that state (none at all for a stateless optimizer, plain SGD): resume on the
+        # program, as the uninterrupted run would.
+        self._state_ready = self.steps_taken > 0 or bool(self.optimizer.state)
 
 
 def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
