@@ -37,6 +37,20 @@ def traces_batch_size_exponent() -> bool:
     return torch_minor() >= (2, 14)
 
 
+def embedding_bag_counts_each_id() -> bool:
+    """``nn.EmbeddingBag(scale_grad_by_freq=True)`` on the CPU: from torch 2.14 the backward divides each id's
+    gradient by that id's count; torch 2.11 to 2.13 divide the ``k``-th distinct id (in sorted order) by the
+    count of the ``k``-th sorted id (``rules/embedding_bag._freq_scale`` follows the kernel, as the reference
+    does)."""
+    return torch_minor() >= (2, 14)
+
+
+#: The committed FX graph dumps (``graphs/``) are generated on this torch version: later versions trace the same
+#: programs with other node names and decompositions (2.14 records ``detach`` as ``alias``, 2.15 numbers nodes
+#: differently), so ``tests/test_graphs.py`` compares the dumps on this version only.
+GRAPH_DUMP_VERSION = (2, 13)
+
+
 def as_pass_config(passes: tuple):
     """The value for ``torch._inductor.config.post_grad_custom_post_pass`` that runs ``passes`` in order.
     torch 2.13+ takes a list; 2.11 and 2.12 take one pass, so several are chained into one whose ``uuid`` (the

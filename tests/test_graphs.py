@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from compiled_psg._compat import GRAPH_DUMP_VERSION, torch_minor
 from compiled_psg._inspect.cli import report_for
 from compiled_psg._inspect.examples import EXAMPLES
 
@@ -14,6 +15,10 @@ TEXT_FILES = ("summary.txt", "captured.txt", "before.txt", "after.txt", "diff.tx
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_committed_dumps_are_fresh(name, tmp_path):
     report_for(name).save(tmp_path, drawings=False)
+    if torch_minor() != GRAPH_DUMP_VERSION:  # the dumps were made above: they must still be produced
+        assert all((tmp_path / file).read_text() for file in TEXT_FILES)
+        pytest.skip(f"graphs/ is generated on torch {GRAPH_DUMP_VERSION}; this torch traces the same programs with "
+                    "other node names (compiled_psg._compat.GRAPH_DUMP_VERSION)")
     stale = []
     for file in TEXT_FILES:
         committed = GRAPHS / name / file

@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout
+from ..._compat import embedding_bag_counts_each_id
 from ..contraction import Contraction
 from ..registry import contraction_rule
 
@@ -51,14 +52,17 @@ def per_sample_bags(grad, indices, offset2bag, bag_size, max_indices, psw, *, la
 
 
 def _freq_scale(indices, rows, n: int, num_weights: int) -> torch.Tensor:
-    """The count each token's gradient is divided by, as torch 2.13's CPU kernel computes it for a batch of one.
+    """The count each token's gradient is divided by, as torch's CPU kernel computes it for a batch of one.
 
-    That kernel (``_embedding_bag_dense_backward_cpu_sum_mean``) divides the ``k``-th distinct id (in sorted
-    order) by the count of ``sorted_ids[k]``, which is the id's own count only while no id repeats before it.
-    Autograd on one sample, the reference, does exactly this, so the per-sample gradient must too.
+    torch 2.14+: the id's own count in the sample. Up to 2.13 that kernel (``_embedding_bag_dense_backward_cpu_
+    sum_mean``) divides the ``k``-th distinct id (in sorted order) by the count of ``sorted_ids[k]``, which is the
+    id's own count only while no id repeats before it. Autograd on one sample, the reference, does what the
+    kernel does, so the per-sample gradient must too (``_compat.embedding_bag_counts_each_id``).
     """
     counts = torch.zeros(n * num_weights, dtype=torch.long, device=indices.device).index_add(
         0, rows, torch.ones_like(rows))
+    if embedding_bag_counts_each_id():
+        return counts[rows]
     ids = indices.reshape(n, -1)
     sorted_ids, order = ids.sort(dim=1, stable=True)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
