@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from . import report
+from . import keep_freed_memory, report
 from .measure import run_worker
 from .methods import MAX_NORM, METHODS, NOISE_MULTIPLIER
 from .models import MODELS
@@ -134,6 +134,7 @@ def _collect(model: str, args: argparse.Namespace, path: Path, rc: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     args = parse(argv)
     if args.worker:
         run_worker(args.worker, args.methods, args.quick, args.device, args.results, args.threads,

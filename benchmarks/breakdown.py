@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import keep_freed_memory
+
 PAIRS = {  # method -> the baselines a target compares it with
     "dp_psg_compile_step": ("sgd_step", "sgd_step_compile", "dp_func_compile"),
     "psg_norms": ("backward", "backward_compile"),
@@ -163,6 +165,7 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     parser = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["cnn", "mlp", "transformer", "resnet", "gpt2"])
     parser.add_argument("--sizes", nargs="+", type=int, default=[64])

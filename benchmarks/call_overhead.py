@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import compiled_psg as psg
 
+from . import keep_freed_memory
 from .models import MODELS, build_workload
 
 
@@ -176,6 +177,7 @@ def breakdown(steps: int = 1000, batch: int = 16, backend: str = "inductor", mod
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     p = argparse.ArgumentParser(prog="python -m benchmarks.call_overhead", description=__doc__.split("\n\n")[1])
     p.add_argument("--repeats", type=int, default=15, help="timed rounds per variant (median reported; >= 7)")
     p.add_argument("--inner", type=int, default=20, help="calls per timed round")

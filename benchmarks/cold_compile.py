@@ -44,6 +44,8 @@ import threading
 import time
 from pathlib import Path
 
+from . import keep_freed_memory
+
 PHASES = ("capture", "update capture", "program", "dynamo", "aot trace", "lowering", "codegen", "c++ wait",
           "inductor other", "compile_fx other", "eager step", "noise wait", "rest")
 DEFAULT_METHODS = ("func_compile", "dp_psg_compile_step")
@@ -169,6 +171,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     p = argparse.ArgumentParser(prog="python -m benchmarks.cold_compile", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     p.add_argument("--batch", type=int, default=16)

@@ -26,6 +26,7 @@ import torch.nn as nn
 import compiled_psg as psg
 from compiled_psg._reduce import strategies
 
+from . import keep_freed_memory
 from .timing import median_seconds
 
 SHAPES = [(n, t, i, o) for n, t, (i, o) in itertools.product((16, 64), (1, 16, 128), ((64, 64), (256, 1024)))]
@@ -152,6 +153,7 @@ def measure_shape(shape, backend: str, repeats: int, quantity: str = "sq_norm") 
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     p = argparse.ArgumentParser(prog="python -m benchmarks.cost_model", description=__doc__.split("\n\n")[1])
     p.add_argument("--quick", action="store_true", help="three small shapes, eager backend: checks the harness")
     p.add_argument("--backend", choices=["eager", "inductor"], default="inductor")

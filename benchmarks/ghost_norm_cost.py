@@ -15,6 +15,7 @@ import torch
 
 from compiled_psg._rewrite.contraction import factored_sq_norms
 
+from . import keep_freed_memory
 from .timing import median_seconds
 
 SHAPES = [(64, 32, 256, 256), (32, 128, 256, 256), (16, 64, 768, 768)]  # (n, t, o, i)
@@ -29,6 +30,7 @@ def materialized(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
+    keep_freed_memory()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=9)

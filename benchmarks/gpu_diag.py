@@ -13,6 +13,7 @@ import traceback
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import keep_freed_memory
 from .methods import METHODS
 from .models import build_workload
 
@@ -31,6 +32,7 @@ def _time(run, batch, reps=15) -> float:
 
 
 def main(model: str, size: int) -> None:
+    keep_freed_memory()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {model} B={size}", flush=True)
     wl = build_workload(model, False, torch.device("cuda"))
     batch = wl.batch(size)

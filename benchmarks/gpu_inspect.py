@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from . import keep_freed_memory
 from .methods import METHODS
 from .models import build_workload
 
@@ -34,6 +35,7 @@ def _kernels(prof) -> list[dict]:
 
 
 def main(model: str, size: int, out: Path) -> None:
+    keep_freed_memory()
     out.mkdir(parents=True, exist_ok=True)
     wl = build_workload(model, False, torch.device("cuda"))
     batch = wl.batch(size)

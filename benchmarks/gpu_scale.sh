@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 30's GPU run, on a lent machine, from the repository root (wheels of missing peers under .whl/):
+# The GPU run of benchmarks.scale, on a lent machine, from the repository root (wheels of missing peers under .whl/):
 #   bash benchmarks/gpu_scale.sh [TIMEOUT_S] [BUDGET_S]
 # Runs `python -m benchmarks.scale --device cuda --parallel` over every model of benchmarks/scale_models.py
 # (no method is set up past BUDGET_S), with a kernel profile and Inductor's generated code for gpt2, and writes

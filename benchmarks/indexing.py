@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from . import keep_freed_memory
+
 METHODS = ("sgd_step", "dp_func_compile", "psg_grads", "psg_norms", "dp_psg_compile_step")
 
 
@@ -69,6 +71,7 @@ def worker(model: str, batch: int, repeats: int, rules: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     p = argparse.ArgumentParser(prog="python -m benchmarks.indexing", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="transformer")
     p.add_argument("--batch", type=int, default=64)

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 
+from . import keep_freed_memory
+
 # the two methods this compares, by their names in the benchmark's method table
 METHOD_NAMES = {"norms": "psg_norms", "dp_step": "dp_psg_compile_step"}
 
@@ -38,6 +40,7 @@ def _one(model: str, batch: int, method: str, layout_on: bool, repeats: int) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     p = argparse.ArgumentParser(prog="python -m benchmarks.layout", description=__doc__.split("\n\n")[1])
     p.add_argument("--models", nargs="+", default=["cnn", "resnet"])
     p.add_argument("--methods", nargs="+", default=["norms", "dp_step"], choices=list(METHOD_NAMES))

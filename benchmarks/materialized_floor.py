@@ -26,6 +26,7 @@ import statistics
 
 import torch
 
+from . import keep_freed_memory
 from .measure import Device, Plan, interleaved_times
 from .methods import METHODS
 from .models import build_workload
@@ -78,6 +79,7 @@ def measure(model: str, size: int, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     p = argparse.ArgumentParser(prog="python -m benchmarks.materialized_floor",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer", "gpt2"])

@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from . import methods
+from . import keep_freed_memory, methods
 from .measure import Device, Plan, interleaved_times
 from .models import build_workload
 
@@ -59,6 +59,7 @@ def measure(model: str, size: int, splits: list[int], repeats: int) -> list[dict
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     p = argparse.ArgumentParser(prog="python -m benchmarks.micro_batches", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer", "resnet", "gpt2"])
     p.add_argument("--sizes", nargs="+", type=int, default=[16, 64, 256])

@@ -38,6 +38,7 @@ import torch
 
 from compiled_psg._train.dp import gaussian_many
 
+from . import keep_freed_memory
 from .timing import median_seconds
 
 _M32 = 0xFFFFFFFF
@@ -123,6 +124,7 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     p = argparse.ArgumentParser(prog="python -m benchmarks.noise", description=__doc__.split("\n\n")[1])
     p.add_argument("--sizes", nargs="+", type=int, default=[100_000, 1_000_000, 10_000_000])
     p.add_argument("--repeats", type=int, default=9)

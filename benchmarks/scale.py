@@ -15,7 +15,7 @@ DP step and the compiled plain step of model M; ``TORCH_LOGS=output_code`` there
 
 Every DP step clips to 1.0, adds noise of multiplier 1.0, divides by the batch size and steps SGD (lr 0.01),
 over the parameters that require a gradient. Writes ``DIR/MODEL.jsonl`` (one record per method) and, with
-``--report``, prints the targets table of issue 30 from the records.
+``--report``, prints the tables and the targets from the records.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from . import keep_freed_memory
 from .measure import Device, Plan, environment, interleaved_times, short_error
 from .scale_models import SCALE_MODELS, build_scale_model
 
@@ -297,6 +298,7 @@ def _profile(name: str, runs: dict, batch: tuple, out: Path, dev: Device, steps:
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_freed_memory()
     ap = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", nargs="+", default=None)
@@ -497,7 +499,7 @@ def page(docs: Path = DOCS) -> str:
              "top of what the process holds before it (CUDA: `torch.cuda.max_memory_allocated`; CPU: the peak "
              "resident set); the whole allocation adds the model, optimizer and inputs. First call: the method's "
              "first step, compile included (GPU: five model processes compiling at once, so these are upper "
-             "bounds). Targets (issue 30): DP step time over the faster plain step; DP step peak over the plain "
+             "bounds). Targets: DP step time over the faster plain step; DP step peak over the plain "
              "step of lower peak; DP step time over Opacus ghost clipping's.", ""]
     for title, name, command in PAGE_SOURCES:
         path = docs / name

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import keep_freed_memory
+
 MIB = 2**20
 
 
@@ -129,6 +131,7 @@ def _worker(rank: int, port: int, out: str, args) -> None:
 
 
 def main() -> None:
+    keep_freed_memory()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)

@@ -154,7 +154,8 @@ def _params_signature(params: dict[str, torch.Tensor]) -> tuple:
 def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tuple:
     """Arguments to trace with: fresh tensor objects (so marking them dynamic leaves the user's alone), with
     at least two samples (a batch of one is specialized by the shape environment). They share the user's
-    storage, which is safe because the capture never runs the loss."""
+    storage where they can (a batch that starts inside its storage is copied), which is safe because the capture
+    never runs the loss."""
     out = []
     for pos, a in enumerate(args):
         if pos in batch_dims:

@@ -1,9 +1,12 @@
 """Where the supported torch versions differ, in one place.
 
-compiled_psg is tested on torch 2.11 to 2.15 (``TESTED``). Every difference between those versions that the
-package meets (a changed signature, a list that used to be one value, a new trace of the same Python) is a
-function here, named for what it does, with the versions it distinguishes; no other module tests
-``torch.__version__``. Outside the window, importing compiled_psg warns once.
+compiled_psg supports torch 2.11 to 2.15 (``TESTED``; CI runs 2.13, 2.14 and 2.15, 2.11 is run by hand and 2.12
+by nobody). Where the package must behave differently on those versions, the choice is a function or constant
+here, named for what it decides, with the versions it distinguishes; no other module reads
+``torch.__version__``. Two differences need no choice and live where they are handled: Dynamo's membership
+helper lost an argument in 2.14 (``batch_size_branches.membership_compares_sizes`` passes on whatever it gets),
+and torch 2.15 traces ``h[arange(n), j] = v`` as ``index_fill`` (``_analyze.mixing._fills_own_positions``).
+Outside the window, importing compiled_psg warns once.
 """
 
 from __future__ import annotations
@@ -81,4 +84,7 @@ class _Chain(CustomGraphPass):
             graph_pass(graph)
 
     def uuid(self):
-        return tuple(p.uuid() if hasattr(p, "uuid") else repr(p) for p in self.passes)
+        """None (Inductor then bypasses its FX graph cache) unless every pass names itself, as 2.11 does for a
+        pass that is not a ``CustomGraphPass`` or whose ``uuid`` is None."""
+        ids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+        return None if any(i is None for i in ids) else tuple(ids)

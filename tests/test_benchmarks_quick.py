@@ -250,3 +250,27 @@ def test_cold_compile_phases_fire_where_torch_calls_them():
     assert timer.calls.get("dynamo") == 1 and timer.calls.get("aot trace") == 2, timer.calls
     assert timer.seconds["dynamo"] > 0 and timer.seconds["aot trace"] > 0
     assert not hasattr(aot_autograd.aot_stage1_graph_capture, "__wrapped__")
+
+
+def test_scale_ratios_take_the_faster_plain_step_and_the_lower_peak(tmp_path):
+    """``benchmarks.scale``'s targets: time against the faster plain step, memory against the plain step of lower
+    peak, peers by time; a method that failed gives no ratio."""
+    import json
+
+    from benchmarks.scale import load, ratios, report
+
+    head = {"model": "m", "label": "m", "config": {}, "batch": 4, "params": 10, "trained_params": 10,
+            "environment": {"device": "cpu", "device_name": "x", "torch": "t", "threads": 2}}
+    methods = [
+        {"model": "m", "method": "plain", "median_s": 0.010, "peak_extra_bytes": 100},
+        {"model": "m", "method": "plain_compile", "median_s": 0.008, "peak_extra_bytes": 200},
+        {"model": "m", "method": "psg", "median_s": 0.012, "peak_extra_bytes": 150},
+        {"model": "m", "method": "opacus_ghost", "median_s": 0.030},
+        {"model": "m", "method": "vmap_dp", "error": "unsupported: RuntimeError: x"},
+    ]
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in [head, *methods]))
+    r = ratios(load(tmp_path)["m"]["methods"])
+    assert r["time"] == pytest.approx(1.5) and r["memory"] == pytest.approx(1.5)
+    assert r["opacus_ghost"] == pytest.approx(0.4) and r["vmap_dp"] is None
+    text = report(tmp_path)
+    assert "FAIL (1.50)" in text and "PASS (0.40)" in text and "unsupported: RuntimeError: x" in text

@@ -149,10 +149,9 @@ def take_flat(lin, x, y):
     return F.cross_entropy(h, y) + torch.take(h, torch.tensor([0, 5, 9])).sum()  # <take>
 
 
-def index_fill_shifted_positions(lin, x, y):
-    h = lin(x)
-    shifted = (torch.arange(x.shape[0]) + 1) % x.shape[0]
-    return F.cross_entropy(h.index_fill(0, shifted, 0.5), y)  # <index_fill_shift>
+def index_fill_first_position(lin, x, y):
+    h = lin(x)  # fills sample 0 alone: in a batch of its own, every sample is at position 0 and would be filled
+    return F.cross_entropy(h.index_fill(0, torch.tensor([0]), 0.5), y)  # <index_fill_first>
 
 
 REFUSED = {  # name -> (program, extra batched args, marker)
@@ -178,7 +177,7 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "batch_max_flows_back": (item_back, (), "item_max"),
     "masked_scatter_in_flat_order": (masked_scatter_rows, (), "masked_scatter"),
     "take_in_flat_order": (take_flat, (), "take"),
-    "index_fill_of_other_samples": (index_fill_shifted_positions, (), "index_fill_shift"),
+    "index_fill_of_batch_positions": (index_fill_first_position, (), "index_fill_first"),
 }
 
 

@@ -57,6 +57,26 @@ def test_adaptive_bound_past_the_float_range_counts_the_step_and_refuses_the_nex
     assert private.dp_step.steps_taken == 2 and private.accountant.steps == 2
 
 
+def test_a_bound_past_float32_refuses_the_next_step_and_a_new_config_lifts_it():
+    """lr=100 gives a next bound of about 1e40: finite in float64, infinite as float32 noise. Assigning a config
+    with a finite max_clipbound (the fix the message names) lets training go on."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x, y = _data()
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        max_grad_norm=0.01, noise_multiplier=1.0, clipping="adaptive", target_unclipped_quantile=1.0,
+                        clipbound_learning_rate=100.0, unclipped_num_std=2.0, backend="eager",
+                        generator=torch.Generator().manual_seed(1))
+    step(x[:8], y[:8])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(DPConfigError, match="max_clipbound"):
+        step(x[8:], y[8:])
+    assert step.steps_taken == 1
+    step.config = step.config.replace(max_clipbound=5.0)
+    step(x[8:], y[8:])
+    assert step.steps_taken == 2 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_a_finite_max_clipbound_keeps_adaptive_clipping_going():
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
@@ -121,12 +141,25 @@ def test_resumed_plain_sgd_takes_the_compiled_program_bit_for_bit():
 @pytest.mark.inductor
 def test_batches_sliced_from_one_tensor_run_on_one_capture():
     """``x[8:16]`` starts inside its storage: Dynamo would make the offset a symbol of its own, an input of the
-    program that no batch size determines (the compiled step crashed on it). One capture, one compile."""
-    x, y = _data(24)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                        max_grad_norm=1.0, noise_multiplier=1.0, generator=torch.Generator().manual_seed(3))
-    for i in range(0, 24, 8):
-        step(x[i:i + 8], y[i:i + 8])
-    assert (step.captures, step.compiles, step.steps_taken) == (1, 1, 3)
+    program that no batch size determines (the compiled step crashed on it). The first batch is such a slice, so
+    the capture itself sees it; the steps equal those on contiguous copies."""
+    x, y = _data(32)
+    results = []
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        return model, compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                                   torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                                   noise_multiplier=1.0, generator=torch.Generator().manual_seed(3))
+
+    for copies in (False, True):
+        model, step = build()
+        for i in range(8, 32, 8):
+            xb, yb = x[i:i + 8], y[i:i + 8]
+            assert xb.storage_offset() > 0
+            step(*((xb.clone(), yb.clone()) if copies else (xb, yb)))
+        assert (step.captures, step.compiles, step.steps_taken) == (1, 1, 3)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*results, strict=True):
+        assert torch.equal(p, q)

@@ -1066,10 +1066,12 @@ def _fills_own_positions(an: Analysis, node: fx.Node, k: int) -> bool:
     """``x.index_fill(k, arange(n), v)`` with ``k`` the batch dimension and ``v`` shared: every sample fills its
     own position, as in a batch of its own (torch 2.15 traces ``h[torch.arange(n), j] = v`` so; earlier versions
     trace it as ``index_put``). The same condition as ``index_select``'s."""
+    if node.target not in _INDEX_FILLS:
+        return False
     x, _, idx, value = node.args[:4]
     fx_, fi = an.fact(x), an.fact(idx)
     fv = an.fact(value) if isinstance(value, fx.Node) else SHARED
-    return (node.target in _INDEX_FILLS and isinstance(fx_, PerSample) and fx_.dim == k and fx_.layout == (1, 1)
+    return (isinstance(fx_, PerSample) and fx_.dim == k and fx_.layout == (1, 1)
             and isinstance(fi, SampleIndex) and fi.stride == 1 and isinstance(fv, Shared))
 
 

@@ -542,7 +542,8 @@ patches.register(patches.Patch(
 patches.register(patches.Patch(
     "stand-ins", "torch.nn.modules.transformer._detect_is_causal_mask, torch.nn.functional.linear_cross_entropy",
     "the first reads the mask's values (a data-dependent guard); the second's chunked path is opaque to "
-    "autograd tracing: equivalent functions Dynamo can trace (_stand_ins)", ("capture", "guard check"),
+    "autograd tracing: equivalent functions Dynamo can trace (_stand_ins; the second exists from torch 2.13)",
+    ("capture", "guard check"),
     "process-wide module attributes: another thread's eager call in that window takes the stand-in, which "
     "computes the same values", "the original attributes restored on exit", enter=_replaced_functions,
     current=lambda: tuple(getattr(module, name) for module, name, _ in _stand_ins())))

@@ -13,7 +13,7 @@ blocks (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD = -1``). A finit
 (materialized per-sample gradients: 1.2 GB per call for the benchmark CNN at B = 256, beside the program's other
 buffers) is given back, and the next call faults it in again: a 2.5 GiB buffer, freed and allocated again where it
 bordered the heap's top, faulted 655,328 pages per call
-(``tests/test_clip_plans.py::test_the_heap_keeps_freed_memory_unless_opted_out`` checks the setting and the faults).
+(``tests/test_clip_plans.py::test_the_heap_keeps_freed_memory_only_when_asked`` checks the setting and the faults).
 As with the CUDA cache, the process keeps that memory (its peak heap, or more where small cached blocks keep a freed
 buffer from being reused) after the program's last call. The settings hold for the main thread's heap: glibc maps a
 large request from another thread directly and may unmap a free per-thread heap. Only on glibc; also set by

@@ -45,8 +45,8 @@ FRESH_PAGE_FACTOR = 6.0
 
 
 def held_price() -> float:
-    """Where the heap keeps freed memory (glibc, the default: ``_compile/heap.py``) a held buffer's pages are
-    recycled and it costs its bytes alone; elsewhere its fresh pages every call."""
+    """Where the heap keeps freed memory (glibc, opted in: ``compiled_psg.retain_freed_memory``) a held buffer's
+    pages are recycled and it costs its bytes alone; elsewhere its fresh pages every call."""
     return 0.0 if retains() else FRESH_PAGE_FACTOR
 
 

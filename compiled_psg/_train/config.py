@@ -200,11 +200,11 @@ class DPConfig:
         expected batch size (the actual one without it)."""
         m = self.expected_batch_size if self.expected_batch_size is not None else max(batch_size, 1)
         fraction = (unclipped - batch_size / 2 + count_noise) / m + 0.5
-        # in logarithms: a large learning rate makes the factor overflow a float (math.exp raises past e^709);
+        # checked in logarithms: a large learning rate makes the factor overflow (math.exp raises past e^709);
         # the bound then saturates at max_clipbound, or is infinite, which DPStep refuses to step with
-        log_bound = math.log(self.max_grad_norm) - self.clipbound_learning_rate * (
-            fraction - self.target_unclipped_quantile)
-        bound = math.exp(log_bound) if log_bound < _LOG_FLOAT_MAX else math.inf
+        exponent = -self.clipbound_learning_rate * (fraction - self.target_unclipped_quantile)
+        overflows = math.log(self.max_grad_norm) + exponent >= _LOG_FLOAT_MAX
+        bound = math.inf if overflows else self.max_grad_norm * math.exp(exponent)
         return min(max(bound, self.min_clipbound, 1e-12), self.max_clipbound)
 
     def replace(self, **changes) -> DPConfig:

@@ -142,6 +142,7 @@ class DPStep:
                 raise DPConfigError(f"clipping={clipping!r} is the step's own reduction: pass max_grad_norm, not "
                                     "reduce=")
             bound = max_grad_norm
+        self._stalled_bound: str | None = None  # why adaptive clipping cannot go on (_adapt_bound)
         self._config = DPConfig(bound, noise_multiplier, expected_batch_size, loss_reduction,
                                 "custom" if custom is not None else clipping, **clipping_options)
         self._custom_reduce = custom
@@ -174,7 +175,6 @@ class DPStep:
         # fails after it (e.g. compiling the program at the end of the first step) still released a noisy update,
         # which the accountant must count (``PrivateTraining.step``)
         self.released_config: DPConfig | None = None
-        self._stalled_bound: str | None = None  # why adaptive clipping cannot go on (_adapt_bound)
         self.last_unclipped: float | None = None  # adaptive clipping: samples with norm <= C in the last step
         self.last_count_noise: float | None = None  # and the noise added to their (centred) count
 
@@ -191,6 +191,7 @@ class DPStep:
             raise DPConfigError(f"the clipping mode is fixed when the step is built ({self._config.clipping!r}), "
                                 f"got {value.clipping!r}")
         self._config = value
+        self._stalled_bound = None  # a new bound (or max_clipbound) from the user: adaptive clipping goes on
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -199,7 +200,6 @@ class DPStep:
     @max_grad_norm.setter
     def max_grad_norm(self, value: float | None) -> None:
         self.config = self._config.replace(max_grad_norm=value)
-        self._stalled_bound = None
 
     @property
     def noise_multiplier(self) -> float:
@@ -453,7 +453,12 @@ class DPStep:
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
-        loss = self._step(config, batch)
+        try:
+            loss = self._step(config, batch)
+        except BaseException:
+            if self.released_config is not None:  # the update was released: counted, as the accountant does
+                self.steps_taken += 1
+            raise
         self.last_config = config
         self.steps_taken += 1  # the update is applied: counted before anything else can fail
         if config.clipping == "adaptive":
@@ -478,12 +483,15 @@ class DPStep:
         self.last_unclipped = unclipped
         self.last_count_noise = noise
         bound = config.next_bound(unclipped, size, noise)
-        if not math.isfinite(bound):  # the step itself is done and counted; the next one cannot be noised
+        limit = torch.finfo(self._acc_dtype()).max  # the noise, std sigma * C, is drawn in this dtype
+        if not bound * max(config.noise_multiplier, 1.0) < limit:  # this step is done and counted; the next
+            # one's noise would overflow
             self._stalled_bound = (
-                f"adaptive clipping moved the clip bound past the float range after step {self.steps_taken} "
+                f"adaptive clipping moved the clip bound to {bound:.3g} after step {self.steps_taken}, past the range "
+                f"of {self._acc_dtype()} "
                 f"(clipbound_learning_rate={config.clipbound_learning_rate}, target_unclipped_quantile="
                 f"{config.target_unclipped_quantile}, max_clipbound={config.max_clipbound}), so the noise, whose "
-                "std scales with it, would be infinite. No step was taken. Fix: set a finite max_clipbound or a "
+                "std scales with it, would overflow. No step was taken. Fix: set a finite max_clipbound or a "
                 "smaller clipbound_learning_rate, or assign step.max_grad_norm before the next step")
             return
         self._config = self._config.replace(max_grad_norm=bound)
