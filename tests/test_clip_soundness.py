@@ -10,6 +10,7 @@ import torch.nn as nn
 from reference import ref_clip_sum, ref_norms, reference_per_sample
 
 import compiled_psg as psg
+from compiled_psg._reduce import strategies
 
 B, T, F_IN, F_OUT, C = 4, 2, 8, 4, 1.0
 
@@ -40,10 +41,15 @@ def test_float32_ghost_norms_survive_cancellation():
     ours = psg.per_sample(lin, backend="eager", reduce=psg.norms())(loss)(x, v)
     ref = reference_per_sample(loss, dict(lin.named_parameters()), (x, v))
     torch.testing.assert_close(ours.double(), ref_norms(ref).double(), rtol=1e-3, atol=0)
-    clipped = psg.per_sample(lin, backend="eager", reduce=psg.clip_sum(C))(loss)(x, v)["weight"]
-    # the sum itself is float32 arithmetic on entries of 1e7 (ours and the loop's alike): compare loosely
-    torch.testing.assert_close(clipped, ref_clip_sum(ref, C)["weight"], rtol=0, atol=5e-3)
-    assert clipped.norm() <= B * C * (1 + 1e-6)
+    # the sum itself is float32 arithmetic on entries of 1e7 (ours and the loop's alike): compared loosely on the
+    # plan that sums the materialized values as the loop does; the other plans recompute the sum (their rounding
+    # differs by up to 1.5e-2 here), and every plan's update stays within the bound
+    for plan in [s.name for s in strategies.STRATEGIES["clip_sq_norm"]]:
+        with strategies.preferred("clip_sq_norm", plan):
+            clipped = psg.per_sample(lin, backend="eager", reduce=psg.clip_sum(C))(loss)(x, v)["weight"]
+        if plan == "materialize":
+            torch.testing.assert_close(clipped, ref_clip_sum(ref, C)["weight"], rtol=0, atol=5e-3)
+        assert clipped.norm() <= B * C * (1 + 1e-6), plan
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
