@@ -173,7 +173,9 @@ def _in(frame, parts: tuple[str, ...]) -> bool:
 
 def _user_line() -> str:
     """The innermost line of the user's (or a library's) code Dynamo was tracing."""
-    frames = [f for f in torch._guards.TracingContext.extract_stack() if "compiled_psg/_capture" not in f.filename]
+    # Dynamo's polyfills stand for Python builtins (tuple equality runs one on torch 2.11): not the user's code
+    frames = [f for f in torch._guards.TracingContext.extract_stack()
+              if "compiled_psg/_capture" not in f.filename and "torch/_dynamo/polyfills" not in f.filename]
     if not frames:
         return "unknown source line"
     frame = frames[-1]
