@@ -57,15 +57,17 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def plain(model, criterion):
-    opt = torch.optim.SGD([p for _, p in _trainable(model)], lr=LR)
-
+def _training_step(model, criterion, opt):
     def run(x, y):
         opt.zero_grad(set_to_none=True)
         criterion(model(x), y).backward()
         opt.step()
 
     return run
+
+
+def plain(model, criterion):
+    return _training_step(model, criterion, torch.optim.SGD([p for _, p in _trainable(model)], lr=LR))
 
 
 def plain_compile(model, criterion):
@@ -101,13 +103,7 @@ def opacus_ghost(model, criterion, batch):
         module=model, optimizer=opt, criterion=copy.deepcopy(criterion), data_loader=loader,
         noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_NORM, poisson_sampling=False,
         grad_sample_mode="ghost")
-
-    def run(x, y):
-        dp_opt.zero_grad(set_to_none=True)
-        dp_criterion(dp_model(x), y).backward()
-        dp_opt.step()
-
-    return run
+    return _training_step(dp_model, dp_criterion, dp_opt)
 
 
 def vmap_dp(model, criterion):

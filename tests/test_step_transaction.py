@@ -19,6 +19,13 @@ def _data(n: int = 16, seed: int = 0):
     return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
+def _private(model, x, y, generator, **options):
+    """make_private on an SGD optimizer, batches of 8, noise multiplier 1, the eager backend."""
+    return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(TensorDataset(x, y),
+                        batch_size=8), lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0,
+                        backend="eager", generator=generator, poisson_sampling=False, **options)
+
+
 def _snapshot(model, generator):
     return [p.detach().clone() for p in model.parameters()], generator.get_state().clone()
 
@@ -37,11 +44,8 @@ def test_adaptive_bound_past_the_float_range_counts_the_step_and_refuses_the_nex
     model = nn.Linear(4, 3)
     gen = torch.Generator().manual_seed(1)
     x, y = _data()
-    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(TensorDataset(x, y),
-                           batch_size=8), lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0,
-                           max_grad_norm=0.01, clipping="adaptive", target_unclipped_quantile=1.0,
-                           clipbound_learning_rate=1000.0, unclipped_num_std=2.0, backend="eager", generator=gen,
-                           poisson_sampling=False)
+    private = _private(model, x, y, gen, max_grad_norm=0.01, clipping="adaptive", target_unclipped_quantile=1.0,
+                       clipbound_learning_rate=1000.0, unclipped_num_std=2.0)
     before = _snapshot(model, gen)
     private.step(x[:8], y[:8])
     assert not _unchanged(model, gen, before)
@@ -97,9 +101,7 @@ def test_a_step_refused_under_autocast_counts_nothing():
     model = nn.Linear(4, 3)
     gen = torch.Generator().manual_seed(1)
     x, y = _data()
-    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(TensorDataset(x, y),
-                           batch_size=8), lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0,
-                           max_grad_norm=1.0, backend="eager", generator=gen, poisson_sampling=False)
+    private = _private(model, x, y, gen, max_grad_norm=1.0)
     private.step(x[:8], y[:8])
     history = list(private.accountant.history)
     snapshot = _snapshot(model, gen)
