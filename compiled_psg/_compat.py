@@ -54,6 +54,14 @@ def embedding_bag_counts_each_id() -> bool:
 GRAPH_DUMP_VERSION = (2, 13)
 
 
+def reconnects_inner_gradients() -> bool:
+    """A loss that calls ``torch.autograd.grad(..., create_graph=True)`` inside itself: from torch 2.13 the
+    captured inner backward's saved values are reconnected and the per-sample gradients are exact; on 2.11 they
+    came out wrong (``tests/test_mixing.py::test_loss_with_inner_gradient_is_exact``, not traced further), so
+    such losses are refused there. 2.12 was not run: refused too."""
+    return torch_minor() >= (2, 13)
+
+
 def as_pass_config(passes: tuple):
     """The value for ``torch._inductor.config.post_grad_custom_post_pass`` that runs ``passes`` in order.
     torch 2.13+ takes a list; 2.11 and 2.12 take one pass, so several are chained into one whose ``uuid`` (the

@@ -18,6 +18,7 @@ from .._analyze.mixing import MixingSite, find_mixing
 from .._analyze.source import source_line
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
+from .._compat import reconnects_inner_gradients
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
 from .._reduce.context import ReduceContext, collect_param_grads
 from .._reduce.reductions import Reduction
@@ -210,6 +211,11 @@ def _inner_gradients(captured: Captured, forward: fx.GraphModule) -> bool:
     gradient that mixes samples is refused there. Returns whether the loss differentiates inside itself."""
     graph = forward.graph
     inner = [n for n in graph.nodes if n.meta.get("autograd_backward")]
+    if (inner or captured.inner_grads) and not reconnects_inner_gradients():
+        raise UnsupportedError(
+            f"the loss differentiates inside itself (torch.autograd.grad in the loss), which compiled_psg computes "
+            f"exactly on torch 2.13 and later only; on this torch ({torch.__version__}) the captured inner "
+            "backward gives wrong per-sample gradients. Fix: use torch 2.13 or later for this loss")
     if not inner:
         return False
     constant = [line for create_graph, line in captured.inner_grads if not create_graph]
