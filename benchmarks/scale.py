@@ -10,8 +10,8 @@ the cold compile when the Inductor cache is empty), then the methods are timed s
 the median is reported), then each method's peak memory over one step on top of what the process holds
 (``measure.Device.peak_bytes``). ``--parallel`` (GPU) runs the model processes at once for their compiles,
 which are CPU work, and lets one at a time time its methods (a lock file): the GPU is timed alone, the host
-shares its cores with the other models' compiles. ``--profile M`` adds a ``torch.profiler`` kernel table of the
-DP step and the compiled plain step of model M; ``TORCH_LOGS=output_code`` there gives Inductor's code.
+shares its cores with the other models' compiles. ``--profile M [M ...]`` adds a ``torch.profiler`` kernel table
+of the DP step and the compiled plain step of each model M; ``TORCH_LOGS=output_code`` there gives Inductor's code.
 
 Every DP step clips to 1.0, adds noise of multiplier 1.0, divides by the batch size and steps SGD (lr 0.01),
 over the parameters that require a gradient. Writes ``DIR/MODEL.jsonl`` (one record per method) and, with
@@ -46,11 +46,12 @@ MAX_NORM, NOISE_MULTIPLIER, LR = 1.0, 1.0, 0.01
 METHOD_LABELS = {  # set up in this order: past the deadline the last ones are skipped
     "plain": "plain SGD step, eager",
     "psg": "compiled_psg compile_step DP step",
+    "psg_bounded": "compiled_psg compile_step DP step, memory_budget=0",
     "plain_compile": "plain SGD step, torch.compile",
     "opacus_ghost": "Opacus 1.6 DP step, ghost clipping",
     "vmap_dp": "torch.compile(vmap(grad)) + clip DP step",
 }
-DP_METHODS = ("psg", "opacus_ghost", "vmap_dp")
+DP_METHODS = ("psg", "psg_bounded", "opacus_ghost", "vmap_dp")
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -85,12 +86,18 @@ def plain_compile(model, criterion):
     return run
 
 
-def psg(model, criterion):
+def psg(model, criterion, memory_budget=None):
     import compiled_psg as psg_lib
 
     opt = torch.optim.SGD([p for _, p in _trainable(model)], lr=LR)
     return psg_lib.compile_step(lambda x, y: criterion(model(x), y), model, opt, max_grad_norm=MAX_NORM,
-                                noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=None)
+                                noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=None,
+                                memory_budget=memory_budget)
+
+
+def psg_bounded(model, criterion):
+    """The memory-bounded plan: no per-sample value held across the program."""
+    return psg(model, criterion, memory_budget=0)
 
 
 def opacus_ghost(model, criterion, batch):
@@ -143,7 +150,8 @@ def _setup(method: str, model, criterion, batch) -> Callable:
     model = copy.deepcopy(model)
     if method == "opacus_ghost":
         return opacus_ghost(model, criterion, batch)
-    return {"plain": plain, "plain_compile": plain_compile, "psg": psg, "vmap_dp": vmap_dp}[method](model, criterion)
+    return {"plain": plain, "plain_compile": plain_compile, "psg": psg, "psg_bounded": psg_bounded,
+            "vmap_dp": vmap_dp}[method](model, criterion)
 
 
 # -- one model's process ---------------------------------------------------------------------------
@@ -257,7 +265,8 @@ def worker(name: str, methods: list[str], device: str, out: Path, reps: int, dea
                 rec["peak_error"] = short_error(e)
                 dev.release()
         if profile:
-            _profile(name, {m: runs[m] for m in ("psg", "plain_compile", "plain") if m in runs}, batch, out, dev)
+            profiled = ("psg", "psg_bounded", "plain_compile", "plain")
+            _profile(name, {m: runs[m] for m in profiled if m in runs}, batch, out, dev)
     for rec in records.values():
         emit(rec)
     log("done")
@@ -304,8 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm-calls", type=int, default=3)
     ap.add_argument("--budget", type=float, default=3600.0, help="seconds: no method is set up past it")
     ap.add_argument("--parallel", action="store_true", help="compile the models at once, time them one by one")
-    ap.add_argument("--profile", default=None, help="a model whose kernels to profile")
-    ap.add_argument("--output-code", action="store_true", help="TORCH_LOGS=output_code for the profiled model")
+    ap.add_argument("--profile", nargs="+", default=[], help="models whose kernels to profile")
+    ap.add_argument("--output-code", action="store_true", help="TORCH_LOGS=output_code for the profiled models")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny configs: checks the harness, gives no figures")
     ap.add_argument("--report", action="store_true", help="print the tables of the records in --out")
@@ -329,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(args.threads)
         worker(args.worker, args.methods, args.device, args.out, args.reps, args.deadline, args.warm_calls,
                args.out / "gpu.lock" if args.parallel else None,
-               (args.out, args.count, args.barrier) if args.parallel else None, args.profile == args.worker,
+               (args.out, args.count, args.barrier) if args.parallel else None, args.worker in args.profile,
                args.tiny)
         return
     scaled = args.device == "cpu"
@@ -347,12 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         common += ["--tiny"]
     if args.profile:
-        common += ["--profile", args.profile]
+        common += ["--profile", *args.profile]
     procs = []
     for model in models:
         cmd = common + ["--worker", model]
         env = dict(os.environ)
-        if args.output_code and model == args.profile:
+        if args.output_code and model in args.profile:
             env["TORCH_LOGS"] = "output_code"
         if args.parallel:
             cmd += ["--parallel", "--count", str(len(models)), "--barrier", str(deadline)]
@@ -372,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
 
 # -- the report ------------------------------------------------------------------------------------
 
-TARGETS = {"time": 1.15, "memory": {"cpu": 1.25, "cuda": 1.15}, "opacus": 0.5}
+TARGETS = {"time": 1.15, "memory": {"cpu": 1.25, "cuda": 1.15}, "opacus": 0.5, "bounded_memory": 1.05,
+           "bounded_time": 1.6}
 
 
 def load(source: Path) -> dict[str, dict]:
@@ -421,14 +431,22 @@ def ratios(methods: dict) -> dict:
     extra memory of one step, and the whole allocation at the peak on CUDA), and against the peers."""
     plains = [methods[k] for k in ("plain", "plain_compile") if "median_s" in methods.get(k, {})]
     dp = methods.get("psg", {})
-    found: dict = {"time": None, "memory": None, "memory_total": None, "opacus_ghost": None, "vmap_dp": None}
-    if not plains or "median_s" not in dp:
+    found: dict = {"time": None, "memory": None, "memory_total": None, "opacus_ghost": None, "vmap_dp": None,
+                   "bounded_time": None, "bounded_memory": None}
+    if not plains:
         return found
-    found["time"] = dp["median_s"] / min(r["median_s"] for r in plains)
-    for key, out in (("peak_extra_bytes", "memory"), ("peak_total_bytes", "memory_total")):
-        peaks = [r[key] for r in plains if r.get(key)]
-        if peaks and dp.get(key):
-            found[out] = dp[key] / min(peaks)
+    for method, prefix in (("psg_bounded", "bounded_"), ("psg", "")):
+        rec = methods.get(method, {})
+        if "median_s" in rec:
+            found[prefix + "time"] = rec["median_s"] / min(r["median_s"] for r in plains)
+        peaks = [r["peak_extra_bytes"] for r in plains if r.get("peak_extra_bytes")]
+        if peaks and rec.get("peak_extra_bytes"):
+            found[prefix + "memory"] = rec["peak_extra_bytes"] / min(peaks)
+    if "median_s" not in dp:
+        return found
+    peaks = [r["peak_total_bytes"] for r in plains if r.get("peak_total_bytes")]
+    if peaks and dp.get("peak_total_bytes"):
+        found["memory_total"] = dp["peak_total_bytes"] / min(peaks)
     for peer in ("opacus_ghost", "vmap_dp"):
         if "median_s" in methods.get(peer, {}):
             found[peer] = dp["median_s"] / methods[peer]["median_s"]
@@ -445,19 +463,22 @@ def report(source: Path) -> str:
              "",
              "| model | B | parameters (trained) | " + " | ".join(METHOD_LABELS[m] + ", ms" for m in METHOD_LABELS)
              + " |", "|---|---|---|" + "---|" * len(METHOD_LABELS)]
-    memory = ["| model | peak extra MiB: plain eager / plain compiled / DP step / Opacus / vmap | "
+    memory = ["| model | peak extra MiB: plain eager / plain compiled / DP step / DP memory_budget=0 / Opacus / vmap | "
               "whole allocation at the peak, MiB: plain eager / compiled / DP | "
               "first call s: plain compiled / DP step / vmap |", "|---|---|---|---|"]
     targets = [f"| model | B | DP / faster plain time <= {TARGETS['time']} | DP / plain peak extra memory <= "
                f"{TARGETS['memory'][kind]} | the same, whole allocation | DP / Opacus ghost time < "
-               f"{TARGETS['opacus']} | DP / compiled vmap time |", "|---|---|---|---|---|---|---|"]
+               f"{TARGETS['opacus']} | DP / compiled vmap time | memory_budget=0: peak extra <= "
+               f"{TARGETS['bounded_memory']} | memory_budget=0: time <= {TARGETS['bounded_time']} |",
+               "|---|---|---|---|---|---|---|---|---|"]
     for name, entry in models.items():
         head, m = entry["head"], entry["methods"]
         size = f"{head['params'] / 1e6:.1f}M ({head['trained_params'] / 1e6:.2f}M)"
         times = " | ".join(_ms(m.get(k)) for k in METHOD_LABELS)
         lines.append(f"| {name} | {head['batch']} | {size} | {times} |")
         memory.append(f"| {name} | " + " / ".join(_mib(m.get(k)) for k in ("plain", "plain_compile", "psg",
-                                                                          "opacus_ghost", "vmap_dp"))
+                                                                          "psg_bounded", "opacus_ghost",
+                                                                          "vmap_dp"))
                       + " | " + " / ".join(_mib(m.get(k), "peak_total_bytes")
                                            for k in ("plain", "plain_compile", "psg"))
                       + " | " + " / ".join(str(m.get(k, {}).get("first_call_s", "-"))
@@ -467,18 +488,26 @@ def report(source: Path) -> str:
                        f"{_verdict(r['memory'], TARGETS['memory'][kind])} | "
                        f"{_verdict(r['memory_total'], TARGETS['memory'][kind])} | "
                        f"{_verdict(r['opacus_ghost'], TARGETS['opacus'], strict=True)} | "
-                       f"{'-' if r['vmap_dp'] is None else format(r['vmap_dp'], '.2f')} |")
+                       f"{'-' if r['vmap_dp'] is None else format(r['vmap_dp'], '.2f')} | "
+                       f"{_verdict(r['bounded_memory'], TARGETS['bounded_memory'])} | "
+                       f"{_verdict(r['bounded_time'], TARGETS['bounded_time'])} |")
     return "\n".join(lines + ["", *memory, "", *targets])
 
 
-PAGE_SOURCES = (("GPU, full configs", "benchmarks-scale-gpu.json",
+# (title, records, command, the commit of compiled_psg measured: the code of each table)
+PAGE_SOURCES = (("GPU (H100), full configs: resnet50_gn, vit, bert_last with memory_budget=0",
+                 "benchmarks-scale-gpu-h100.json",
+                 'MODELS="resnet50_gn vit bert_last" METHODS="plain psg psg_bounded plain_compile" '
+                 'PROFILE="resnet50_gn vit" bash benchmarks/gpu_scale.sh 320 210', "this page's commit"),
+                ("GPU (H200), full configs, every model and peer", "benchmarks-scale-gpu.json",
                  "bash benchmarks/gpu_scale.sh 450 270` (which runs `python -m benchmarks.scale --device cuda "
                  "--parallel --profile gpt2 --output-code --budget 270`); llama_lora from a second call on the same "
                  "machine, "
                  "`python -m benchmarks.scale --device cuda --models llama_lora --methods plain plain_compile psg "
-                 "opacus_ghost --budget 280"),
+                 "opacus_ghost --budget 280", "ddbc185: per-tensor noise draws, grouped-convolution per-sample "
+                 "conv gradients, no memory_budget"),
                 ("CPU, scaled configs", "benchmarks-scale-cpu.json",
-                 "python -m benchmarks.scale --device cpu --threads 2 --out DIR"))
+                 "python -m benchmarks.scale --device cpu --threads 2 --out DIR", "this page's commit"))
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -497,13 +526,14 @@ def page(docs: Path = DOCS) -> str:
              "first step, compile included (GPU: five model processes compiling at once, so these are upper "
              "bounds). Targets: DP step time over the faster plain step; DP step peak over the plain "
              "step of lower peak; DP step time over Opacus ghost clipping's.", ""]
-    for title, name, command in PAGE_SOURCES:
+    for title, name, command, commit in PAGE_SOURCES:
         path = docs / name
         parts += [f"## {title}", ""]
         if not path.exists():
             parts += ["Not measured yet.", ""]
             continue
-        parts += [f"Command: `{command}`. Records: [{name}]({name}).", "", report(path), ""]
+        parts += [f"Command: `{command}`. Code measured: {commit}. Records: [{name}]({name}).", "", report(path),
+                  ""]
     notes = Path(__file__).with_name("scale_notes.md")
     if notes.exists():
         parts += [notes.read_text().rstrip(), ""]

@@ -323,7 +323,11 @@ class PerSampleFunction:
 
     def with_losses(self, *args, **kwargs):
         """``(loss, per_sample_losses [B], result)``: the loss as the function computes it, and each sample's
-        batch-of-one loss."""
+        batch-of-one loss. Under ``torch.inference_mode()`` as under ``torch.no_grad()``: the gradients are the
+        function's result, so they are computed (an ambient mode does not reach the loss, see docs/semantics.md)."""
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return self.with_losses(*args, **kwargs)
         _no_keywords(kwargs)
         params, modes = _params_and_modes(self.params_source)
         batch_dims, batch_size = batch_dims_of(args, self.in_dims)

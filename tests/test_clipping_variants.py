@@ -377,7 +377,8 @@ def test_per_layer_with_an_optimizer_on_some_parameters():
     kw = dict(clipping="per_layer", max_grad_norm=[0.05, 0.02])
     opt = torch.optim.SGD(model[2].parameters(), lr=1.0)
     loss = lambda x, y: F.cross_entropy(model(x), y, reduction="sum")  # noqa: E731
-    step = compile_step(loss, model, opt, loss_reduction="sum", backend="eager", **kw)
+    with pytest.warns(UserWarning, match=r"\['0.weight', '0.bias'\] require grad but the optimizer"):
+        step = compile_step(loss, model, opt, loss_reduction="sum", backend="eager", **kw)
     x, y = data(6)
     params = dict(model.named_parameters())
     grads = reference_per_sample(loss, params, (x, y))

@@ -184,6 +184,18 @@ def test_a_draw_is_gaussian_reproducible_and_streams_one_tensor_at_a_time(source
     assert not torch.allclose(one[0], other[0], atol=1e-2)
 
 
+def test_noise_on_an_accelerator_is_one_draw_over_one_buffer():
+    """Off the CPU (here the meta device, which has no numbers) the tensors' noise is drawn with one ``normal_``
+    over one flat buffer, of which each tensor is a view; mixed dtypes and secure noise go tensor by tensor."""
+    likes = [torch.zeros(3, 4, device="meta"), torch.zeros(5, device="meta")]
+    reuse: dict = {}
+    got = gaussian_many(likes, 2.0, reuse=reuse)
+    assert [t.shape for t in got] == [(3, 4), (5,)]
+    assert reuse["flat"].shape == (17,) and all(t._base is reuse["flat"] for t in got)
+    mixed = gaussian_many([likes[0], torch.zeros(5, device="meta", dtype=torch.float64)], 2.0, reuse={})
+    assert all(t._base is None for t in mixed) and mixed[1].dtype == torch.float64
+
+
 def test_a_reused_noise_buffer_is_filled_again_with_the_same_numbers():
     """``reuse``: the second draw fills the first draw's buffer in place, with the numbers a fresh buffer gets
     from the same generator state; a draw of another size allocates anew."""

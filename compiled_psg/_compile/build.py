@@ -45,6 +45,7 @@ class Rewritten:
     backward: LiftResult
     param_grads: list = field(default_factory=list)
     choices: dict = field(default_factory=dict)
+    memory_plan: dict | None = None  # ReduceContext.memory_plan: the held bytes against a memory_budget
     out_spec: object = None
     mixing: list[MixingSite] = field(default_factory=list)
 
@@ -116,7 +117,7 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     # after DCE: the batch-summed weight gradients the reduction replaced have no reader left (masks.py)
     rewritten.meta["output_masks_narrowed"] = narrow_output_masks(rewritten)
     out = Rewritten(captured, forward, joint, rewritten, roles, batch, names, head, backward,
-                    param_grads=param_grads, choices=ctx.choices, out_spec=spec)
+                    param_grads=param_grads, choices=ctx.choices, memory_plan=ctx.memory_plan, out_spec=spec)
     _dump_if_asked(out)
     n_fallback = len(head.fallbacks) + len(backward.fallbacks)
     log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters; dropped %d "

@@ -167,28 +167,45 @@ class CompiledPerSample:
         """The graph's flat outputs; ``extra`` feeds the placeholders after the rewritten graph's own."""
         inputs = self._inputs(params, args, batch_size) + list(extra)
         fn = self._callable(batch_size, inputs)
+        mutated = bool(self.rewritten.captured.mutated)
         with torch.no_grad():
             try:
+                # the loss's in-place writes from the inputs as they are now: a fused step's program updates the
+                # parameters in place, and a buffer written from a weight must get the pre-update weight, as in
+                # one eager forward
+                new_values = self._mutation_values(inputs) if mutated else None
                 outputs = list(fn(*inputs))
             except PerSampleError:
                 raise
             except Exception as e:  # the graph ran ops the capture only saw on fake tensors
+                if _dtype_mismatch(e):
+                    raise BatchInputError(
+                        f"the loss failed on this batch's dtypes ({type(e).__name__}: "
+                        f"{(str(e).strip().splitlines() or [''])[0]}): {_dtypes(args, params)}. Fix: give the batch "
+                        "the dtype the model computes in (x.to(torch.float32)), or convert the model") from e
                 raise BatchInputError(
                     f"running the rewritten per-sample graph on this batch failed ({type(e).__name__}: "
                     f"{(str(e).strip().splitlines() or [''])[0]}). A sample's own loss is the loss of a batch of "
                     "one: if the loss is undefined for one sample (kthvalue with k > 1 over the batch, a statistic "
                     "that needs two samples), per-sample gradients are undefined too; compute that statistic "
                     "outside the loss. Otherwise please report this message.") from e
-            if self.rewritten.captured.mutated:
-                self._apply_mutations(params, args, inputs)
+            if new_values is not None:
+                self._apply_mutations(params, args, new_values)
         return outputs
 
-    def _apply_mutations(self, params: dict[str, torch.Tensor], args: tuple, inputs: list) -> None:
-        """Write the loss's in-place updates into the user's tensors. Pre: ``inputs`` still hold the old values
-        (the graphs are functional). Post: each mutated argument, parameter or buffer holds what one eager call of
-        the loss would have left in it."""
+    def _mutation_values(self, inputs: list) -> list[torch.Tensor]:
+        """The new values of the tensors the loss updates in place, from ``inputs`` (the old values)."""
         captured = self.rewritten.captured
-        new_values = captured.mutation_graph.forward(*inputs[:len(captured.roles)])  # no module hooks
+        graph_inputs = inputs[:len(captured.roles)]
+        values = captured.mutation_graph.forward(*graph_inputs)  # no module hooks
+        # a value that is an input itself (``buffer.copy_(weight)``) is read now, before the program updates it
+        held = {t.untyped_storage().data_ptr() for t in graph_inputs if isinstance(t, torch.Tensor)}
+        return [v.clone() if v.untyped_storage().data_ptr() in held else v for v in values]
+
+    def _apply_mutations(self, params: dict[str, torch.Tensor], args: tuple, new_values: list) -> None:
+        """Write the loss's in-place updates into the user's tensors. Post: each mutated argument, parameter or
+        buffer holds what one eager call of the loss, before the step's update, would have left in it."""
+        captured = self.rewritten.captured
         for i, value in zip(captured.mutated, new_values, strict=True):
             role = captured.roles[i]
             if role.kind == "param":
@@ -202,6 +219,20 @@ class CompiledPerSample:
     def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
         loss, per_sample_losses, *flat = self.run(params, args, batch_size)
         return loss, per_sample_losses, pytree.tree_unflatten(list(flat), self.rewritten.out_spec)
+
+
+def _dtype_mismatch(e: Exception) -> bool:
+    text = str(e)
+    return any(part in text for part in ("must have the same dtype", "expected scalar type", "dtype mismatch",
+                                         "Expected both inputs to have the same dtype", "not implemented for 'Long'",
+                                         "not implemented for 'Int'"))
+
+
+def _dtypes(args: tuple, params: dict[str, torch.Tensor]) -> str:
+    """``argument 0 is torch.float64, ...; the parameters are torch.float32``."""
+    given = [f"argument {i} is {a.dtype}" for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    kinds = sorted({str(p.dtype) for p in params.values()})
+    return ", ".join(given) + f"; the parameters are {' and '.join(kinds)}"
 
 
 def _check_batch_not_pinned(rw: Rewritten, stage: str) -> None:

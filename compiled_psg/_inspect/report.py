@@ -47,6 +47,7 @@ class Report:
     fallbacks: list = field(default_factory=list)
     mixing: list = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
+    memory_plan: dict | None = None  # with a memory_budget: budget, batch_size, held, held_by_cheapest, fits
 
     # ----- construction -----
     @classmethod
@@ -65,7 +66,7 @@ class Report:
                 per_sample_shape=("B", *p.shape), choices=list(rw.choices.get(p.name, []))))
         return cls(captured=rw.captured.joint, before=rw.joint, after=rw.rewritten, rewrites=rewrites,
                    head=list(rw.head.records), fallbacks=list(rw.head.fallbacks) + list(rw.backward.fallbacks),
-                   labels=_labels(rw.roles, rw.joint))
+                   labels=_labels(rw.roles, rw.joint), memory_plan=rw.memory_plan)
 
     # ----- reading -----
     def __str__(self) -> str:
@@ -82,6 +83,12 @@ class Report:
         text.insert(1, "  ".join("-" * w for w in widths))
         head = ", ".join(sorted({r.rule for r in self.head if r.kind == "contraction"})) or "none (per-sample losses)"
         text.append(f"loss head: {head}")
+        if self.memory_plan is not None:
+            plan = self.memory_plan
+            text.append(f"memory budget: {_mib(plan['budget'])}; per-sample values held across the program at "
+                        f"B = {plan['batch_size']}: {_mib(plan['held'])} (the fastest plan: "
+                        f"{_mib(plan['held_by_cheapest'])})" + ("" if plan["fits"] else
+                                                                 "; over budget: no strategy holding less applies"))
         text.append(f"fallbacks (vmap of one op): {len(self.fallbacks)}"
                     + "".join(f"\n  {f.op} at {f.source}" for f in self.fallbacks))
         return "\n".join(text)
@@ -170,6 +177,14 @@ def _common_source(sources: list[str]) -> str:
     if len({len(parts) for parts in split}) != 1:
         return _generic_module(sources[0])
     return "".join(parts[0] if len(set(parts)) == 1 else "N" for parts in zip(*split, strict=True))
+
+
+def _mib(n: float) -> str:
+    """Bytes in the largest binary unit that keeps a whole part."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} bytes"
 
 
 def _cost(cost: dict) -> str:

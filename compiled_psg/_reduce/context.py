@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .._analyze import ops
-from .._analyze.batch_dims import BatchDims
+from .._analyze.batch_dims import BatchDims, value_of
 from .._rewrite.contraction import Contraction
 from .._rewrite.emit import emit
 from .._rewrite.per_sample_pass import LiftResult, broadcast_per_sample
@@ -56,6 +56,31 @@ class ReduceContext:
         self.choices: dict[str, list[Choice]] = {p.name: [] for p in params}
         self._materialized: dict[str, fx.Node] = {}
         self._norm_strategy: dict[str, str] = {}
+        self._assigned: dict[str, dict[str, str]] = {}  # quantity -> {parameter: strategy} (fit_memory)
+        self.memory_plan: dict | None = None  # what fit_memory planned, for psg.explain
+
+    def batch_size_hint(self) -> int:
+        """The batch size of the capture's example inputs (the batch is symbolic; this is its hint)."""
+        size = value_of(self._batch_ref).shape[0]
+        return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+    def assign(self, quantity: str, strategies: dict[str, str]) -> None:
+        self._assigned[quantity] = strategies
+
+    def assigned(self, quantity: str, p: ParamGrad) -> str | None:
+        return self._assigned.get(quantity, {}).get(p.name)
+
+    def fit_memory(self, quantity: str, params: list[ParamGrad], budget: float | None) -> None:
+        """Plan ``quantity``'s strategies within ``budget`` bytes held across the program (None: the cheapest
+        plan), at the batch size of the capture's example; ``memory_plan`` records it."""
+        if budget is None or not params:
+            return
+        from .strategies import fit_memory
+
+        batch_size = self.batch_size_hint()
+        cheapest, held = fit_memory(self, quantity, params, float(budget), batch_size)
+        self.memory_plan = {"budget": float(budget), "batch_size": batch_size, "held": held,
+                            "held_by_cheapest": cheapest, "fits": held <= budget}
 
     # ----- helpers -----
     def emit(self, fn, inputs, tag: str):
@@ -102,6 +127,8 @@ class ReduceContext:
         details = {"flops": cost.flops, "bytes": cost.bytes}
         if cost.held:
             details["held"] = cost.held
+        if rejected is not None and rejected[1].total < cost.total:
+            details["for"] = "memory_budget"  # the budget moved it off the cheapest strategy
         if rejected is not None:
             other = rejected[1]
             held = f", {other.held:g} held" if other.held else ""

@@ -69,13 +69,15 @@ class ClipSum(Reduction):
     """``{name: sum_i min(1, max_norm / ||g_i||) g_i}``, the DP-SGD aggregate, in one backward pass.
 
     With ``return_norms=True`` the result is ``(sums, norms)`` with the unclipped per-sample norms ``[B]``.
-    A sample with zero gradient has factor 1 (no division by zero).
+    A sample with zero gradient has factor 1 (no division by zero). ``memory_budget``: see ``DPClip``.
     """
 
     max_norm: float
     return_norms: bool = False
+    memory_budget: float | None = None
 
     def emit(self, ctx):
+        ctx.fit_memory("clip_sq_norm", ctx.params, self.memory_budget)
         norms = _sqrt_of_sum(ctx, [ctx.clip_sq_norms(p) for p in ctx.params])
         max_norm = float(self.max_norm)
         factors = ctx.emit(lambda n: clip_factor(n, max_norm), [norms], "clip_factors")
@@ -157,11 +159,23 @@ def norms(per_parameter: bool = False) -> Norms:
     return Norms(per_parameter)
 
 
-def clip_sum(max_norm: float, *, return_norms: bool = False) -> ClipSum:
-    """The sum of per-sample gradients each clipped to ``max_norm`` (optionally with the norms)."""
+def clip_sum(max_norm: float, *, return_norms: bool = False, memory_budget: float | None = None) -> ClipSum:
+    """The sum of per-sample gradients each clipped to ``max_norm`` (optionally with the norms), within
+    ``memory_budget`` bytes of per-sample values held across the program (None: the fastest plan; see
+    ``DPClip``)."""
     if not max_norm > 0:
         raise BatchInputError(f"clip_sum: max_norm must be positive, got {max_norm!r}")
-    return ClipSum(float(max_norm), return_norms)
+    return ClipSum(float(max_norm), return_norms, check_memory_budget(memory_budget, BatchInputError))
+
+
+def check_memory_budget(budget, error: type[Exception]) -> float | None:
+    """``budget`` as a float (bytes), or None; ``error`` for anything else than a number >= 0."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget >= 0:
+        raise error(f"memory_budget must be None or a number of bytes >= 0 (0: hold no per-sample gradient "
+                    f"across the program), got {budget!r}")
+    return float(budget)
 
 
 def sum_squares() -> SumSquares:
@@ -199,12 +213,22 @@ class DPClip(Reduction):
       ``S_j = sum_i min(1, C_k / ||g_i[k]||) g_i[j]`` for ``j`` in group ``k``;
     - ``"automatic"``: ``S = sum_i C g_i / (||g_i|| + gamma)`` (Bu et al. 2022; ``C`` scales the normalization).
 
+    ``groups`` with ``"flat"`` or ``"automatic"``: one group, the parameters the norm covers and the sums are of
+    (the optimizer's, where it trains fewer than the per-sample function has).
     ``bounds``: the ``C_k`` as constants of the graph, or None: a placeholder ``clip_bounds[K]`` (dtype
     ``acc_dtype``) after the graph's own, fed at run time (adaptive clipping changes ``C`` every step).
     ``acc_dtype``: the dtype the norms, factors and sums are computed in (float32 for bfloat16/float16).
     When any value of the graph is bfloat16/float16 (bf16 parameters, autocast), every parameter's per-sample
     gradient is materialized and upcast, so that norms, factors and the sum all use the same float32 values:
     the bound holds in float32 arithmetic, not only up to the low precision's rounding.
+
+    ``memory_budget`` (bytes; None: the fastest plan): the per-sample values the plan may hold across the
+    program, at the batch size of the capture's example. The cheapest plan holds a layer's materialized
+    per-sample gradients until the clip factors are known; within a budget, layers move to strategies that hold
+    nothing (ghost norms, or a materialized norm freed at once and a book-keeping sum), cheapest per byte freed
+    first (``strategies.fit_memory``). ``psg.explain`` shows the plan and its held bytes. What it bounds is the
+    held memory, not the transient memory of one layer's per-sample gradient, and not the low-precision path
+    (bfloat16/float16 graphs materialize every parameter's gradient to upcast it).
     """
 
     mode: str = "flat"
@@ -212,6 +236,7 @@ class DPClip(Reduction):
     groups: tuple[tuple[str, ...], ...] | None = None
     gamma: float = 0.01
     acc_dtype: torch.dtype = torch.float32
+    memory_budget: float | None = None
 
     def _groups(self, names: list[str]) -> list[list[str]]:
         if self.groups is None:
@@ -224,6 +249,8 @@ class DPClip(Reduction):
         by_name = {p.name: p for p in ctx.params}
         low = holds_low_precision(ctx.graph)
         groups = self._groups(names)
+        if self.mode != "per_layer" and self.groups is not None:  # one group: the norm and sums cover it alone
+            names = groups[0]
         if self.bounds is None:
             bounds = ctx.input("clip_bounds", (len(groups),), acc)
         else:
@@ -244,6 +271,8 @@ class DPClip(Reduction):
                                 "weighted_sum")
             return ctx.emit(lambda s: s.to(acc), [ctx.weighted_sum(p, w)], "weighted_sum")
 
+        if not low:
+            ctx.fit_memory("clip_sq_norm", [by_name[n] for n in names], self.memory_budget)
         squares = {n: sq_norms(by_name[n]) for n in names}
         norms = _sqrt_of_sum(ctx, list(squares.values()))
         if self.mode == "flat":

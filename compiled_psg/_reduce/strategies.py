@@ -85,16 +85,60 @@ def strategy(quantity: str, name: str, applies: Callable[[ReduceContext, ParamGr
     return register
 
 
-def choose(ctx: ReduceContext, quantity: str, p: ParamGrad) -> tuple[Strategy, Cost, tuple[str, Cost] | None]:
-    """The cheapest applicable strategy, its cost, and the runner-up (name, cost) if any."""
-    priced = [(s, c) for s in STRATEGIES[quantity] if (c := s.applies(ctx, p)) is not None]
-    if not priced:
+def priced(ctx: ReduceContext, quantity: str, p: ParamGrad) -> list[tuple[Strategy, Cost]]:
+    """Every strategy of ``quantity`` that applies to ``p``, with its cost, cheapest first."""
+    options = [(s, c) for s in STRATEGIES[quantity] if (c := s.applies(ctx, p)) is not None]
+    if not options:
         from .._errors import InternalError
 
         raise InternalError(f"no strategy computes {quantity} for {p.name}")
-    priced.sort(key=lambda sc: sc[1].total)
-    runner_up = (priced[1][0].name, priced[1][1]) if len(priced) > 1 else None
-    return priced[0][0], priced[0][1], runner_up
+    return sorted(options, key=lambda sc: sc[1].total)
+
+
+def choose(ctx: ReduceContext, quantity: str, p: ParamGrad) -> tuple[Strategy, Cost, tuple[str, Cost] | None]:
+    """The strategy the memory plan assigned (``fit_memory``), else the cheapest applicable one; its cost, and
+    the runner-up (name, cost) if any."""
+    options = priced(ctx, quantity, p)
+    assigned = ctx.assigned(quantity, p)
+    if assigned is not None:
+        options.sort(key=lambda sc: sc[0].name != assigned)
+    runner_up = (options[1][0].name, options[1][1]) if len(options) > 1 else None
+    return options[0][0], options[0][1], runner_up
+
+
+def fit_memory(ctx: ReduceContext, quantity: str, params: list[ParamGrad], budget: float,
+               batch_size: int) -> tuple[float, float]:
+    """Assign each parameter a strategy of ``quantity`` so that the bytes they hold across the program
+    (``Cost.held``, per sample, times ``batch_size``) fit ``budget``: from the cheapest plan, repeatedly move the
+    parameter whose move to a strategy holding less costs the least per byte freed. Returns the held bytes of
+    the cheapest plan and of the assigned one (over ``budget`` only where no strategy holding less applies)."""
+    options = {p.name: priced(ctx, quantity, p) for p in params}
+    pick = dict.fromkeys(options, 0)
+    # Cost.held counts ITEMSIZE bytes per value; the budget is in the gradient's own bytes
+    itemsize = {p.name: (ITEMSIZE if p.grad is None else value_of(p.grad).dtype.itemsize) / ITEMSIZE
+                for p in params}
+
+    def held(name: str) -> float:
+        return options[name][pick[name]][1].held * batch_size * itemsize[name]
+
+    cheapest = total = sum(held(name) for name in options)
+    while total > budget:
+        best = None  # (extra cost per byte freed, name, option)
+        for name, choices in options.items():
+            current = choices[pick[name]][1]
+            for j, (_, cost) in enumerate(choices):
+                if cost.held < current.held:
+                    rate = (cost.total - current.total) / ((current.held - cost.held) * itemsize[name])
+                    if best is None or rate < best[0]:
+                        best = (rate, name, j)
+        if best is None:
+            break
+        _, name, j = best
+        total -= held(name)
+        pick[name] = j
+        total += held(name)
+    ctx.assign(quantity, {name: options[name][pick[name]][0].name for name in options})
+    return cheapest, total
 
 
 @contextlib.contextmanager
@@ -149,9 +193,21 @@ def materialize_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
 # ----- squared norms -----
 
 
+def rounds_in_tf32(c: Contraction) -> bool:
+    """Whether the contraction's float32 matmuls may round in TF32 (CUDA, ``torch.backends.cuda.matmul
+    .allow_tf32`` or a float32 matmul precision below "highest"): the certified ghost norm and the bound of a
+    materialized norm over a book-keeping sum assume rounding in float32, so they do not apply."""
+    value = c.node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.device.type != "cuda" or value.dtype != torch.float32:
+        return False
+    return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+
+
 def _ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     c = ctx.single_isometric(p)
     if c is None or c.sq_norms is None:
+        return None
+    if c.factor_shape is not None and c.factor_shape[0] > 1 and rounds_in_tf32(c):
         return None
     if c.factor_shape is None:  # a rule's own norm without factors (embeddings): never writes the [n, P] gradient
         return Cost(flops=_size(p), bytes=_size(p) * ITEMSIZE)
@@ -285,7 +341,7 @@ def _clip_bounded_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     c = ctx.single_isometric(p)
     if c is None or c.factors is None or c.factor_shape is None or c.factor_shape[0] == 1:
         return None
-    if c.node.meta["val"].dtype not in (torch.float32, torch.float64):
+    if c.node.meta["val"].dtype not in (torch.float32, torch.float64) or rounds_in_tf32(c):
         return None  # bfloat16/float16: (2t + 2) eps is several times the norm itself (ghost, in float32, fits)
     book_keeping = _book_keeping_cost(ctx, p)
     if book_keeping is None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .._errors import DPConfigError
+from .._reduce.reductions import check_memory_budget
 
 LOSS_REDUCTIONS = ("mean", "sum")
 CLIPPING = ("flat", "per_layer", "automatic", "adaptive", "custom")
@@ -50,7 +51,8 @@ class DPConfig:
     (``C g / (||g|| + automatic_gamma)``, Bu et al. 2022), ``"adaptive"`` (flat, ``C`` follows the
     ``target_unclipped_quantile`` of the norms, Andrew et al. 2021, with ``clipbound_learning_rate``,
     ``unclipped_num_std`` (sigma_b), ``min_clipbound``, ``max_clipbound``: Opacus's names) or ``"custom"``
-    (a user reduction replaces the clipped sum)."""
+    (a user reduction replaces the clipped sum); ``memory_budget``: the bytes of per-sample values the plan may
+    hold across the program (None: the fastest plan; ``DPClip``)."""
 
     max_grad_norm: float | tuple[float, ...] | None = None
     noise_multiplier: float = 0.0
@@ -64,6 +66,7 @@ class DPConfig:
     unclipped_num_std: float | None = None
     min_clipbound: float = 0.0
     max_clipbound: float = math.inf
+    memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -102,6 +105,7 @@ class DPConfig:
             object.__setattr__(self, "clip_groups", groups)
         if not self.automatic_gamma > 0:
             raise DPConfigError(f"automatic_gamma must be positive, got {self.automatic_gamma}")
+        object.__setattr__(self, "memory_budget", check_memory_budget(self.memory_budget, DPConfigError))
         self._check_adaptive()
 
     def _check_adaptive(self) -> None:

@@ -65,11 +65,33 @@ def _native(likes: list[torch.Tensor], generator: torch.Generator | None) -> boo
             and (generator is None or generator.device.type == "cpu") and native_noise.available())
 
 
+def _one_accelerator(likes: list[torch.Tensor], generator: torch.Generator | None) -> bool:
+    """Whether ``likes`` share one dtype and one device other than the CPU, the generator's (if any)."""
+    device, dtype = likes[0].device, likes[0].dtype
+    return (device.type != "cpu" and (generator is None or generator.device == device)
+            and all(t.device == device and t.dtype == dtype for t in likes))
+
+
+def _flat_buffer(likes: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 reuse: dict | None) -> torch.Tensor:
+    """One buffer for the noise of every tensor of ``likes``: ``reuse``'s when it is of that size, dtype and
+    device, else a new one (kept in ``reuse``)."""
+    total = sum(t.numel() for t in likes)
+    flat = None if reuse is None else reuse.get("flat")
+    if flat is None or flat.numel() != total or flat.dtype != dtype or flat.device != device:
+        flat = torch.empty(total, dtype=dtype, device=device)
+        if reuse is not None:
+            reuse["flat"] = flat
+    return flat
+
+
 def gaussian_many(likes: list[torch.Tensor], std: float, *, secure: bool = False,
                   generator: torch.Generator | None = None, reuse: dict | None = None) -> list[torch.Tensor]:
-    """N(0, std^2) noise shaped like each of ``likes``. From the native stream (one key for the whole draw, the
-    tensors as consecutive slices of one flat buffer) where it serves them, else tensor by tensor
-    (``gaussian_like``). ``gaussian_stream`` gives the same numbers one tensor at a time.
+    """N(0, std^2) noise shaped like each of ``likes``: from the native stream where it serves them (one key for
+    the whole draw, the tensors as consecutive slices of one flat buffer); on one accelerator from torch's
+    generator in one draw over one flat buffer; else tensor by tensor (``gaussian_like``). ``gaussian_stream``
+    gives the same numbers one tensor at a time, except on an accelerator (the same distribution, drawn tensor by
+    tensor: one flat draw would hold every tensor's noise at once, which the stream exists to avoid).
 
     ``reuse``: a dict the caller keeps from draw to draw, once it no longer reads the previous draw: the flat
     buffer is filled again in place (same size) instead of allocated. A fresh buffer of many MB costs its page
@@ -77,15 +99,16 @@ def gaussian_many(likes: list[torch.Tensor], std: float, *, secure: bool = False
     if not likes:
         return []
     with torch.profiler.record_function("compiled_psg.noise"):  # drawn on worker threads: named for profiles
-        if not _native(likes, generator):
+        if _native(likes, generator):
+            flat = _flat_buffer(likes, torch.float32, torch.device("cpu"), reuse)
+            native_noise.normal_(flat, float(std), native_noise.draw_key(generator, secure))
+        elif not secure and _one_accelerator(likes, generator):
+            # One normal_ over one buffer: a draw per tensor costs a launch or two each and the host time between
+            # them, a measured share of the DP step on a GPU (benchmarks/scale_notes.md, llama_lora).
+            flat = _flat_buffer(likes, likes[0].dtype, likes[0].device, reuse)
+            flat.normal_(0.0, float(std), generator=generator)
+        else:
             return [gaussian_like(t, std, secure=secure, generator=generator) for t in likes]
-        total = sum(t.numel() for t in likes)
-        flat = None if reuse is None else reuse.get("flat")
-        if flat is None or flat.numel() != total:
-            flat = torch.empty(total, dtype=torch.float32, device="cpu")
-            if reuse is not None:
-                reuse["flat"] = flat
-        native_noise.normal_(flat, float(std), native_noise.draw_key(generator, secure))
     out, offset = [], 0
     for t in likes:
         out.append(flat[offset:offset + t.numel()].view(t.shape))

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from .._errors import DPConfigError
+from .._errors import BatchInputError, DPConfigError
 from . import distributed as dist_utils
 from .accounting import Accountant, calibrate_noise, check_delta
 from .sampling import PoissonBatchSampler, poisson_loader
@@ -200,6 +200,12 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
 
     # capture on a real batch first: a model that mixes samples is refused before any training
     first = next(iter(data_loader))
+    if isinstance(first, Mapping):
+        raise BatchInputError(
+            f"the data loader yields dicts (keys {sorted(first)}); make_private passes a batch to loss_fn as "
+            "positional tensors (a tuple or list is spread, anything else is one argument), and a dict is not a "
+            "tensor. Fix: yield tuples, e.g. DataLoader(..., collate_fn=lambda rows: (torch.stack([r['x'] for r in "
+            "rows]), torch.stack([r['y'] for r in rows]))), with loss_fn(x, y)")
     first = tuple(first) if isinstance(first, list | tuple) else (first,)
     device = next(p.device for p in model.parameters())
     first = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in first)
@@ -209,7 +215,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                            generator=generator, max_physical_batch_size=max_physical_batch_size,
                            clipping=clipping, **clipping_options)
     start = time.perf_counter()
-    dp_step.per_sample.prepare_call(*first)
+    dp_step.prepare_call(dp_step.per_sample, first)
     dp_step.compile_seconds += time.perf_counter() - start
 
     loader = data_loader

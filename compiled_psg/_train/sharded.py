@@ -315,7 +315,7 @@ class ShardedStep(DPStep):
                 total, losses, norms, sizes = _accumulate(None, sums, self.names), [loss], [norm], [0]
             else:
                 for piece in self._micro_batches(batch, f.in_dims, batch_size):
-                    c = f.prepare_call(*piece)
+                    c = self.prepare_call(f, piece)
                     loss, _, result = self._run_per_sample(c.entry, config, c.params, c.args, c.batch_size)
                     sums, norm = _split_result(result, self.names, self.params)
                     total = _accumulate(total, sums, self.names)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,6 +48,7 @@ from .config import DPConfig
 from .eager import NoiseSource, eager_update
 from .fuse import StepProgram
 from .programs import ProgramCache
+from .release import refuse_private_writes
 
 log = logging.getLogger("compiled_psg")
 
@@ -133,7 +135,8 @@ class DPStep:
                  noise_multiplier: float = 0.0, expected_batch_size: float | None = None,
                  loss_reduction: str = "mean", secure_rng: bool = False, backend: str = "inductor",
                  generator: torch.Generator | None = None, in_dims=0, distributed: bool | None = None,
-                 max_physical_batch_size: int | None = None, clipping: str = "flat", **clipping_options):
+                 max_physical_batch_size: int | None = None, clipping: str = "flat",
+                 public_buffers: Sequence[str] = (), **clipping_options):
         from .._api import per_sample
 
         custom, bound = _resolve_reduction(reduce, max_grad_norm if clipping == "flat" else None)
@@ -146,6 +149,7 @@ class DPStep:
         self._config = DPConfig(bound, noise_multiplier, expected_batch_size, loss_reduction,
                                 "custom" if custom is not None else clipping, **clipping_options)
         self._custom_reduce = custom
+        self.public_buffers = _public_buffers(model, public_buffers)
         self.max_physical_batch_size = max_physical_batch_size
         self._new_per_sample = lambda reduction: per_sample(model, in_dims=in_dims, reduce=reduction,
                                                             backend=backend)(loss_fn)
@@ -157,6 +161,7 @@ class DPStep:
             p.device.type == "cpu" and p.dtype != torch.float64 for p in model.parameters()))
         self.distributed = dist_utils.is_distributed() if distributed is None else distributed
         self.binding = OptimizerBinding(model, optimizer)
+        self._warn_untrained()
         self.per_sample  # noqa: B018 -- the per-sample function of the initial config, checked now
         self.program_cache = ProgramCache(optimizer, self.binding, self.distributed)
         self._check_dtypes()
@@ -263,9 +268,11 @@ class DPStep:
 
     def _groups(self, config: DPConfig) -> tuple[tuple[str, ...], ...] | None:
         """The parameter groups of per-layer clipping (None: one group), checked against the trained ones."""
-        if config.clipping != "per_layer":
-            return None
         names = list(self.binding.names)
+        if config.clipping != "per_layer":
+            # the norm covers what the optimizer updates (Opacus' semantics): one group of the trained names
+            trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            return None if names == trainable else (tuple(names),)
         if config.clip_groups is None:
             return tuple((n,) for n in names)
         listed = {n for g in config.clip_groups for n in g}
@@ -286,7 +293,7 @@ class DPStep:
         mode = {"adaptive": "flat"}.get(config.clipping, config.clipping)
         # adaptive: C changes every step, so it is an input of the graph instead of a constant
         return DPClip(mode, None if config.clipping == "adaptive" else bounds, groups, config.automatic_gamma,
-                      self._acc_dtype())
+                      self._acc_dtype(), config.memory_budget)
 
     def _per_sample_for(self, config: DPConfig):
         """The per-sample function of ``config``: one per clipping bound (``C`` is a constant of its graph, but
@@ -299,6 +306,14 @@ class DPStep:
                             "capturing and compiling the step for it (once per bound)", config.max_grad_norm)
             fn = self._per_sample_fns[reduction] = self._new_per_sample(reduction)
         return fn
+
+    def prepare_call(self, f, batch: tuple):
+        """``f.prepare_call(*batch)``, refused (``DPConfigError``) when the loss writes a parameter or a buffer
+        not in ``public_buffers`` from the batch: the model would carry it out of the step un-noised
+        (``release.py``). Before anything runs."""
+        call = f.prepare_call(*batch)
+        refuse_private_writes(call.entry.rewritten.captured, self.model, self.public_buffers)
+        return call
 
     @property
     def per_sample(self):
@@ -346,6 +361,15 @@ class DPStep:
         if self.binding.refresh():
             self.program_cache.clear()
             self._check_dtypes()
+            self._warn_untrained()
+
+    def _warn_untrained(self) -> None:
+        trained = set(self.binding.names)
+        untrained = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in trained]
+        if untrained:
+            warnings.warn(f"parameters {untrained} require grad but the optimizer does not update them: the DP "
+                          "step clips and noises the optimizer's parameters only, and leaves these as they are. "
+                          "Fix: freeze them (requires_grad_(False)) or add them to the optimizer", stacklevel=3)
 
     # --- the fused program ---------------------------------------------------------------------------------
     def _program_for(self, entry: CompiledPerSample, config: DPConfig,
@@ -442,6 +466,9 @@ class DPStep:
 
     # --- one step ------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
+        if torch.is_inference_mode_enabled():  # as under no_grad: the step computes its own gradients
+            with torch.inference_mode(False):
+                return self(*batch)
         # Nothing is released until _step's update: a refusal below must not let a caller count the last step
         # again (PrivateTraining counts released_config when a step raises).
         self.released_config = None
@@ -518,7 +545,7 @@ class DPStep:
             sums, self.last_norms = _split_result(result, self.names, self.params)
             self._run_eager_update(config, [sums[n] for n in self.names], 0)
             return loss
-        pieces = [f.prepare_call(*piece) for piece in self._micro_batches(batch, f.in_dims, batch_size)]
+        pieces = [self.prepare_call(f, piece) for piece in self._micro_batches(batch, f.in_dims, batch_size)]
         sizes = [c.batch_size for c in pieces]
         losses, norms, partial = [], [], None
         *head, last = pieces
@@ -588,6 +615,16 @@ class DPStep:
         self._state_ready = self.steps_taken > 0 or bool(self.optimizer.state)
 
 
+def _public_buffers(model: nn.Module, names: Sequence[str]) -> frozenset[str]:
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise DPConfigError(f"public_buffers must be a list of buffer names, got {names!r}")
+    known = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise DPConfigError(f"public_buffers names no buffer of the model: {unknown} (its buffers: {sorted(known)})")
+    return frozenset(names)
+
+
 def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  reduce: Reduction | None = None, max_grad_norm: float | None = None,
                  noise_multiplier: float = 0.0, expected_batch_size: float | None = None,
@@ -597,7 +634,8 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                  clipping: str = "flat", clip_groups: Sequence[Sequence[str]] | None = None,
                  automatic_gamma: float = 0.01, target_unclipped_quantile: float = 0.5,
                  clipbound_learning_rate: float = 0.2, unclipped_num_std: float | None = None,
-                 min_clipbound: float = 0.0, max_clipbound: float = math.inf) -> DPStep:
+                 min_clipbound: float = 0.0, max_clipbound: float = math.inf,
+                 memory_budget: float | None = None, public_buffers: Sequence[str] = ()) -> DPStep:
     """Build ``step(*batch) -> loss``: one (DP-)SGD step of ``optimizer`` on ``model``'s parameters, compiled as
     one program (forward, rewritten backward, reduction, noise, all-reduce, optimizer update).
 
@@ -641,11 +679,22 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     ``unclipped_num_std`` (Andrew et al. 2021); ``noise_multiplier`` is the whole step's, the gradient's own is
     ``(sigma^-2 - (2 sigma_b)^-2)^-1/2``. Norms, clip factors and clipped sums are float32 for bfloat16 models
     (float64 for float64 ones); the noise is added in that dtype.
+
+    Nothing computed from the batch leaves the step but the noisy update: a loss that writes a parameter or a
+    buffer from the batch (a running statistic under ``no_grad``, ``Embedding(max_norm=...)``'s renorm) is refused
+    with ``DPConfigError`` before the step runs. ``public_buffers``: names of buffers whose writes you declare
+    public (released as they are, outside the DP guarantee).
+
+    ``memory_budget``: bytes of per-sample values the program may hold beyond what the plain step holds (None:
+    the fastest plan, which keeps each layer's materialized per-sample gradients until the clip factors are
+    known; 0: holds none). Layers move to strategies that hold nothing, the cheapest per byte freed first, at
+    the batch size of the first call (``max_physical_batch_size``'s micro-batches: theirs); ``psg.explain(step,
+    *batch)`` shows the plan. docs/training.md, "Memory budget", says what it does not bound.
     """
     options = {"clip_groups": None if clip_groups is None else tuple(tuple(g) for g in clip_groups),
                "automatic_gamma": automatic_gamma, "target_unclipped_quantile": target_unclipped_quantile,
                "clipbound_learning_rate": clipbound_learning_rate, "unclipped_num_std": unclipped_num_std,
-               "min_clipbound": min_clipbound, "max_clipbound": max_clipbound}
+               "min_clipbound": min_clipbound, "max_clipbound": max_clipbound, "memory_budget": memory_budget}
     from .sharded import ShardedStep, is_sharded
 
     cls = ShardedStep if is_sharded(model) else DPStep  # fully_shard: see compiled_psg._train.sharded
@@ -653,4 +702,4 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                   noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                   loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,
                   in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size,
-                  clipping=clipping, **options)
+                  clipping=clipping, public_buffers=public_buffers, **options)

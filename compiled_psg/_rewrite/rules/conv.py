@@ -39,6 +39,50 @@ def _(gs, xs, weight_shape, stride, padding, dilation, transposed, output_paddin
     return gs.new_empty([gs.shape[0]] + list(weight_shape))
 
 
+def conv2d_factors(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], stride: list[int],
+                   padding: list[int], dilation: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [n, t, o], X [n, t, c*kh*kw])`` with ``A[n]^T X[n]`` the per-sample weight gradient of a Conv2d
+    (``groups = 1``, not transposed); ``t`` counts the ``r`` replicas' output positions.
+
+    ``A`` is ``gs [n, r, o, h', w']`` with the positions moved last; ``X`` holds the input's patches (a strided
+    slice of the padded input per kernel offset, stacked: plain indexing that the compiler fuses into one
+    gather, where ``F.unfold`` would fix the batch size). A 1x1 kernel needs no patches. Transient memory: the
+    patches of one layer.
+    """
+    n, r, o = gs.shape[0], gs.shape[1], gs.shape[2]
+    c, kh, kw = weight_shape[1], weight_shape[2], weight_shape[3]
+    oh, ow = gs.shape[3], gs.shape[4]
+    for dim, pad in ((4, padding[1]), (3, padding[0])):  # zeros concatenated: constant_pad_nd fixes the batch size
+        if pad:
+            zeros = xs.new_zeros([*xs.shape[:dim], pad, *xs.shape[dim + 1:]])
+            xs = torch.cat([zeros, xs, zeros], dim)
+    slices = []
+    for i in range(kh):
+        for j in range(kw):
+            top, left = i * dilation[0], j * dilation[1]
+            slices.append(xs[..., top:top + stride[0] * (oh - 1) + 1:stride[0],
+                             left:left + stride[1] * (ow - 1) + 1:stride[1]])
+    patches = slices[0].unsqueeze(3) if len(slices) == 1 else torch.stack(slices, 3)  # [n, r, c, kh*kw, h', w']
+    patches = patches.reshape(n, r, c * kh * kw, oh * ow).transpose(2, 3).reshape(n, r * oh * ow, c * kh * kw)
+    grads = gs.reshape(n, r, o, oh * ow).transpose(2, 3).reshape(n, r * oh * ow, o)
+    return grads, patches
+
+
+def conv2d_weight_per_sample_gemm(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], stride: list[int],
+                                  padding: list[int], dilation: list[int]) -> torch.Tensor:
+    """The same per-sample Conv2d weight gradients as ``conv_weight_per_sample``, as one batched GEMM of the
+    factors (``conv2d_factors``): ``ps[n] = A[n]^T X[n]``."""
+    a, x = conv2d_factors(gs, xs, weight_shape, stride, padding, dilation)
+    return torch.bmm(a.transpose(1, 2), x).view(gs.shape[0], *weight_shape)
+
+
+def gemm_form_on(device: torch.device) -> bool:
+    """Whether per-sample Conv2d weight gradients take the GEMM form on ``device``: on CUDA, where cuDNN runs the
+    batch-as-groups convolution group by group (``benchmarks/scale_notes.md``, resnet50_gn); elsewhere the one
+    grouped convolution."""
+    return device.type == "cuda"
+
+
 @contraction_rule(ATEN.convolution_backward.default)
 def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """Output 1 (weight) or 2 (bias) of ``convolution_backward(g, x, w, ...)``; n batch, o out, c in.
@@ -55,6 +99,10 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
         cbn = aten.convolution_backward(g.view(1, n*o, *s'), x.view(1, n*c, *s), empty([n*o, c/G, *k]),
                                         ..., groups=n*G, mask=[False, True, False])
         ps = cbn[1].view(n, o, c/G, *k)                  # [n, o, c/G, *k]
+
+    On CUDA a Conv2d with ``groups = 1`` takes the GEMM form instead (``conv2d_weight_per_sample_gemm``)::
+
+        ps = bmm(g.view(n, o, h'*w'), patches(x) [n, h'*w', c*kh*kw]).view(n, o, c, kh, kw)
 
     After (bias)::  ps = g.sum(spatial dims)             # [n, o]
     """
@@ -81,14 +129,19 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
         return Contraction(rule="convolution_backward[bias]", node=node, inputs=[g, x, w],
                            per_sample=per_sample_bias, linear_arg=0, linear_layout=(0, layout), rebuild=rebuild)
 
+    gemm = (not transposed and groups == 1 and len(w_shape) == 4 and gemm_form_on(value_of(g).device))
+
     def per_sample_weight(g, x, w):
         gs, xs = split_batch(g, 0, layout), split_batch(x, 0, layout)  # [n, r, o, *s'], [n, r, c, *s]
+        if gemm:
+            return conv2d_weight_per_sample_gemm(gs, xs, w_shape, list(stride), list(padding), list(dilation))
         return conv_weight_per_sample(gs, xs, w_shape, list(stride), list(padding), list(dilation), bool(transposed),
                                       list(output_padding), int(groups))
 
-    # (t, o, i) of the unfolded form, for the cost model. No ghost norm from unfold factors: tracing F.unfold on
-    # the symbolic batch pins the batch size (found when the byte-aware cost model first chose it), so the
-    # per-sample conv weight gradient is materialized for norms, sums of squares and Gram matrices.
+    # (t, o, i) of the unfolded form, for the cost model. No factors, so the per-sample conv weight gradient is
+    # materialized for norms, sums of squares and Gram matrices, and a clipped sum reuses the values normed: a
+    # book-keeping sum would redo the convolution in cuDNN, which rounds in TF32 by default
+    # (torch.backends.cudnn.allow_tf32), past the float32 rounding bound of ``bounded_materialized_sq_norms``.
     factor_shape = None
     g_val = value_of(g)
     if not transposed and groups == 1 and len(w_shape) == 4 and not any(output_padding):

@@ -1,0 +1,90 @@
+"""What a DP step releases besides the noisy update: nothing computed from the batch.
+
+A loss may update tensors in place (``Captured.mutated``): a buffer that tracks a batch statistic under
+``torch.no_grad()`` (``self.running.mul_(0.9).add_(0.1 * x.mean(0))``), ``F.embedding``'s ``max_norm`` renorming
+the rows a batch looked up. The runner writes those values into the model on every step (``_compile/run.py``), and
+they leave with it, outside the DP mechanism: a statistic of the data, or which rows the batch used. A DP step
+refuses a write to a parameter or buffer whose new value depends on a batched argument, before it runs (the
+capture's mutation graph, followed back from the written value to the inputs it reads). ``public_buffers`` names
+the buffers the user declares public: their writes are released as they are, by the user's choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.fx as fx
+import torch.nn as nn
+
+from .._analyze.source import source_line
+from .._capture.dynamo import Captured
+from .._errors import DPConfigError
+
+
+def batch_dependent_writes(captured: Captured) -> list[tuple[int, fx.Node]]:
+    """``(placeholder index, written value)`` of each in-place write to a parameter or buffer whose new value
+    depends on a batched argument."""
+    if not captured.mutated or captured.mutation_graph is None:
+        return []
+    graph = captured.mutation_graph.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    batched = {node for node, role in zip(placeholders, captured.roles, strict=False) if role.batched}
+    values = graph.output_node().args[0]
+    found = []
+    for index, value in zip(captured.mutated, values, strict=True):
+        if captured.roles[index].kind not in ("param", "const") or not isinstance(value, fx.Node):
+            continue
+        if _reads_any(value, batched):
+            found.append((index, value))
+    return found
+
+
+def _reads_any(node: fx.Node, sources: set[fx.Node]) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in sources:
+            return True
+        if current in seen:
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return False
+
+
+def refuse_private_writes(captured: Captured, model: nn.Module, public_buffers: Iterable[str]) -> None:
+    """Raise ``DPConfigError`` naming each parameter or buffer (not in ``public_buffers``) that the loss writes
+    from the batch, the line that writes it and the fixes."""
+    names = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
+    names.update({id(t): n for n, t in model.named_buffers(remove_duplicate=False)})
+    public = set(public_buffers)
+    sites = []
+    for index, value in batch_dependent_writes(captured):
+        role = captured.roles[index]
+        name = role.key if role.kind == "param" else names.get(id(captured.constants.get(index)), "a tensor")
+        if name in public:
+            continue
+        where = _writer_line(value)
+        sites.append(f"{'parameter' if role.kind == 'param' else 'buffer'} {name!r}, written at {where}")
+    if not sites:
+        return
+    raise DPConfigError(
+        "the loss writes values computed from the batch into the model, which a DP step would release un-noised "
+        "with it: " + "; ".join(sites) + ". No step was taken. Fix: put the module that writes it in eval mode, "
+        "freeze it (compute it outside the DP step, from public data), or, for a buffer whose value you declare "
+        "public, name it in compile_step(..., public_buffers=[...]). Embedding(max_norm=...) renorms the rows "
+        "the batch looked up: use max_norm=None in DP training")
+
+
+def _writer_line(value: fx.Node) -> str:
+    """The user's line behind the written value, or behind the nearest node before it that has one."""
+    seen, stack = set(), [value]
+    while stack:
+        node = stack.pop(0)
+        line = source_line(node)
+        if line != "unknown source line":
+            return line
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return "an unknown source line"

@@ -1,0 +1,50 @@
+"""The GEMM form of per-sample Conv2d weight gradients (``rules.conv.conv2d_weight_per_sample_gemm``), taken on
+CUDA, forced here on the CPU: every Conv2d zoo case against the naive loop, and the rewrite's op checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_zoo import check_case
+from zoo import BY_ID
+
+import compiled_psg as psg
+from compiled_psg._rewrite.rules import conv
+
+CONV2D_CASES = ["simple_cnn", "conv2d_reflect", "conv2d_replicate", "conv2d_depthwise",
+                "conv2d_stride_pad_dilation_groups"]
+
+
+@pytest.fixture
+def gemm_form(monkeypatch):
+    monkeypatch.setattr(conv, "gemm_form_on", lambda device: True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case_id", CONV2D_CASES)
+def test_gemm_form_matches_the_loop(gemm_form, case_id, dtype):
+    check_case(BY_ID[case_id], dtype, "eager", batch=3)
+
+
+@pytest.mark.parametrize("shape", [dict(kernel_size=1, stride=2), dict(kernel_size=(3, 2), stride=(2, 1),
+                                   padding=(1, 2), dilation=(2, 1)), dict(kernel_size=7, stride=2, padding=3)],
+                         ids=["1x1_stride2", "3x2_mixed", "7x7_stem"])
+def test_gemm_form_of_strided_padded_dilated_kernels(gemm_form, shape):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 5, **shape), torch.nn.Flatten(), torch.nn.LazyLinear(2)).double()
+    x = torch.randn(4, 3, 11, 9, dtype=torch.float64)
+    model(x)  # materializes the lazy layer
+    y = torch.tensor([0, 1, 1, 0])
+
+    def loss(x, y):
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    fn = psg.per_sample(model, backend="eager")(loss)
+    got = fn(x, y)
+    for i in range(4):
+        model.zero_grad()
+        loss(x[i:i + 1], y[i:i + 1]).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got[name][i], p.grad, rtol=1e-10, atol=1e-12)
+    graph = psg.explain(fn, x, y).after.code
+    assert "bmm" in graph and "conv_weight_per_sample" not in graph

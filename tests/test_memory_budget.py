@@ -1,0 +1,96 @@
+"""``memory_budget``: the clip plan holds at most that many bytes of per-sample values across the program, and
+its results are still the loop's (``psg.clip_sum``, ``compile_step``); bad budgets are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import ref_clip_sum, reference_per_sample
+
+import compiled_psg as psg
+
+TOKENS = 64  # enough positions that the cheapest plan materializes (and holds) the weights' gradients
+
+
+def token_mlp(dtype=torch.float64):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 24), nn.GELU(), nn.Linear(24, 3)).to(dtype)
+    x = torch.randn(6, TOKENS, 16, dtype=dtype)
+    y = torch.randint(0, 3, (6,))
+
+    def loss(x, y):
+        return F.cross_entropy(model(x).mean(1), y)
+
+    return model, loss, (x, y)
+
+
+def plan_of(budget, dtype=torch.float64):
+    model, loss, batch = token_mlp(dtype)
+    fn = psg.per_sample(model, reduce=psg.clip_sum(0.05, return_norms=True, memory_budget=budget),
+                        backend="eager")(loss)
+    sums, norms = fn(*batch)
+    ref_sums, ref_norms = ref_clip_sum(reference_per_sample(loss, dict(model.named_parameters()), batch), 0.05,
+                                       return_norms=True)
+    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(norms, ref_norms, **tol)
+    for name, want in ref_sums.items():
+        torch.testing.assert_close(sums[name], want, **tol)
+    return psg.explain(fn, *batch)
+
+
+def held_weights(report) -> list[str]:
+    return [r.name for r in report.rewrites if r.name.endswith("weight")
+            and any(c.method == "materialize" and "held" in c.cost for c in r.choices)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_zero_budget_holds_no_weight_gradient_and_matches_the_loop(dtype):
+    fastest, bounded = plan_of(None, dtype), plan_of(0, dtype)
+    assert fastest.memory_plan is None and held_weights(fastest) == ["0.weight", "2.weight", "4.weight"]
+    plan = bounded.memory_plan
+    assert held_weights(bounded) == [] and plan["budget"] == 0 and plan["batch_size"] == 6
+    # what is left is the biases' [6, o] values, which no other strategy computes without holding them
+    itemsize = dtype.itemsize
+    assert plan["held"] == 6 * (32 + 24 + 3) * itemsize and not plan["fits"]
+    assert plan["held_by_cheapest"] == 6 * (32 * 16 + 24 * 32 + 3 * 24 + 32 + 24 + 3) * itemsize
+    assert "memory budget: 0 bytes" in str(bounded) and "over budget" in str(bounded)
+    moved = [c for r in bounded.rewrites for c in r.choices if c.cost.get("for") == "memory_budget"]
+    assert len(moved) == 3
+
+
+def test_a_partial_budget_frees_the_cheapest_bytes_first_and_fits():
+    """Between none and all: the plan fits the budget and holds some weight's gradient."""
+    full = plan_of(None)
+    weights = 6 * 8 * (32 * 16 + 24 * 32 + 3 * 24)
+    report = plan_of(weights / 2)
+    plan = report.memory_plan
+    assert plan["fits"] and plan["held"] <= weights / 2 < plan["held_by_cheapest"]
+    assert 0 < len(held_weights(report)) < len(held_weights(full))
+
+
+def test_compile_step_with_a_budget_takes_the_same_step():
+    """One DP step (no noise) with memory_budget=0 moves the parameters as the fastest plan's step does."""
+    results = []
+    for budget in (None, 0):
+        model, loss, batch = token_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        step = psg.compile_step(loss, model, opt, max_grad_norm=0.05, backend="eager", memory_budget=budget)
+        step(*batch)
+        assert step.config.memory_budget == budget
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("budget", [-1, float("nan"), "1GB", True])
+def test_a_bad_budget_is_refused_before_anything_changes(budget):
+    model, loss, _ = token_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with pytest.raises(psg.DPConfigError, match="memory_budget must be None or a number of bytes"):
+        psg.compile_step(loss, model, opt, max_grad_norm=1.0, backend="eager", memory_budget=budget)
+    with pytest.raises(psg.BatchInputError, match="memory_budget"):
+        psg.clip_sum(1.0, memory_budget=budget)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

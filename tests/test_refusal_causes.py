@@ -1,0 +1,60 @@
+"""Refusals that name the real cause (issue items: a batch of another dtype than the model, make_private over a
+loader of dicts) and calls that work as they read (``torch.inference_mode()`` as ``torch.no_grad()``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import reference_per_sample
+from torch.utils.data import DataLoader, Dataset
+
+import compiled_psg as psg
+
+
+def _model_and_loss():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    return model, lambda x, y: F.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("x", [torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5, 4))],
+                         ids=["float64", "int64"])
+def test_a_batch_of_another_dtype_is_named(x):
+    model, loss = _model_and_loss()
+    fn = psg.per_sample(model, backend="eager")(loss)
+    with pytest.raises(psg.BatchInputError, match=rf"argument 0 is {x.dtype}.*the parameters are torch.float32"):
+        fn(x, torch.randint(0, 3, (5,)))
+
+
+def test_per_sample_and_a_step_under_inference_mode_work_as_under_no_grad():
+    model, loss = _model_and_loss()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    fn = psg.per_sample(model, backend="eager")(loss)
+    with torch.inference_mode():
+        got = fn(x, y)
+    want = reference_per_sample(loss, dict(model.named_parameters()), (x, y))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    step = psg.compile_step(loss, model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                            backend="eager")
+    before = model.weight.detach().clone()
+    with torch.inference_mode():
+        step(x, y)
+    assert step.steps_taken == 1 and not torch.equal(before, model.weight)
+
+
+class _Dicts(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return {"x": torch.full((4,), float(i)), "y": torch.tensor(i % 3)}
+
+
+def test_make_private_over_a_loader_of_dicts_names_the_dicts_and_a_fix():
+    model, _ = _model_and_loss()
+    with pytest.raises(psg.BatchInputError, match=r"yields dicts \(keys \['x', 'y'\]\).*collate_fn"):
+        psg.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_Dicts(), batch_size=8),
+                         lambda b: F.cross_entropy(model(b["x"]), b["y"]), noise_multiplier=1.0, backend="eager")

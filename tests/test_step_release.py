@@ -1,0 +1,152 @@
+"""Nothing computed from the batch leaves a DP step but the noisy update: a loss that writes a buffer or a
+parameter from the batch is refused before the step runs (``_train/release.py``), unless the user declares the
+buffer public; writes that do not read the batch pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import compiled_psg as psg
+
+
+class Tracking(nn.Module):
+    """A Linear that keeps a running mean of its input, its weight's snapshot and a call counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("running", torch.zeros(4))
+        self.register_buffer("snapshot", torch.zeros(3, 4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, track_batch=True):
+        with torch.no_grad():
+            if track_batch:
+                self.running.mul_(0.9).add_(0.1 * x.mean(0))
+            self.snapshot.copy_(self.lin.weight)
+            self.calls.add_(1)
+        return self.lin(x)
+
+
+def _batch(n=8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_buffer_written_from_the_batch_is_refused_before_anything_changes():
+    torch.manual_seed(0)
+    model = Tracking()
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=1.0,
+                            backend="eager")
+    before = _state(model)
+    with pytest.raises(psg.DPConfigError) as info:
+        step(*_batch())
+    text = str(info.value)
+    assert "buffer 'running'" in text and "test_step_release.py" in text and "self.running.mul_" in text
+    assert "snapshot" not in text and "calls" not in text  # written, but not from the batch
+    assert "public_buffers" in text and "eval mode" in text
+    assert step.steps_taken == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_public_buffer_and_writes_that_do_not_read_the_batch_pass():
+    torch.manual_seed(0)
+    model = Tracking()
+    x, y = _batch()
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, backend="eager",
+                            public_buffers=["running"])
+    step(x, y)
+    torch.testing.assert_close(model.running, 0.1 * x.mean(0))
+    assert model.calls.item() == 1 and step.steps_taken == 1
+    quiet = Tracking()
+    step = psg.compile_step(lambda x, y: F.cross_entropy(quiet(x, track_batch=False), y), quiet,
+                            torch.optim.SGD(quiet.parameters(), lr=0.1), max_grad_norm=1.0, backend="eager")
+    step(x, y)
+    assert step.steps_taken == 1
+
+
+def test_make_private_refuses_at_set_up():
+    torch.manual_seed(0)
+    model = Tracking()
+    x, y = _batch(16)
+    with pytest.raises(psg.DPConfigError, match="buffer 'running'"):
+        psg.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         DataLoader(TensorDataset(x, y), batch_size=8), lambda x, y: F.cross_entropy(model(x), y),
+                         noise_multiplier=1.0, backend="eager", poisson_sampling=False)
+    assert model.running.abs().sum() == 0
+
+
+def test_embedding_max_norm_renorming_the_batch_rows_is_refused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=0.5), nn.Flatten(), nn.Linear(8, 2))
+    x, y = torch.randint(0, 10, (6, 2)), torch.randint(0, 2, (6,))
+    weight = model[0].weight.detach().clone()
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, backend="eager")
+    with pytest.raises(psg.DPConfigError, match=r"parameter '0.weight'.*max_norm=None"):
+        step(x, y)
+    assert torch.equal(model[0].weight, weight)
+
+
+@pytest.mark.parametrize("names, match", [(["nope"], "names no buffer"), ("running", "list of buffer names")])
+def test_public_buffers_must_name_buffers(names, match):
+    model = Tracking()
+    with pytest.raises(psg.DPConfigError, match=match):
+        psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                         torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, backend="eager",
+                         public_buffers=names)
+
+
+def test_the_clip_norm_covers_the_optimizers_parameters_and_the_rest_is_named():
+    """An optimizer over the last layer only: its step equals DP-SGD of the last layer alone (the frozen first
+    layer's gradient is outside the norm), for flat and automatic clipping; the untrained parameters are named."""
+    x, y = _batch(8)
+    for clipping in ("flat", "automatic"):
+        results = []
+        for freeze in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+            if freeze:
+                model[0].requires_grad_(False)
+            opt = torch.optim.SGD(model[2].parameters(), lr=1.0)
+
+            def make(model=model, opt=opt, clipping=clipping):
+                return psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model, opt, max_grad_norm=0.01,
+                                        backend="eager", clipping=clipping)
+            if freeze:
+                step = make()
+            else:
+                with pytest.warns(UserWarning, match=r"\['0.weight', '0.bias'\] require grad but the optimizer"):
+                    step = make()
+            step(x, y)
+            results.append([p.detach().clone() for p in model.parameters()])
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_buffer_written_from_a_weight_reads_the_pre_update_weight_on_every_step(backend):
+    """``snapshot.copy_(lin.weight)`` in the forward: after each step (the eager first one and the fused ones) the
+    snapshot holds the weight the step's forward read, as one eager forward then ``optimizer.step()`` leaves it."""
+    torch.manual_seed(0)
+    model = Tracking()
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x, track_batch=False), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), max_grad_norm=1.0,
+                            backend=backend)
+    for i in range(3):
+        x, y = _batch(8 + i)
+        before = model.lin.weight.detach().clone()
+        step(x, y)
+        assert not torch.equal(model.lin.weight, before)
+        assert torch.equal(model.snapshot, before), f"step {i}: the snapshot is not the pre-update weight"
+    assert step.fused and model.calls.item() == 3
