@@ -507,7 +507,9 @@ PAGE_SOURCES = (("GPU (H100), full configs: resnet50_gn, vit, bert_last with mem
                  "opacus_ghost --budget 280", "ddbc185: per-tensor noise draws, grouped-convolution per-sample "
                  "conv gradients, no memory_budget"),
                 ("CPU, scaled configs", "benchmarks-scale-cpu.json",
-                 "python -m benchmarks.scale --device cpu --threads 2 --out DIR", "this page's commit"))
+                 "python -m benchmarks.scale --device cpu --threads 2 --out DIR --budget 2700` (resnet50_gn from "
+                 "`python -m benchmarks.scale --device cpu --threads 2 --out DIR --models resnet50_gn --budget 1200`, "
+                 "the same DIR", "this page's commit"))
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

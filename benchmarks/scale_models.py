@@ -169,7 +169,7 @@ SCALE_MODELS: dict[str, ScaleSpec] = {
                      dict(layers=6, width=384, heads=6, image=224), 8,
                      tiny=dict(layers=1, width=32, heads=2, image=32)),
     "resnet50_gn": ScaleSpec("ResNet-50, GroupNorm", _resnet50_gn, dict(width=64, image=224), 64,
-                             dict(width=48, image=96), 16, tiny=dict(width=32, image=32)),
+                             dict(width=64, image=64), 16, tiny=dict(width=32, image=32)),
     "bert_last": ScaleSpec("BERT-base classification, last layer trained", _bert_last,
                            dict(layers=12, width=768, heads=12, seq=128), 32,
                            dict(layers=4, width=256, heads=4, seq=128), 32,
