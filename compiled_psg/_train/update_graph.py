@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils import _pytree as pytree
 
+from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import InternalError
 
 
@@ -158,7 +159,9 @@ def capture_update(optimizer: torch.optim.Optimizer, trained: list[int], dtype: 
 
     fn = fresh_function(update)
     try:
-        with torch.no_grad():
+        # one trace at a time with the captures and compiles: torch.fx's tracer patches nn.Module.__call__ through
+        # one process-global patcher, which two traces in two threads leave patched for good
+        with CAPTURE_LOCK, torch.no_grad():
             torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(new_grads, scale)
         gm, inputs = state["gm"], state["inputs"]
     finally:
