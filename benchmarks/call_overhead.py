@@ -111,7 +111,7 @@ def measure_step(repeats: int = 15, batch: int = 16, backend: str = "inductor", 
     variants["dp_step"] = lambda: step(x, y)
     call = step.per_sample.prepare_call(x, y)
     program, compiled = step.program_cache.get(call.entry, step.config, False)
-    extra = step._extra_inputs(step.config, program, batch)
+    extra = step.inputs.for_program(step.config, program.inputs, batch)
     variants["program"] = _kernel(compiled, call.params, call.args, batch, tuple(extra))
 
     for name, wrap in (("plain_eager", lambda m: m), ("plain_compiled", torch.compile)):
@@ -137,6 +137,7 @@ def breakdown(steps: int = 1000, batch: int = 16, backend: str = "inductor", mod
     from compiled_psg import _api
     from compiled_psg._compile import run
     from compiled_psg._train import eager, update_graph
+    from compiled_psg._train import inputs as inputs_module
     from compiled_psg._train import step as step_module
 
     model, (x, y), loss_of = _workload(model_name, batch, full)
@@ -150,7 +151,8 @@ def breakdown(steps: int = 1000, batch: int = 16, backend: str = "inductor", mod
                (_api.PerSampleFunction, "_valid", "  guard check"),
                (step_module.DPStep, "_program_for", "program lookup"),
                (update_graph, "signature", "  optimizer signature"),
-               (step_module.DPStep, "_extra_inputs", "extra inputs"), (eager.NoiseSource, "draw_many", "  noise draw"),
+               (inputs_module.StepInputs, "for_program", "extra inputs"),
+               (eager.NoiseSource, "draw_many", "  noise draw"),
                (run.CompiledPerSample, "run", "run the program"), (run.CompiledPerSample, "_inputs", "  inputs")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
 

@@ -19,8 +19,8 @@ from ._errors import InternalError as InternalError
 from ._errors import PerSampleError as PerSampleError
 from ._errors import SampleMixingError as SampleMixingError
 from ._errors import UnsupportedError as UnsupportedError
+from ._explain import explain as explain
 from ._inspect.report import Report as Report
-from ._inspect.report import explain as explain
 from ._reduce.reductions import Reduction as Reduction
 from ._reduce.reductions import clip_sum as clip_sum
 from ._reduce.reductions import custom as custom
@@ -32,6 +32,7 @@ from ._rewrite.registry import register_rule as register_rule
 from ._rewrite.table import supported_ops as supported_ops
 from ._train.accounting import Accountant as Accountant
 from ._train.accounting import calibrate_noise as calibrate_noise
+from ._train.api import compile_step as compile_step
 from ._train.config import DPConfig as DPConfig
 from ._train.private import PrivateTraining as PrivateTraining
 from ._train.private import make_private as make_private
@@ -40,7 +41,6 @@ from ._train.schedulers import ExponentialNoise as ExponentialNoise
 from ._train.schedulers import LambdaNoise as LambdaNoise
 from ._train.schedulers import NoiseScheduler as NoiseScheduler
 from ._train.schedulers import StepNoise as StepNoise
-from ._train.step import compile_step as compile_step
 
 __version__ = "0.1.0"
 

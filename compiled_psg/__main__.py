@@ -19,18 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     known = parser.parse_args(argv[:1])
     rest = argv[1:]
     if known.command == "train":
-        from ._train.cli_train import main as train_main
+        from ._jobs.train import main as train_main
 
         return train_main(rest)
     if known.command == "finetune":
-        from ._train.cli_finetune import main as finetune_main
+        from ._jobs.finetune import main as finetune_main
 
         return finetune_main(rest)
     if known.command == "graphs":
-        from ._inspect.cli import graphs_main
+        from ._jobs.explain import graphs_main
 
         return graphs_main(rest)
-    from ._inspect.cli import main as explain_main
+    from ._jobs.explain import main as explain_main
 
     return explain_main(rest)
 

@@ -16,6 +16,7 @@ from ._capture.dynamo import CAPTURE_LOCK
 from ._compile.build import Rewritten, build
 from ._compile.run import BACKENDS, CompiledPerSample
 from ._errors import BatchInputError, CaptureError, PerSampleError
+from ._inspect.report import Report, dump_if_asked
 from ._reduce.reductions import PerSampleGrads, Reduction
 
 InDims = int | None | tuple[int | None, ...]
@@ -307,8 +308,11 @@ class PerSampleFunction:
     def _build(self, params, args, batch_dims, batch_size) -> Rewritten:
         capture_args = _capture_args(args, batch_dims, batch_size)
         try:
-            return build(self.fn, params, capture_args, batch_dims, self.reduce)
-        except PerSampleError:
+            rewritten = build(self.fn, params, capture_args, batch_dims, self.reduce)
+        except PerSampleError as e:
+            refusal = getattr(e, "refusal", None)
+            if refusal is not None and e.report is None:  # the refused graph's report: SampleMixingError.report
+                e.report = Report.for_refusal(*refusal)
             raise
         except Exception as e:  # the last line of "no raw torch traceback": name what failed, and who can fix it
             text = _first_line(e)
@@ -320,6 +324,8 @@ class PerSampleFunction:
                                     "this is a compiled_psg bug: please report this message.")
             raise CaptureError(
                 f"capturing and rewriting the loss failed ({type(e).__name__}: {text}). {hint}{tail}".rstrip()) from e
+        dump_if_asked(rewritten)
+        return rewritten
 
     def with_losses(self, *args, **kwargs):
         """``(loss, per_sample_losses [B], result)``: the loss as the function computes it, and each sample's

@@ -93,6 +93,6 @@ def test_step_noise_template_stays_zero():
                             noise_multiplier=1.0, backend="eager", max_physical_batch_size=8)
     for _ in range(3):
         step(torch.randn(6, 4), torch.randint(0, 2, (6,)))
-    assert step._zeros and all(bool((z == 0).all()) for z in step._zeros.values())
-    assert step._scalars and all(t.item() == torch.tensor(value, dtype=dtype).item()
-                                 for (value, dtype, _), t in step._scalars.items())
+    assert step.inputs._zeros and all(bool((z == 0).all()) for z in step.inputs._zeros.values())
+    assert step.inputs._scalars and all(t.item() == torch.tensor(value, dtype=dtype).item()
+                                 for (value, dtype, _), t in step.inputs._scalars.items())

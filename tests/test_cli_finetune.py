@@ -56,7 +56,7 @@ def test_lora_llama_per_sample_gradients_exact():
     from reference import reference_per_sample
 
     import compiled_psg as psg
-    from compiled_psg._train.cli_finetune import build_model, build_parser
+    from compiled_psg._jobs.finetune import build_model, build_parser
 
     torch.manual_seed(0)
     args = build_parser().parse_args(QUICK)

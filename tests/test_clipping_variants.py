@@ -18,10 +18,9 @@ import torch.nn.functional as F
 from reference import assert_numbers_close, reference_per_sample
 from scipy import stats
 
-from compiled_psg import make_private
+from compiled_psg import compile_step, make_private
 from compiled_psg._errors import DPConfigError
 from compiled_psg._train.accounting import epsilon
-from compiled_psg._train.step import compile_step
 
 # variant -> (compile_step keywords, the bounds the reference clips with); names are model.named_parameters()
 PER_LAYER = [0.3, 0.05, 0.2, 0.02]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from spawn_ranks import WORLD, gloo_group, run_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
-from compiled_psg._train.step import compile_step
+from compiled_psg import compile_step
 
 BATCHES = (7, 12, 1, 0, 5)  # odd sizes, a batch that leaves rank 1 empty, an empty batch
 C, SIGMA = 0.3, 0.8

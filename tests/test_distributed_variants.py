@@ -10,7 +10,7 @@ from reference import assert_numbers_close
 from spawn_ranks import WORLD, gloo_group, run_ranks
 from test_distributed import BATCHES, data, model_for
 
-from compiled_psg._train.step import compile_step
+from compiled_psg import compile_step
 
 SIGMA = 0.7
 VARIANTS = {

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from compiled_psg._compat import GRAPH_DUMP_VERSION, torch_minor
-from compiled_psg._inspect.cli import report_for
 from compiled_psg._inspect.examples import EXAMPLES
+from compiled_psg._jobs.explain import report_for
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
 TEXT_FILES = ("summary.txt", "captured.txt", "before.txt", "after.txt", "diff.txt")

@@ -16,7 +16,7 @@ import torch.nn as nn
 from reference import ref_clip_sum, ref_norms, reference_per_sample
 
 import compiled_psg as psg
-from compiled_psg._train.step import compile_step
+from compiled_psg import compile_step
 
 THIS = Path(__file__)
 F64 = torch.float64

@@ -94,3 +94,15 @@ def test_a_bad_budget_is_refused_before_anything_changes(budget):
     with pytest.raises(psg.BatchInputError, match="memory_budget"):
         psg.clip_sum(1.0, memory_budget=budget)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_a_budget_given_through_clip_sum_reaches_the_step_and_a_contradiction_is_refused():
+    model, loss, batch = token_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = psg.compile_step(loss, model, opt, reduce=psg.clip_sum(0.05, memory_budget=0), backend="eager")
+    assert step.config.memory_budget == 0
+    step(*batch)
+    assert psg.explain(step, *batch).memory_plan["budget"] == 0
+    with pytest.raises(psg.DPConfigError, match="give the budget once"):
+        psg.compile_step(loss, model, opt, reduce=psg.clip_sum(0.05, memory_budget=0), memory_budget=10,
+                         backend="eager")

@@ -17,10 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from reference import reference_per_sample
 
-from compiled_psg import per_sample
+from compiled_psg import compile_step, per_sample
 from compiled_psg._errors import DPConfigError
 from compiled_psg._reduce.reductions import DPClip
-from compiled_psg._train.step import compile_step
 
 C = 0.5
 # CUDA cases exist where a GPU does (run on a lent GPU; docs/training.md "Mixed precision" says which)
@@ -140,7 +139,7 @@ def test_bf16_parameters_train_with_compile_step():
             want = (before[n].double() - 0.5 * expected[n] / x.shape[0])
             torch.testing.assert_close(p.detach().double(), want, rtol=2 ** -7, atol=1e-4)
     assert step.fused and step.last_norms.dtype == torch.float32
-    assert step._sum_like(0).dtype == torch.float32  # what the noise is drawn like
+    assert step.inputs.sum_like(0).dtype == torch.float32  # what the noise is drawn like
 
 
 @pytest.mark.parametrize("device", DEVICES)

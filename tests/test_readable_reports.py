@@ -8,8 +8,8 @@ import torch.nn as nn
 
 import compiled_psg as psg
 from compiled_psg._analyze.source import readable_module_path
-from compiled_psg._inspect.cli import report_for
 from compiled_psg._inspect.report import group_sites
+from compiled_psg._jobs.explain import report_for
 
 
 @pytest.mark.parametrize("path, name", [

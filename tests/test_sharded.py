@@ -11,9 +11,8 @@ from reference import assert_numbers_close
 from spawn_ranks import WORLD, gloo_group, run_ranks
 from torch.utils import _pytree as pytree
 
-from compiled_psg import explain
+from compiled_psg import compile_step, explain
 from compiled_psg._errors import DPConfigError, UnsupportedError
-from compiled_psg._train.step import compile_step
 
 BATCHES = (7, 12, 1, 0, 5)  # odd sizes, a batch that leaves rank 1 empty, an empty batch
 C, SIGMA = 0.3, 0.8

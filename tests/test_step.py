@@ -11,10 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from reference import check_gaussian
 
+from compiled_psg import compile_step
 from compiled_psg._errors import DPConfigError
 from compiled_psg._train import dp, native_noise
 from compiled_psg._train.dp import gaussian_many, secure_gaussian
-from compiled_psg._train.step import compile_step
 
 OPTIMIZERS = {
     "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),

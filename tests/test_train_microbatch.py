@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from compiled_psg import compile_step
 from compiled_psg._train.private import make_private
-from compiled_psg._train.step import compile_step
 
 SIZES = (23, 9, 2)  # with micro-batches of 8: remainders 7, 1, none (2 <= 8)
 

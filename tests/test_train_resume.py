@@ -9,11 +9,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from compiled_psg import compile_step
 from compiled_psg._errors import DPConfigError
 from compiled_psg._train.private import make_private
 from compiled_psg._train.sampling import PoissonBatchSampler
 from compiled_psg._train.schedulers import ExponentialNoise
-from compiled_psg._train.step import compile_step
 
 EPOCHS = 2
 

@@ -16,11 +16,11 @@ from dp_accounting import rdp
 from torch.utils.data import DataLoader, TensorDataset
 
 import compiled_psg as psg
+from compiled_psg import compile_step
 from compiled_psg._errors import DPConfigError, PerSampleError
 from compiled_psg._train.config import DPConfig
 from compiled_psg._train.private import make_private
 from compiled_psg._train.schedulers import ExponentialNoise, LambdaNoise, StepNoise
-from compiled_psg._train.step import compile_step
 
 DELTA = 1e-5
 

@@ -163,7 +163,7 @@ def test_clip_sum_after_materialized_norms_sums_the_same_values():
 def _train_foreach(make_opt, unroll: bool, monkeypatch):
     import compiled_psg._train.fuse as fuse
     import compiled_psg._train.programs as programs
-    from compiled_psg._train.step import compile_step
+    from compiled_psg import compile_step
 
     programs_made = []
     fuse_step = programs.fuse_step

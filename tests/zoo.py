@@ -125,6 +125,32 @@ def build_mlp_sum_mse():
     return Built(model, loss, lambda B, dtype, g: (randn(g, dtype, B, 5), randn(g, dtype, B, 3)))
 
 
+ELEMENTWISE_LOSSES = {  # loss(output [B, 3, 2], target) with a reduction over the batch and the elements
+    "huber_mean": lambda o, t: F.huber_loss(o, t, delta=0.5),
+    "smooth_l1_sum": lambda o, t: F.smooth_l1_loss(o, t, beta=0.3, reduction="sum"),
+    "soft_margin_mean": lambda o, t: F.soft_margin_loss(o, t.sign()),
+    "bce_weighted_sum": lambda o, t: F.binary_cross_entropy(torch.sigmoid(o), torch.sigmoid(t),
+                                                            weight=torch.linspace(0.5, 1.5, 2, dtype=o.dtype),
+                                                            reduction="sum"),
+    "bce_logits_pos_weight_mean": lambda o, t: F.binary_cross_entropy_with_logits(
+        o, torch.sigmoid(t), pos_weight=torch.full((2,), 2.0, dtype=o.dtype)),
+}
+
+
+def elementwise_loss_case(name: str) -> Callable[[], Built]:
+    """An MLP over [B, 3, 4] inputs with one of ``ELEMENTWISE_LOSSES`` (rules/reduce.py, ``elementwise_loss``)."""
+
+    def build():
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+
+        def loss(x, t):
+            return ELEMENTWISE_LOSSES[name](model(x), t)
+
+        return Built(model, loss, lambda B, dtype, g: (randn(g, dtype, B, 3, 4), randn(g, dtype, B, 3, 2)))
+
+    return build
+
+
 def build_mlp_ce_mean():
     model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 6), nn.GELU(), nn.Linear(6, 4))
 
@@ -589,6 +615,7 @@ CASES: list[Case] = [
     Case("simple_cnn", build_simple_cnn, batch=2),
     Case("mlp_sum_mse", build_mlp_sum_mse),
     Case("mlp_ce_mean", build_mlp_ce_mean),
+    *(Case(f"loss_{name}", elementwise_loss_case(name)) for name in ELEMENTWISE_LOSSES),
     Case("conv1d_stride_pad_dilation_groups",
          classifier_case(lambda: nn.Conv1d(2, 4, 3, stride=2, padding=2, dilation=2, groups=2), (2, 11))),
     Case("conv2d_stride_pad_dilation_groups",

@@ -7,8 +7,6 @@ merged with other dimensions (a sequence Linear folds ``[B, T, i]`` into ``[B*T,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import sympy
 import torch
 import torch.fx as fx
@@ -73,13 +71,6 @@ class BatchDims:
             return int(ratio)
         except TypeError:
             return None
-
-    def batched_tensor_inputs(self, node: fx.Node) -> list[fx.Node]:
-        return [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor) and self.dims(a)]
-
-
-def tensor_inputs(node: fx.Node) -> Iterable[fx.Node]:
-    return (a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor))
 
 
 def find_batch_symbol(values) -> sympy.Symbol | None:

@@ -161,10 +161,6 @@ ARANGES = _overloads("arange", "arange.start", "arange.start_step")
 POSITIONAL_FACTORIES = _overloads("randperm", "linspace", "logspace", "eye", "eye.m", "tril_indices", "triu_indices")
 
 
-def is_random(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
-
-
 def has_pointwise_tag(target) -> bool:
     """Tagged ``torch.Tag.pointwise``: one output, computed element by element (what the pointwise lift needs)."""
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
@@ -200,11 +196,6 @@ ATTENTIONS = _overloads(
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable",
 )
-INDEXING = _overloads("index.Tensor", "_unsafe_index.Tensor", "index_select", "gather", "embedding",
-                      "_embedding_bag", "_embedding_bag_forward_only", "index_put", "_unsafe_index_put",
-                      "index_add", "index_copy", "scatter.src", "scatter.value", "scatter_add", "scatter_reduce.two",
-                      "index_fill.int_Scalar", "index_fill.int_Tensor", "take_along_dim", "bucketize.Tensor",
-                      "searchsorted.Tensor")
 
 # Ops that pair elements by their position in the whole flattened tensor (the k-th source element goes to the
 # k-th selected position): with the batch among the dimensions, one sample's values land in another's rows.

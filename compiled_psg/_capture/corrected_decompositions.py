@@ -4,7 +4,7 @@ torch registers some decompositions as Python kernels of the ``Autograd`` dispat
 of such an op (AOT autograd's, so ``torch.compile``'s and the capture's) then records the decomposition, never
 the op: no rule sees it, and a wrong decomposition gives wrong losses and gradients with no error. Each entry of
 ``CORRECTED`` names the op, what goes wrong in torch's trace of it, and a decomposition that matches the eager
-kernel (``tests/test_review_findings.py`` and ``tests/test_traced_decompositions.py`` check each against it, and
+kernel (``tests/test_edge_cases.py`` and ``tests/test_traced_decompositions.py`` check each against it, and
 the per-sample gradients against the loop).
 
 ``corrected()`` installs them for one capture, under the capture lock, and restores torch's own afterwards (the

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from dataclasses import dataclass, field
 
 import sympy
@@ -118,7 +117,6 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     rewritten.meta["output_masks_narrowed"] = narrow_output_masks(rewritten)
     out = Rewritten(captured, forward, joint, rewritten, roles, batch, names, head, backward,
                     param_grads=param_grads, choices=ctx.choices, memory_plan=ctx.memory_plan, out_spec=spec)
-    _dump_if_asked(out)
     n_fallback = len(head.fallbacks) + len(backward.fallbacks)
     log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters; dropped %d "
              "unread outputs of masked backward ops", len(backward.contractions) + len(head.contractions),
@@ -270,7 +268,7 @@ def _refusal(captured: Captured, forward: fx.GraphModule, sites: list[MixingSite
         headline = ("compiled_psg cannot prove that this loss keeps samples apart" if any(
             s.kind == "unknown" for s in sites) else "compiled_psg cannot give this loss a sample's own batch size")
         error = UnsupportedError(headline + ":\n" + "\n".join(f"  - {site}" for site in sites))
-    error.report = _partial_report(captured, forward, sites)
+    error.refusal = (captured, forward, sites)  # the caller builds the report (_inspect.report.Report)
     return error
 
 
@@ -282,27 +280,3 @@ def _check_still_symbolic(captured: Captured, batch: BatchDims, stage: str) -> N
         raise InternalError(f"{stage} fixed the batch size to {env.replacements[batch.symbol]}; "
                              "the compiled graph would not serve other batch sizes (a custom reduction must not "
                              "use the batch size as a Python number, e.g. len(g))")
-
-
-def _partial_report(captured, forward, mixing):
-    from .._inspect.report import Report
-
-    return Report.for_refusal(captured, forward, mixing)
-
-
-def _dump_if_asked(rewritten: Rewritten) -> None:
-    folder = os.environ.get("COMPILED_PSG_DUMP")
-    if not folder:
-        return
-    from .._inspect.report import Report
-
-    Report.from_rewritten(rewritten).save(_next_dump_folder(folder), drawings=False)
-
-
-_dumps = 0
-
-
-def _next_dump_folder(folder: str) -> str:
-    global _dumps
-    _dumps += 1
-    return os.path.join(folder, f"{os.getpid()}-{_dumps:03d}")

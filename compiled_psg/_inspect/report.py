@@ -8,15 +8,14 @@ per-sample and the backward re-traced from it). ``report.after``: the rewritten 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.fx as fx
 
-from .._errors import BatchInputError
 from .draw import draw, drawing_support
 from .render import graph_text, normalize, shape_of
 
@@ -214,37 +213,20 @@ def _labels(roles, gm: fx.GraphModule) -> dict[str, str]:
     return out
 
 
-def explain(fn, *args) -> Report:
-    """The inspection report of ``fn`` (a ``@psg.per_sample`` function, a ``compile_step`` DP step or what
-    ``make_private`` returns) for these arguments, a batch of at least one sample.
-
-    Captures and rewrites like a call would (and caches it), runs nothing. For a DP step it is the per-sample
-    graph of the step's current clipping settings, whose clip norms and clipped sums carry the per-layer choices
-    (``step.graph`` is the fused program after the first step). The step of a ``fully_shard`` model gathers its
-    parameters for the capture, as a step does: call ``explain`` on every rank. If the loss is refused, the
-    ``SampleMixingError`` raised carries the report as ``error.report``.
-    """
-    from .._api import PerSampleFunction, batch_dims_of
-    from .._train.private import PrivateTraining
-    from .._train.sharded import UnshardedCalls
-    from .._train.step import DPStep, _refuse_ambient_autocast
-
-    if isinstance(fn, PrivateTraining):
-        fn = fn.dp_step
-    if isinstance(fn, DPStep):
-        _refuse_ambient_autocast()  # the step refuses it too: its graph would not be the step's
-        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)  # as the step does
-        fn = fn.per_sample  # a sharded step's unshards the parameters around the capture
-    if not isinstance(fn, PerSampleFunction | UnshardedCalls):
-        raise BatchInputError(f"psg.explain expects a function decorated with @psg.per_sample(model), a "
-                              f"compile_step DP step or make_private's result, got {type(fn).__name__} "
-                              f"{getattr(fn, '__name__', '')!s}. Fix: explain(psg.per_sample(model)(loss_fn), "
-                              "*batch), decorate loss_fn with @psg.per_sample(model), or explain(step, *batch)")
-    if batch_dims_of(args, fn.in_dims)[1] == 0:
-        raise BatchInputError("psg.explain got an empty batch: the graph is captured for a batch of samples. "
-                              "Fix: pass a batch of one sample or more (any batch size gives the same graph)")
-    entry = fn.prepare_call(*args).entry
-    return Report.from_rewritten(entry.rewritten)
+def dump_if_asked(rewritten) -> None:
+    """Save ``rewritten``'s report (no drawings) under ``$COMPILED_PSG_DUMP``, one folder per rewrite."""
+    folder = os.environ.get("COMPILED_PSG_DUMP")
+    if folder:
+        Report.from_rewritten(rewritten).save(_next_dump_folder(folder), drawings=False)
 
 
-__all__ = ["Report", "ParamRewrite", "explain", "shape_of"]
+_dumps = 0
+
+
+def _next_dump_folder(folder: str) -> str:
+    global _dumps
+    _dumps += 1
+    return os.path.join(folder, f"{os.getpid()}-{_dumps:03d}")
+
+
+__all__ = ["Report", "ParamRewrite", "dump_if_asked", "shape_of"]

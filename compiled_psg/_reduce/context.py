@@ -20,23 +20,12 @@ from .._analyze.batch_dims import BatchDims, value_of
 from .._rewrite.contraction import Contraction
 from .._rewrite.emit import emit
 from .._rewrite.per_sample_pass import LiftResult, broadcast_per_sample
+from .strategies import SUM_AFTER, ParamGrad, choose, emit_strategy, fit_memory
 
 ATEN = torch.ops.aten
 # ops that only rearrange the elements (norms and Gram matrices pass through them unchanged)
 _ISOMETRIC = ops.VIEWS | (ops.IDENTITY - {ATEN._to_copy.default}) | {ATEN.t.default, ATEN.transpose.int,
                                                                      ATEN.permute.default}
-
-
-@dataclass
-class ParamGrad:
-    """One parameter's gradient in the rewritten graph."""
-
-    name: str
-    shape: tuple[int, ...]
-    grad: fx.Node | None  # the ordinary (batch-summed) gradient node; None when the loss does not use it
-    contractions: list[Contraction] = field(default_factory=list)
-    tail: list[fx.Node] = field(default_factory=list)  # region nodes between contractions and grad, in order
-    linear_tail: bool = True
 
 
 @dataclass
@@ -75,8 +64,6 @@ class ReduceContext:
         plan), at the batch size of the capture's example; ``memory_plan`` records it."""
         if budget is None or not params:
             return
-        from .strategies import fit_memory
-
         batch_size = self.batch_size_hint()
         cheapest, held = fit_memory(self, quantity, params, float(budget), batch_size)
         self.memory_plan = {"budget": float(budget), "batch_size": batch_size, "held": held,
@@ -121,8 +108,6 @@ class ReduceContext:
     # ----- the quantities: each picks the cheapest applicable strategy of strategies.py -----
     def compute(self, quantity: str, p: ParamGrad, *extra: fx.Node) -> fx.Node:
         """Emit ``quantity`` for ``p`` by the cheapest strategy that applies; record the choice and its cost."""
-        from .strategies import choose
-
         strategy, cost, rejected = choose(self, quantity, p)
         details = {"flops": cost.flops, "bytes": cost.bytes}
         if cost.held:
@@ -159,8 +144,6 @@ class ReduceContext:
         (``t = 1``, nothing to cancel) or the norm carries a bound on the book-keeping sum's rounding
         (``materialize, bounded``). A ghost norm is certified against both roundings
         (``contraction.certified_sq_norms``), so any sum strategy fits it."""
-        from .strategies import SUM_AFTER, emit_strategy
-
         if p.grad is None:
             return self.total(p)
         norm = self._norm_strategy.get(p.name)

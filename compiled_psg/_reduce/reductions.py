@@ -199,7 +199,6 @@ def custom(per_param: Callable[[str, torch.Tensor], object], combine: Callable[[
     return Custom(per_param, combine, empty_result)
 
 
-CLIPPING_MODES = ("flat", "per_layer", "automatic")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.fx as fx
@@ -34,7 +35,36 @@ from .._analyze.batch_dims import value_of
 from .._analyze.layout import scale_batch
 from .._compile.heap import retains
 from .._rewrite.contraction import Contraction, bounded_materialized_sq_norms, factored_gram, factored_sum_squares
-from .context import ParamGrad, ReduceContext
+from .._rewrite.per_sample_pass import LiftResult
+
+
+@dataclass
+class ParamGrad:
+    """One parameter's gradient in the rewritten graph."""
+
+    name: str
+    shape: tuple[int, ...]
+    grad: fx.Node | None  # the ordinary (batch-summed) gradient node; None when the loss does not use it
+    contractions: list[Contraction] = field(default_factory=list)
+    tail: list[fx.Node] = field(default_factory=list)  # region nodes between contractions and grad, in order
+    linear_tail: bool = True
+
+
+class ReduceContext(Protocol):
+    """What a strategy prices and emits through: ``context.ReduceContext``, which calls the strategies (the plan
+    does not import the emitter)."""
+
+    lifted: LiftResult
+    batch_ref: fx.Node
+
+    def emit(self, fn: Callable, inputs: list, tag: str) -> fx.Node: ...
+    def per_sample(self, p: ParamGrad) -> fx.Node: ...
+    def total(self, p: ParamGrad) -> fx.Node: ...
+    def single_isometric(self, p: ParamGrad) -> Contraction | None: ...
+    def one_term_per_entry(self, p: ParamGrad) -> bool: ...
+    def replay_tail(self, p: ParamGrad, replaced: dict[fx.Node, fx.Node]) -> fx.Node: ...
+    def assign(self, quantity: str, strategies: dict[str, str]) -> None: ...
+    def assigned(self, quantity: str, p: ParamGrad) -> str | None: ...
 
 ITEMSIZE = 4  # bytes per element in the estimates; only the ratios between strategies matter
 FLOPS_PER_BYTE = 4.0  # machine balance: a byte moved costs about this many FLOPs (2-core CPU: ~100 GF/s, 25 GB/s)

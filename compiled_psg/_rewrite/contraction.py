@@ -49,10 +49,6 @@ class Contraction:
             return []
         return [(self.linear_arg, self.linear_layout), *self.other_linear]
 
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return tuple(self.node.meta["val"].shape)
-
 
 # ----- the math of low-rank (factored) per-sample gradients: g[n] = A[n]^T X[n] -----
 

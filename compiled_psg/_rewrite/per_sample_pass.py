@@ -27,7 +27,8 @@ from .._errors import InternalError, UnsupportedError
 from .contraction import Contraction
 from .emit import emit
 from .fallback import fallback_contraction, fallback_lift
-from .rules.lift import flat_nodes, is_linear_lift, lift_rule_for
+from .registry import lift_rule_for
+from .rules.lift import flat_nodes, is_linear_lift
 from .table import CONTRACTION_RULES
 
 log = logging.getLogger("compiled_psg")

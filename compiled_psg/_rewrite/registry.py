@@ -18,6 +18,7 @@ declared once, with the rule, or with ``linear_op`` for pointwise ops that need 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,7 @@ Linearity = bool | Callable[[fx.Node, list[bool]], bool]
 CONTRACTION_RULES: dict[torch._ops.OpOverload, ContractionRule] = {}
 LIFT_RULES: dict[torch._ops.OpOverload, LiftRule] = {}
 LINEARITY: dict[torch._ops.OpOverload, Linearity] = {}
+TAG_LIFT_RULES: dict[torch.Tag, LiftRule] = {}  # the lift of every op carrying the tag (and no rule of its own)
 
 
 def _check_op(op) -> None:
@@ -89,3 +91,22 @@ def register_rule(op: torch._ops.OpOverload, rule: Callable, *, kind: str = "con
 def is_linear(target, node: fx.Node, lifted: list[bool]) -> bool:
     linear = LINEARITY.get(target, False)
     return linear(node, lifted) if callable(linear) else bool(linear)
+
+
+def tag_lift_rule(tag: torch.Tag):
+    """Register ``rule(node, lifted)`` as the lift of every op tagged ``tag`` that has no lift rule of its own."""
+    def register(rule: LiftRule) -> LiftRule:
+        TAG_LIFT_RULES[tag] = rule
+        return rule
+    return register
+
+
+def lift_rule_for(node: fx.Node) -> LiftRule | None:
+    """The lift rule of ``node``'s op (for a ``getitem``, of the op it reads): its own, else its tags'."""
+    target = node.target
+    if target is operator.getitem and isinstance(node.args[0], fx.Node):
+        target = node.args[0].target
+    if target in LIFT_RULES:
+        return LIFT_RULES[target]
+    tags = getattr(target, "tags", ()) if isinstance(target, torch._ops.OpOverload) else ()
+    return next((rule for tag, rule in TAG_LIFT_RULES.items() if tag in tags), None)

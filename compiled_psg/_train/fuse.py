@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .._compile.build import Rewritten
 from .._errors import InternalError
+from .inputs import InputKind
 from .update_graph import UpdateGraph
 
 aten = torch.ops.aten
@@ -42,9 +43,8 @@ c10d = torch.ops._c10d_functional
 
 @dataclass
 class StepProgram:
-    """The fused graph. ``inputs``: one entry per placeholder after the per-sample graph's own,
-    ``("partial", j)``, ``("noise", j)``, ``("count", None)``, ``("scale", None)``, ``("dot_grad", j)`` or
-    ``("tensor", t)``; ``outputs``: names of the flat outputs."""
+    """The fused graph. ``inputs``: one ``(InputKind, key)`` per placeholder after the per-sample graph's own
+    (``inputs.InputKind`` says what feeds each); ``outputs``: names of the flat outputs."""
 
     gm: fx.GraphModule
     inputs: list[tuple[str, object]]
@@ -71,9 +71,10 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     param_placeholder = {r.key: env[n] for r, n in roles if r.kind == "param"}
     first_compute = next(n for n in graph.nodes if n.op != "placeholder")
     # the reduction's own run-time inputs (adaptive clipping bounds) come first after the captured ones
-    inputs: list[tuple[str, object]] = [("reduce_input", k) for k in range(len(own) - len(rewritten.roles))]
+    inputs: list[tuple[str, object]] = [(InputKind.REDUCE_INPUT, k)
+                                        for k in range(len(own) - len(rewritten.roles))]
 
-    def placeholder(kind: str, key: object, name: str) -> fx.Node:
+    def placeholder(kind: InputKind, key: object, name: str) -> fx.Node:
         with graph.inserting_before(first_compute):  # after the per-sample graph's own, in order
             node = graph.placeholder(f"step_{len(inputs)}_{name}")  # the target is the argument's name
         inputs.append((kind, key))
@@ -82,23 +83,25 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     call = graph.call_function
     grads = [sums[n] for n in names]
     if accumulate:
-        grads = [call(aten.add.Tensor, (g, placeholder("partial", j, f"partial_{j}"))) for j, g in enumerate(grads)]
+        grads = [call(aten.add.Tensor, (g, placeholder(InputKind.PARTIAL, j, f"partial_{j}")))
+                 for j, g in enumerate(grads)]
     if noisy:
-        grads = [call(aten.add.Tensor, (g, placeholder("noise", j, f"noise_{j}"))) for j, g in enumerate(grads)]
+        grads = [call(aten.add.Tensor, (g, placeholder(InputKind.NOISE, j, f"noise_{j}")))
+                 for j, g in enumerate(grads)]
     outputs, output_names = [loss, losses], ["loss", "per_sample_losses"]
     if norms is not None:
         outputs.append(norms)
         output_names.append("norms")
     scale = None
     if group_name is not None:
-        count = placeholder("count", None, "count")
+        count = placeholder(InputKind.COUNT, None, "count")
         grads, count = _all_reduce_flat(graph, grads, count, [p.shape for p in params], group_name)
         outputs.append(count)
         output_names.append("global_count")
         if divide_by_count:
             scale = call(aten.reciprocal.default, (call(aten.clamp_min.default, (count, 1)),))
     if scale is None:
-        scale = placeholder("scale", None, "scale")
+        scale = placeholder(InputKind.SCALE, None, "scale")
     # the sums are float32 for bfloat16 parameters (noise added in float32 too): the update gets the param dtype
     grads = [g if _dtype(sums[n]) in (None, p.dtype)
              else call(aten._to_copy.default, (g,), {"dtype": p.dtype})
@@ -107,11 +110,11 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     by_identity = {id(p): n for p, n in zip(params, names, strict=True)}
     update_env: dict[fx.Node, fx.Node] = {}
     for node, (kind, key) in zip(_placeholders(update.gm.graph), update.sources, strict=True):
-        if kind == "grad":
+        if kind == InputKind.GRAD:
             update_env[node] = grads[key]
-        elif kind == "scale":
+        elif kind == InputKind.SCALE:
             update_env[node] = scale
-        elif kind == "tensor" and id(key) in by_identity:  # the parameters: the per-sample graph reads them too
+        elif kind == InputKind.TENSOR and id(key) in by_identity:  # the parameters, which the per-sample graph reads
             update_env[node] = param_placeholder[by_identity[id(key)]]
         else:
             update_env[node] = placeholder(kind, key, node.name)

@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader
 from .._errors import BatchInputError, DPConfigError
 from . import distributed as dist_utils
 from .accounting import Accountant, calibrate_noise, check_delta
+from .api import compile_step
 from .sampling import PoissonBatchSampler, poisson_loader
-from .step import DPStep, compile_step
+from .step import DPStep
 
 
 class PrivateTraining:

@@ -55,7 +55,8 @@ import torch.nn as nn
 
 from .._errors import DPConfigError, UnsupportedError
 from .config import DPConfig
-from .step import DPStep, _combine_losses, _split_result
+from .results import combine_losses, micro_batches, split_result
+from .step import DPStep
 
 FIX = "Fix: apply fully_shard(module) to each block and then to the root model, with the default options"
 
@@ -112,7 +113,7 @@ def unsharded(modules: list[nn.Module]) -> Iterator[None]:
             m.reshard()
 
 
-class _Layout:
+class ShardLayout:
     """Where parameter ``j``'s shard sits: dim ``dim``, ``chunk`` rows per rank (the last ranks may hold fewer,
     or none), as FSDP's ``Shard(dim)`` placement chunks it."""
 
@@ -163,7 +164,7 @@ class _Layout:
         return flat.view(shape).narrow(self.dim, 0, self.local[1])
 
 
-def reduce_scatter_sums(sums: list[torch.Tensor | None], count: torch.Tensor, layouts: list[_Layout], group,
+def reduce_scatter_sums(sums: list[torch.Tensor | None], count: torch.Tensor, layouts: list[ShardLayout], group,
                         noise: Callable[[torch.Tensor], torch.Tensor] | None = None,
                         ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``(shards of sum_r sums[j], sum_r count)`` on every rank: one ``reduce_scatter_single`` whose row ``s`` is
@@ -252,7 +253,7 @@ class ShardedStep(DPStep):
                                 "(flat, per_layer, automatic, adaptive), or train the model unsharded (DDP)")
         self.distributed = True  # adaptive clipping sums its counts over the ranks (DPStep._adapt_bound)
         self._layouts_key: tuple = ()
-        self._layouts: list[_Layout] = []
+        self._layouts: list[ShardLayout] = []
         self._group = None
         self._check_layouts()
 
@@ -285,7 +286,7 @@ class ShardedStep(DPStep):
             raise UnsupportedError(f"the trained parameters lie on {len(meshes)} device meshes. {FIX}")
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
-        self._layouts = [_Layout(p, world, rank, n) for p, n in zip(self.params, self.names, strict=True)]
+        self._layouts = [ShardLayout(p, world, rank, n) for p, n in zip(self.params, self.names, strict=True)]
         if world != dist.get_world_size():
             raise UnsupportedError(f"the model is sharded over {world} of {dist.get_world_size()} ranks: the data "
                                    "parallel group would differ from the sharding group. Fix: fully_shard over "
@@ -311,13 +312,13 @@ class ShardedStep(DPStep):
         with unsharded(self._fsdp_modules):
             if batch_size == 0:  # this rank drew no sample: zeros, and it still joins the collective
                 loss, _, result = f.with_losses(*batch)
-                sums, norm = _split_result(result, self.names, self.params)
+                sums, norm = split_result(result, self.names, self.params)
                 total, losses, norms, sizes = _accumulate(None, sums, self.names), [loss], [norm], [0]
             else:
-                for piece in self._micro_batches(batch, f.in_dims, batch_size):
+                for piece in micro_batches(batch, f.in_dims, batch_size, self._max_physical_batch_size):
                     c = self.prepare_call(f, piece)
                     loss, _, result = self._run_per_sample(c.entry, config, c.params, c.args, c.batch_size)
-                    sums, norm = _split_result(result, self.names, self.params)
+                    sums, norm = split_result(result, self.names, self.params)
                     total = _accumulate(total, sums, self.names)
                     losses.append(loss)
                     norms.append(norm)
@@ -326,7 +327,7 @@ class ShardedStep(DPStep):
         self.last_norms = None if norms[0] is None else torch.cat(norms)
         self.last_batch_size = self._sharded_update(config, total, batch_size)
         self._state_ready = True
-        return _combine_losses(losses, sizes, config.loss_reduction)
+        return combine_losses(losses, sizes, config.loss_reduction)
 
     def _sharded_update(self, config: DPConfig, sums: list[torch.Tensor], batch_size: int) -> int:
         """Noise (rank 0, on the full sums), one reduce-scatter, scaling into the shards' ``.grad``, the

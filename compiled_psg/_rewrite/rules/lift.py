@@ -16,10 +16,9 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from ..._analyze import ops
 from ..._analyze.batch_dims import value_of
 from ..._errors import InternalError
-from ..registry import LIFT_RULES, is_linear, lift_rule, linear_op
+from ..registry import is_linear, lift_rule, linear_op, tag_lift_rule
 
 ATEN = torch.ops.aten
 LiftFn = Callable[..., torch.Tensor]
@@ -39,6 +38,7 @@ def _call(node: fx.Node, values, transform_args=None):
     return node.target(*args, **kwargs)
 
 
+@tag_lift_rule(torch.Tag.pointwise)
 def pointwise(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     """Any op tagged pointwise: align per-sample arguments as ``[n, 1, ..., *shape]`` and broadcast.
 
@@ -229,14 +229,3 @@ def is_linear_lift(node: fx.Node, lifted: list[bool]) -> bool:
     if target is operator.getitem:
         target = node.args[0].target
     return is_linear(target, node, lifted)
-
-
-def lift_rule_for(node: fx.Node):
-    target = node.target
-    if target is operator.getitem and isinstance(node.args[0], fx.Node):
-        target = node.args[0].target
-    if target in LIFT_RULES:
-        return LIFT_RULES[target]
-    if ops.has_pointwise_tag(target):
-        return pointwise
-    return None

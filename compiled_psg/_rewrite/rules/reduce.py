@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..._analyze import ops
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
 from ..._errors import InternalError
@@ -117,61 +118,53 @@ def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
     return Contraction(rule="nll_loss_forward", node=node, inputs=inputs, per_sample=per_sample)
 
 
-@contraction_rule(ATEN.binary_cross_entropy_with_logits.default)
-def binary_cross_entropy_with_logits(node: fx.Node, batch: BatchDims) -> Contraction | None:
-    """``binary_cross_entropy_with_logits`` with ``reduction`` mean or sum (``weight``, ``pos_weight`` broadcast
-    over the samples, or batched like the input): each sample's own mean (or sum) of its elementwise losses.
+def elementwise_loss(op: torch._ops.OpOverload):
+    """The rule of a loss op of ``ops.LOSSES``: an elementwise loss of ``(input, target, *extra)`` reduced by its
+    ``reduction`` argument (1 mean, 2 sum) over every element. Each sample's own loss is the op with
+    ``reduction=0`` (none), split by sample and reduced over that sample's elements alone. Tensor extras
+    (``weight``, ``pos_weight``) broadcast over the samples, or are batched like the input.
 
-    Before::  l = aten.binary_cross_entropy_with_logits(y [n, o], t [n, o], w [o], pw [o], reduction=mean)  # []
-    After::   ps = split_batch(bce_with_logits(y, t, w, pw, reduction=none)).mean(1)                      # [n]
+    Before::  l = aten.mse_loss(y [n, o], t [n, o], reduction=mean)                               # []
+    After::   ps = split_batch(aten.mse_loss(y, t, reduction=none)).mean(1)                      # [n]
     """
-    inp, target = node.args[:2]
-    rest = dict(zip(("weight", "pos_weight", "reduction"), node.args[2:], strict=False)) | dict(node.kwargs)
-    weight, pos_weight, reduction = rest.get("weight"), rest.get("pos_weight"), rest.get("reduction", 1)
-    if reduction == 0 or value_of(inp).shape != value_of(target).shape:
-        return None
-    found = _single_batched_dim(inp, batch)
-    if found is None:
-        return None
-    for other in (target, weight, pos_weight):  # batched operands: the input's shape and batch dimension
-        if isinstance(other, fx.Node) and batch.dims(other) and (
-                value_of(other).shape != value_of(inp).shape or _single_batched_dim(other, batch) != found):
+    names = [a.name for a in op._schema.arguments]
+    defaults = [a.default_value if a.has_default_value() else None for a in op._schema.arguments]
+
+    def rule(node: fx.Node, batch: BatchDims) -> Contraction | None:
+        values = [node.args[k] if k < len(node.args) else node.kwargs.get(name, defaults[k])
+                  for k, name in enumerate(names)]
+        reduction = values[names.index("reduction")]
+        inp, target = values[:2]
+        if reduction == 0 or value_of(inp).shape != value_of(target).shape:
             return None
-    bdim, layout = found
-    optional = [a for a in (weight, pos_weight) if isinstance(a, fx.Node)]
+        found = _single_batched_dim(inp, batch)
+        if found is None:
+            return None
+        tensors = [k for k, v in enumerate(values) if isinstance(v, fx.Node)]
+        for k in tensors[1:]:  # batched operands: the input's shape and batch dimension
+            other = values[k]
+            if batch.dims(other) and (value_of(other).shape != value_of(inp).shape
+                                      or _single_batched_dim(other, batch) != found):
+                return None
+        bdim, layout = found
 
-    def per_sample(y, t, *given):
-        found_args = iter(given)
-        w = next(found_args) if isinstance(weight, fx.Node) else None
-        pw = next(found_args) if isinstance(pos_weight, fx.Node) else None
-        losses = split_batch(F.binary_cross_entropy_with_logits(y, t, w, pos_weight=pw, reduction="none"),
-                             bdim, layout)
-        dims = list(range(1, losses.dim()))
-        return losses.mean(dims) if reduction == 1 else losses.sum(dims)
+        def per_sample(*given):
+            unreduced = list(values)
+            for k, v in zip(tensors, given, strict=True):
+                unreduced[k] = v
+            unreduced[names.index("reduction")] = 0
+            losses = split_batch(op(*unreduced), bdim, layout)
+            dims = list(range(1, losses.dim()))
+            return losses.mean(dims) if reduction == 1 else losses.sum(dims)
 
-    return Contraction(rule="binary_cross_entropy_with_logits", node=node, inputs=[inp, target, *optional],
-                       per_sample=per_sample)
+        return Contraction(rule=short, node=node, inputs=[values[k] for k in tensors], per_sample=per_sample)
+
+    short = op.__name__.split(".")[0]
+    rule.__name__ = short
+    rule.__doc__ = (f"``{short}`` with ``reduction`` mean or sum: each sample's own mean (or sum) of its elementwise "
+                    "losses (``elementwise_loss``).")
+    return rule
 
 
-@contraction_rule(ATEN.mse_loss.default)
-def mse_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
-    """``mse_loss`` with ``reduction`` mean or sum: each sample's own mean (or sum) of squared errors.
-
-    Before::  mse = aten.mse_loss(y [n, o], target [n, o], reduction=mean)          # []
-    After::   ps = (split_batch(y) - split_batch(target)).pow(2).mean((1, 2))      # [n]
-    """
-    inp, target = node.args[:2]
-    reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
-    if reduction == 0 or value_of(inp).shape != value_of(target).shape:
-        return None
-    found = _single_batched_dim(inp, batch)
-    if found is None or (batch.dims(target) and _single_batched_dim(target, batch) != found):
-        return None
-    bdim, layout = found
-
-    def per_sample(y, t):
-        sq = split_batch((y - t).pow(2), bdim, layout)
-        dims = list(range(1, sq.dim()))
-        return sq.mean(dims) if reduction == 1 else sq.sum(dims)
-
-    return Contraction(rule="mse_loss", node=node, inputs=[inp, target], per_sample=per_sample)
+for _op in ops.LOSSES:
+    contraction_rule(_op)(elementwise_loss(_op))

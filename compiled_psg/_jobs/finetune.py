@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .cli_train import _optimizer, write_metrics_and_plot
+from .train import _optimizer, write_metrics_and_plot
 
 HF_MISSING = ("python -m compiled_psg finetune needs transformers and peft (the hf extra): "
               'pip install -e ".[hf]"  (or: pip install "transformers==5.23.0" "peft==0.21.2")')
@@ -113,9 +113,9 @@ def _trainer(args, model, train: torch.Tensor):
     """``(step, batches, epsilon_fn, info, dp_step)``: ``batches()`` yields fine-tuning batches forever."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from .accounting import calibrate_noise
-    from .private import make_private
-    from .step import compile_step
+    from .._train.accounting import calibrate_noise
+    from .._train.api import compile_step
+    from .._train.private import make_private
 
     def loss_fn(x):  # the mean over the window's predicted bytes; per sample: that window's own mean
         return model(input_ids=x, labels=x).loss

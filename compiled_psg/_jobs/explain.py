@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from .._errors import BatchInputError
-from .examples import EXAMPLES
-from .report import explain
+from .._explain import explain
+from .._inspect.examples import EXAMPLES
 
 
 def report_for(name: str):

@@ -1,4 +1,4 @@
-"""Cases from the adversarial review that gave raw torch errors: now exact, or refused in our words."""
+"""Edge cases across capture, reductions and training: each exact against the loop, or refused in our words."""
 
 import math
 
@@ -128,7 +128,7 @@ def test_a_batch_size_argument_a_batch_of_one_cannot_read_is_not_called_mixing()
     with pytest.raises(psg.UnsupportedError, match="batch size as a value") as info:
         psg.per_sample(m, backend="eager")(lambda x, y: F.cross_entropy(m(x).roll(len(x), 1), y))(x, y)
     assert not isinstance(info.value, psg.SampleMixingError)
-    assert "test_review_findings.py" in str(info.value) and "Fix:" in str(info.value)
+    assert "test_edge_cases.py" in str(info.value) and "Fix:" in str(info.value)
 
 
 BCE_CASES = {  # adversarial finding 08: pos_weight with the default mean was refused with torch's in-place error

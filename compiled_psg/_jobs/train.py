@@ -79,8 +79,8 @@ def _trainer(args, model, train):
     """``(step, loader, epsilon_fn, info)`` for a private or a non-private run."""
     from torch.utils.data import DataLoader
 
-    from .private import make_private
-    from .step import compile_step
+    from .._train.api import compile_step
+    from .._train.private import make_private
 
     loss_fn = lambda x, y: F.cross_entropy(model(x), y)
     generator = torch.Generator().manual_seed(args.seed)

@@ -1,0 +1,44 @@
+"""``psg.explain``: the inspection report of a per-sample function, a DP step or a private training, for a batch.
+
+It sits above the pipeline: it takes what any floor built (``_api``'s per-sample functions, ``_train``'s steps)
+and hands back ``_inspect.report.Report``, which imports none of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._api import PerSampleFunction, batch_dims_of
+from ._errors import BatchInputError
+from ._inspect.report import Report
+from ._train.private import PrivateTraining
+from ._train.sharded import UnshardedCalls
+from ._train.step import DPStep, refuse_ambient_autocast
+
+
+def explain(fn, *args) -> Report:
+    """The inspection report of ``fn`` (a ``@psg.per_sample`` function, a ``compile_step`` DP step or what
+    ``make_private`` returns) for these arguments, a batch of at least one sample.
+
+    Captures and rewrites like a call would (and caches it), runs nothing. For a DP step it is the per-sample
+    graph of the step's current clipping settings, whose clip norms and clipped sums carry the per-layer choices
+    (``step.graph`` is the fused program after the first step). The step of a ``fully_shard`` model gathers its
+    parameters for the capture, as a step does: call ``explain`` on every rank. If the loss is refused, the
+    ``SampleMixingError`` raised carries the report as ``error.report``.
+    """
+    if isinstance(fn, PrivateTraining):
+        fn = fn.dp_step
+    if isinstance(fn, DPStep):
+        refuse_ambient_autocast()  # the step refuses it too: its graph would not be the step's
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)  # as the step does
+        fn = fn.per_sample  # a sharded step's unshards the parameters around the capture
+    if not isinstance(fn, PerSampleFunction | UnshardedCalls):
+        raise BatchInputError(f"psg.explain expects a function decorated with @psg.per_sample(model), a "
+                              f"compile_step DP step or make_private's result, got {type(fn).__name__} "
+                              f"{getattr(fn, '__name__', '')!s}. Fix: explain(psg.per_sample(model)(loss_fn), "
+                              "*batch), decorate loss_fn with @psg.per_sample(model), or explain(step, *batch)")
+    if batch_dims_of(args, fn.in_dims)[1] == 0:
+        raise BatchInputError("psg.explain got an empty batch: the graph is captured for a batch of samples. "
+                              "Fix: pass a batch of one sample or more (any batch size gives the same graph)")
+    entry = fn.prepare_call(*args).entry
+    return Report.from_rewritten(entry.rewritten)

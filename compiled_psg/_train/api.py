@@ -1,0 +1,91 @@
+"""``compile_step``: the DP step of a model, ``DPStep``, or ``ShardedStep`` for a ``fully_shard`` model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from .._reduce.reductions import Reduction
+from .sharded import ShardedStep, is_sharded
+from .step import DPStep
+
+
+def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 reduce: Reduction | None = None, max_grad_norm: float | None = None,
+                 noise_multiplier: float = 0.0, expected_batch_size: float | None = None,
+                 loss_reduction: str = "mean", secure_rng: bool = False, backend: str = "inductor",
+                 generator: torch.Generator | None = None, in_dims=0,
+                 distributed: bool | None = None, max_physical_batch_size: int | None = None,
+                 clipping: str = "flat", clip_groups: Sequence[Sequence[str]] | None = None,
+                 automatic_gamma: float = 0.01, target_unclipped_quantile: float = 0.5,
+                 clipbound_learning_rate: float = 0.2, unclipped_num_std: float | None = None,
+                 min_clipbound: float = 0.0, max_clipbound: float = math.inf,
+                 memory_budget: float | None = None, public_buffers: Sequence[str] = ()) -> DPStep:
+    """Build ``step(*batch) -> loss``: one (DP-)SGD step of ``optimizer`` on ``model``'s parameters, compiled as
+    one program (forward, rewritten backward, reduction, noise, all-reduce, optimizer update).
+
+    ``loss_fn(*batch)`` computes the loss of a batch with ``model`` (batched along ``in_dims``). A step
+    computes ``S = sum_i min(1, C / ||g_i||) g_i`` over the batch's per-sample gradients ``g_i``
+    (``reduce=psg.clip_sum(C)``, or ``max_grad_norm=C``; neither: no clipping, ``S`` is the plain sum), adds
+    Gaussian noise ``N(0, sigma^2 C^2)`` once (``sigma = noise_multiplier``), divides by
+    ``expected_batch_size`` (``loss_reduction="mean"``; None: the actual batch size; ``"sum"``: no division),
+    writes the result to ``p.grad`` and applies the optimizer's update. Parameters are updated in place. With
+    Poisson sampling pass ``expected_batch_size = q * N``: dividing by the actual batch size would reveal it.
+    Another reduction that gives one tensor per parameter (``psg.custom``) replaces ``S``.
+
+    The noise comes from torch's global generator, from ``generator`` when one is given, or from ``os.urandom``
+    with ``secure_rng=True``. ``backend``: ``"inductor"`` or ``"eager"`` (the same fused graph, op by op).
+    Under an initialized ``torch.distributed`` process group (``distributed=None`` detects it) the program
+    all-reduces the clipped sums and rank 0 alone adds the noise; see ``compiled_psg._train.distributed``.
+
+    ``max_physical_batch_size=N`` splits a larger (logical) batch into micro-batches of at most ``N`` samples:
+    each micro-batch's clipped sum is accumulated, the noise is added once and the optimizer steps once, the
+    same step as the whole batch at once with less memory (the batch size is symbolic: no recompiles).
+
+    ``step.max_grad_norm``, ``step.noise_multiplier`` and ``step.expected_batch_size`` may be assigned between
+    steps (validated; used from the next step on; a new ``C`` recaptures the per-sample graph once per bound).
+    ``step.last_config`` / ``step.last_noise_multiplier`` say what the last step used. ``state_dict()`` /
+    ``load_state_dict()`` save and resume (see ``DPStep.state_dict``).
+
+    The returned object also has ``per_sample`` (``per_sample.captures``), ``fused``/``programs``/
+    ``fallback_reason``, ``program_builds``, ``compiles``, ``compile_seconds``, ``steps_taken``,
+    ``last_batch_size`` and ``last_norms`` (the unclipped per-sample norms). Python-number hyperparameters are
+    constants of the program: changing one (a scheduler on ``lr=0.1``) rebuilds it; ``lr=torch.tensor(0.1)``
+    changes without rebuilding. Invalid settings raise ``compiled_psg.DPConfigError``.
+
+    ``clipping`` (see docs/training.md, "Clipping variants", for the sensitivity of each): ``"flat"`` (above);
+    ``"per_layer"``: each group of parameters is clipped to its own bound, ``max_grad_norm`` a list with one
+    ``C_k`` per group (``clip_groups``: lists of parameter names; None: one group per trained parameter, as
+    Opacus) or one number ``C`` split evenly as ``C / sqrt(K)``; the noise std is ``sigma * sqrt(sum C_k^2)``.
+    ``"automatic"``: each per-sample gradient becomes ``C g / (||g|| + automatic_gamma)`` (Bu et al. 2022).
+    ``"adaptive"``: flat clipping whose ``C`` moves after every step toward the ``target_unclipped_quantile``
+    of the per-sample norms, ``C <- C exp(-clipbound_learning_rate (b - target))`` clamped to
+    ``[min_clipbound, max_clipbound]``, ``b`` the unclipped fraction counted with noise of std
+    ``unclipped_num_std`` (Andrew et al. 2021); ``noise_multiplier`` is the whole step's, the gradient's own is
+    ``(sigma^-2 - (2 sigma_b)^-2)^-1/2``. Norms, clip factors and clipped sums are float32 for bfloat16 models
+    (float64 for float64 ones); the noise is added in that dtype.
+
+    Nothing computed from the batch leaves the step but the noisy update: a loss that writes a parameter or a
+    buffer from the batch (a running statistic under ``no_grad``, ``Embedding(max_norm=...)``'s renorm) is refused
+    with ``DPConfigError`` before the step runs. ``public_buffers``: names of buffers whose writes you declare
+    public (released as they are, outside the DP guarantee).
+
+    ``memory_budget``: bytes of per-sample values the program may hold beyond what the plain step holds (None:
+    the fastest plan, which keeps each layer's materialized per-sample gradients until the clip factors are
+    known; 0: holds none). Layers move to strategies that hold nothing, the cheapest per byte freed first, at
+    the batch size of the first call (``max_physical_batch_size``'s micro-batches: theirs); ``psg.explain(step,
+    *batch)`` shows the plan. docs/training.md, "Memory budget", says what it does not bound.
+    """
+    options = {"clip_groups": None if clip_groups is None else tuple(tuple(g) for g in clip_groups),
+               "automatic_gamma": automatic_gamma, "target_unclipped_quantile": target_unclipped_quantile,
+               "clipbound_learning_rate": clipbound_learning_rate, "unclipped_num_std": unclipped_num_std,
+               "min_clipbound": min_clipbound, "max_clipbound": max_clipbound, "memory_budget": memory_budget}
+    cls = ShardedStep if is_sharded(model) else DPStep  # fully_shard: see compiled_psg._train.sharded
+    return cls(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
+                  noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
+                  loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,
+                  in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size,
+                  clipping=clipping, public_buffers=public_buffers, **options)

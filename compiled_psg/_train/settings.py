@@ -1,0 +1,93 @@
+"""A DP step's settings: validated on assignment, used from the next step on (``DPStep`` inherits them)."""
+
+from __future__ import annotations
+
+from .._errors import DPConfigError
+from .config import DPConfig
+
+
+class StepSettings:
+    """``config`` (a frozen ``DPConfig``) and its fields that may be assigned between steps, the micro-batch size,
+    and what the last step used. Reads ``_config``, ``_stalled_bound``, ``_custom_reduce`` and ``last_config``
+    of the step."""
+
+    _config: DPConfig
+    _stalled_bound: str | None
+    last_config: DPConfig | None
+
+    @property
+    def config(self) -> DPConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: DPConfig) -> None:
+        if not isinstance(value, DPConfig):
+            raise DPConfigError(f"config must be a DPConfig, got {type(value).__name__}")
+        if value.clipping != self._config.clipping:
+            raise DPConfigError(f"the clipping mode is fixed when the step is built ({self._config.clipping!r}), "
+                                f"got {value.clipping!r}")
+        self._config = value
+        self._stalled_bound = None  # a new bound (or max_clipbound) from the user: adaptive clipping goes on
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self._config.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self.config = self._config.replace(max_grad_norm=value)
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._config.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self.config = self._config.replace(noise_multiplier=value)
+
+    @property
+    def expected_batch_size(self) -> float | None:
+        return self._config.expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value: float | None) -> None:
+        self.config = self._config.replace(expected_batch_size=value)
+
+    @property
+    def loss_reduction(self) -> str:
+        return self._config.loss_reduction
+
+    @property
+    def noise_std(self) -> float:
+        """The noise std the next step adds to the clipped sum: the gradient's noise multiplier times the
+        sensitivity (``noise_multiplier * max_grad_norm`` for flat clipping; see ``DPConfig``)."""
+        return self._config.noise_std
+
+    @property
+    def clipping(self) -> str:
+        """The clipping mode, fixed when the step is built."""
+        return self._config.clipping
+
+    @property
+    def last_noise_multiplier(self) -> float | None:
+        """The noise multiplier the last step used as one Gaussian mechanism (None before the first step), from
+        the noise actually added (with adaptive clipping: the gradient's and the count's): what the accountant
+        records."""
+        return None if self.last_config is None else self.last_config.accounted_noise_multiplier
+
+    @property
+    def max_physical_batch_size(self) -> int | None:
+        """Micro-batch size: a larger (logical) batch is processed in pieces of at most this many samples."""
+        return self._max_physical_batch_size
+
+    @max_physical_batch_size.setter
+    def max_physical_batch_size(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise DPConfigError(f"max_physical_batch_size must be a positive int or None, got {value!r}")
+        if value is not None and getattr(self, "_custom_reduce", None) is not None:
+            # micro-batches' results are summed: right for a sum over samples only (not a mean, max, median)
+            raise DPConfigError("max_physical_batch_size with a custom reduce=: the micro-batches' results would be "
+                                "summed, which equals the whole batch's result only if the reduction is a sum over "
+                                "samples. Fix: max_physical_batch_size=None, or reduce=psg.clip_sum(C) / "
+                                "max_grad_norm=C")
+        self._max_physical_batch_size = value
