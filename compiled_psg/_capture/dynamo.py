@@ -231,6 +231,8 @@ class Captured:
     inner_grads: list[tuple[bool, str]] = field(default_factory=list)
     #: decisions on the batch size that a batch of one makes differently (``batch_size_branches``)
     batch_size_branches: list[str] = field(default_factory=list)
+    #: in-place writes of parameters or buffers that read a batched argument, found once (``_train.release``)
+    batch_dependent_writes: list | None = None
 
 
 class _Abort(Exception):

@@ -23,7 +23,13 @@ from .._errors import DPConfigError
 
 def batch_dependent_writes(captured: Captured) -> list[tuple[int, fx.Node]]:
     """``(placeholder index, written value)`` of each in-place write to a parameter or buffer whose new value
-    depends on a batched argument."""
+    depends on a batched argument; found once per capture (a step asks before every run)."""
+    if captured.batch_dependent_writes is None:
+        captured.batch_dependent_writes = _find_batch_dependent_writes(captured)
+    return captured.batch_dependent_writes
+
+
+def _find_batch_dependent_writes(captured: Captured) -> list[tuple[int, fx.Node]]:
     if not captured.mutated or captured.mutation_graph is None:
         return []
     graph = captured.mutation_graph.graph
@@ -55,11 +61,14 @@ def _reads_any(node: fx.Node, sources: set[fx.Node]) -> bool:
 def refuse_private_writes(captured: Captured, model: nn.Module, public_buffers: Iterable[str]) -> None:
     """Raise ``DPConfigError`` naming each parameter or buffer (not in ``public_buffers``) that the loss writes
     from the batch, the line that writes it and the fixes."""
+    writes = batch_dependent_writes(captured)
+    if not writes:
+        return
     names = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
     names.update({id(t): n for n, t in model.named_buffers(remove_duplicate=False)})
     public = set(public_buffers)
     sites = []
-    for index, value in batch_dependent_writes(captured):
+    for index, value in writes:
         role = captured.roles[index]
         name = role.key if role.kind == "param" else names.get(id(captured.constants.get(index)), "a tensor")
         if name in public:

@@ -316,7 +316,7 @@ class ShardedStep(DPStep):
                 total, losses, norms, sizes = _accumulate(None, sums, self.names), [loss], [norm], [0]
             else:
                 for piece in micro_batches(batch, f.in_dims, batch_size, self._max_physical_batch_size):
-                    c = self.prepare_call(f, piece)
+                    c = self.prepare_batch(f, piece)
                     loss, _, result = self._run_per_sample(c.entry, config, c.params, c.args, c.batch_size)
                     sums, norm = split_result(result, self.names, self.params)
                     total = _accumulate(total, sums, self.names)

@@ -163,7 +163,7 @@ class DPStep(StepSettings):
             fn = self._per_sample_fns[reduction] = self._new_per_sample(reduction)
         return fn
 
-    def prepare_call(self, f, batch: tuple):
+    def prepare_batch(self, f, batch: tuple):
         """``f.prepare_call(*batch)``, refused (``DPConfigError``) when the loss writes a parameter or a buffer
         not in ``public_buffers`` from the batch: the model would carry it out of the step un-noised
         (``release.py``). Before anything runs."""
@@ -321,7 +321,7 @@ class DPStep(StepSettings):
             sums, self.last_norms = split_result(result, self.names, self.params)
             self._run_eager_update(config, [sums[n] for n in self.names], 0)
             return loss
-        pieces = [self.prepare_call(f, piece)
+        pieces = [self.prepare_batch(f, piece)
                   for piece in micro_batches(batch, f.in_dims, batch_size, self._max_physical_batch_size)]
         sizes = [c.batch_size for c in pieces]
         losses, norms, partial = [], [], None
