@@ -16,9 +16,9 @@ import compiled_psg as psg
 from compiled_psg._train import dp
 
 
-def conv_gemm_form(device: str) -> float:
-    """The largest error, relative to the loop's largest entry, of per-sample gradients of a strided, padded,
-    dilated CNN with a 1x1 and a 7x7 kernel, in float64 on the eager backend."""
+def conv_gemm_form(device: str, dtype: torch.dtype = torch.float64, backend: str = "eager") -> float:
+    """The largest error, relative to the float64 loop's largest entry, of per-sample gradients of a strided,
+    padded, dilated CNN with a 1x1 and a 7x7 kernel, computed in ``dtype`` on ``backend``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 7, stride=2, padding=3), nn.GroupNorm(2, 8), nn.ReLU(),
                           nn.Conv2d(8, 8, 3, padding=2, dilation=2), nn.ReLU(), nn.Conv2d(8, 4, 1, stride=2),
@@ -30,13 +30,30 @@ def conv_gemm_form(device: str) -> float:
     def loss(x, y):
         return F.cross_entropy(model(x), y)
 
-    got = psg.per_sample(model, backend="eager")(loss)(x, y)
+    wants = [torch.autograd.grad(loss(x[i:i + 1], y[i:i + 1]), list(model.parameters())) for i in range(5)]
+    model.to(dtype)
+    got = psg.per_sample(model, backend=backend)(loss)(x.to(dtype), y)
     worst = 0.0
     for i in range(5):
-        grads = torch.autograd.grad(loss(x[i:i + 1], y[i:i + 1]), list(model.parameters()))
-        for (name, _), want in zip(model.named_parameters(), grads, strict=True):
-            worst = max(worst, float((got[name][i] - want).abs().max() / want.abs().max().clamp_min(1e-300)))
+        for (name, _), want in zip(model.named_parameters(), wants[i], strict=True):
+            error = (got[name][i].double() - want).abs().max()
+            worst = max(worst, float(error / want.abs().max().clamp_min(1e-300)))
     return worst
+
+
+def conv_gemm_precision(device: str) -> dict:
+    """Float32 on Inductor, with cuDNN's TF32 on (the default: the GEMM rounds in TF32, as the convolution it
+    replaces) and off (float32 throughout), against the float64 loop; cuBLAS's flag is untouched after."""
+    out = {}
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        for allowed in (True, False):
+            torch.backends.cudnn.allow_tf32 = allowed
+            out[f"cudnn_tf32_{allowed}"] = conv_gemm_form(device, torch.float32, "inductor")
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    out["cublas_tf32_after"] = torch.backends.cuda.matmul.allow_tf32
+    return out
 
 
 def noise_draw(device: str) -> dict:
@@ -83,9 +100,12 @@ def tf32_plan(device: str) -> list[str]:
 def main() -> None:
     device = "cuda"
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "conv_gemm_form_rel_error": conv_gemm_form(device), "noise": noise_draw(device),
+           "conv_gemm_form_rel_error": conv_gemm_form(device), "conv_gemm_float32": conv_gemm_precision(device),
+           "noise": noise_draw(device),
            "memory_budget_step_max_diff": budget_step(device), "tf32_plan": tf32_plan(device)}
+    f32 = out["conv_gemm_float32"]
     out["ok"] = (out["conv_gemm_form_rel_error"] < 1e-10 and out["noise"]["one_buffer"]
+                 and f32["cudnn_tf32_True"] < 1e-2 and f32["cudnn_tf32_False"] < 1e-5 and not f32["cublas_tf32_after"]
                  and abs(out["noise"]["std"] - 2.0) < 0.01 and abs(out["noise"]["mean"]) < 0.01
                  and out["memory_budget_step_max_diff"] < 1e-12 and not math.isnan(out["noise"]["std"])
                  and not {"ghost", "materialize, bounded"} & set(out["tf32_plan"]))

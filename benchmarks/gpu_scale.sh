@@ -23,5 +23,5 @@ timeout "${1:-450}" python3 -m benchmarks.scale --device cuda --out /tmp/scale -
   ${METHODS:+--methods $METHODS} --profile ${PROFILE:-gpt2} --output-code --budget "${2:-270}" > "$OUT/report.md" 2>&1
 echo "rc=$? after $((SECONDS - start)) s" >> "$OUT/report.md"
 python3 -m benchmarks.scale --report --out /tmp/scale >> "$OUT/report.md" 2>&1
-(cd /tmp/scale && tar czf "$OUT/scale.tgz" ./*.jsonl ./stderr_*.txt ./profile_* ./kernels_* 2> /dev/null)
+(cd /tmp/scale && tar czf "$OUT/scale.tgz" ./*.jsonl ./stderr_*.txt ./profile_* ./kernels_* ./memory_* 2> /dev/null)
 date -u >> "$OUT/env.txt"

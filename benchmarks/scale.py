@@ -11,7 +11,8 @@ the median is reported), then each method's peak memory over one step on top of 
 (``measure.Device.peak_bytes``). ``--parallel`` (GPU) runs the model processes at once for their compiles,
 which are CPU work, and lets one at a time time its methods (a lock file): the GPU is timed alone, the host
 shares its cores with the other models' compiles. ``--profile M [M ...]`` adds a ``torch.profiler`` kernel table
-of the DP step and the compiled plain step of each model M; ``TORCH_LOGS=output_code`` there gives Inductor's code.
+of the DP step and the compiled plain step of each model M, and on CUDA what one step holds at its peak
+(``memory_at_peak``); ``TORCH_LOGS=output_code`` there gives Inductor's code.
 
 Every DP step clips to 1.0, adds noise of multiplier 1.0, divides by the batch size and steps SGD (lr 0.01),
 over the parameters that require a gradient. Writes ``DIR/MODEL.jsonl`` (one record per method) and, with
@@ -297,6 +298,61 @@ def _profile(name: str, runs: dict, batch: tuple, out: Path, dev: Device, steps:
     (out / f"profile_{name}.txt").write_text("\n".join(tables))
     (out / f"kernels_{name}.json").write_text(json.dumps({"device": dev.name(), "torch": torch.__version__,
                                                           "steps": kernels}, indent=1))
+    if dev.cuda:
+        peaks = {}
+        for method, run in runs.items():
+            try:
+                peaks[method] = memory_at_peak(run, batch)
+            except Exception as e:  # a breakdown is an extra: its failure must not lose the tables above
+                peaks[method] = {"error": short_error(e)}
+        (out / f"memory_{name}.json").write_text(json.dumps({"device": dev.name(), "torch": torch.__version__,
+                                                             "methods": peaks}, indent=1))
+
+
+def memory_at_peak(run: Callable, batch: tuple, top: int = 30) -> dict:
+    """What one CUDA step holds at its peak: the allocator's history over the step replayed (allocations made
+    during the step only), and the blocks live at the moment their total is largest, grouped by the line that
+    allocated them: the first frame outside torch's own files (a line of Inductor's generated code for a
+    compiled program, the model's code for an eager one), with the line's text."""
+    import linecache
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=1_000_000)
+    try:
+        run(*batch)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live: dict[int, tuple[int, tuple]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, tuple]] = {}
+    for event in snapshot["device_traces"][torch.cuda.current_device()]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], tuple(event.get("frames", ())))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+
+    def site(frames: tuple) -> str:
+        for f in frames:
+            path = f.get("filename", "")
+            if "torchinductor" in path or ("/torch/" not in path and "/site-packages/" not in path
+                                           and not path.startswith("<")):
+                text = linecache.getline(path, f.get("line", 0)).strip()
+                return f"{Path(path).name}:{f.get('line')} {f.get('name')}: {text[:160]}"
+        return "(torch internals)"
+
+    groups: dict[str, list[int]] = {}
+    for size, frames in at_peak.values():
+        entry = groups.setdefault(site(frames), [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"peak_bytes_allocated_in_step": peak, "live_blocks": len(at_peak),
+            "by_site": [{"bytes": b, "blocks": n, "site": where} for where, (b, n) in rows]}
 
 
 # -- the driver ------------------------------------------------------------------------------------

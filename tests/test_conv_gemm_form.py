@@ -47,4 +47,28 @@ def test_gemm_form_of_strided_padded_dilated_kernels(gemm_form, shape):
         for name, p in model.named_parameters():
             torch.testing.assert_close(got[name][i], p.grad, rtol=1e-10, atol=1e-12)
     graph = psg.explain(fn, x, y).after.code
-    assert "bmm" in graph and "conv_weight_per_sample" not in graph
+    assert "conv_weight_gemm" in graph and "conv_weight_per_sample" not in graph
+
+
+def test_the_gemm_rounds_as_cudnn_and_restores_the_flag(monkeypatch):
+    """Where cuDNN rounds in TF32 the GEMM runs with cuBLAS TF32 allowed, and the flag is back after it, also
+    when the GEMM raises; a CPU tensor never asks for TF32."""
+    a, x = torch.randn(2, 5, 3), torch.randn(2, 5, 4)
+    assert not conv.rounds_as_cudnn(a)
+    seen = []
+    real_bmm = torch.bmm
+
+    def recording_bmm(*args):
+        seen.append(torch._C._get_cublas_allow_tf32())
+        if len(seen) == 2:
+            raise RuntimeError("GEMM failed")
+        return real_bmm(*args)
+
+    monkeypatch.setattr(conv, "rounds_as_cudnn", lambda x: True)
+    monkeypatch.setattr(torch, "bmm", recording_bmm)
+    before = torch._C._get_cublas_allow_tf32()
+    got = conv.conv_weight_gemm(a, x)
+    torch.testing.assert_close(got, real_bmm(a.transpose(1, 2), x))
+    with pytest.raises(RuntimeError, match="GEMM failed"):
+        conv.conv_weight_gemm(a, x)
+    assert seen == [True, True] and torch._C._get_cublas_allow_tf32() is before

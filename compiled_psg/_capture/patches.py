@@ -12,8 +12,9 @@ compile and a failed one of each, every target is torch's original again.
 
 The modules that own a change register it (``register``) where they define it, so this file imports nothing of
 the package: the pipeline's later floors (``_compile``) register theirs too. Process-wide changes without an
-``enter`` are permanent, each justified in its entry. ``python docs/gen_patches.py`` writes the table into
-docs/semantics.md ("Every change inside torch").
+``enter`` are permanent, each justified in its entry. A "kernel" entry is in force for one call of one op of a
+compiled program, entered by that op itself (``REGISTRY[name].enter()``), not under the compile lock.
+``python docs/gen_patches.py`` writes the table into docs/semantics.md ("Every change inside torch").
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-PHASES = ("capture", "guard check", "compile", "process")
+PHASES = ("capture", "guard check", "compile", "process", "kernel")
 CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 
 
@@ -42,7 +43,7 @@ class Patch:
     def __post_init__(self):
         if not self.when or any(w not in PHASES for w in self.when):
             raise ValueError(f"{self.name}: when must name phases of {PHASES}, got {self.when}")
-        if (self.enter is None) != (self.when == ("process",)):
+        if (self.enter is None) != (self.when == ("process",)):  # "kernel" entries are entered by their op
             raise ValueError(f"{self.name}: a change has an enter() exactly when it is not a permanent process one")
 
 

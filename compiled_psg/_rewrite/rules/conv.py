@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
 
 from ..._analyze.batch_dims import BatchDims, value_of
+from ..._capture import patches
 from ..._analyze.layout import batch_layout, split_batch
 from ..contraction import Contraction
 from ..registry import contraction_rule
@@ -68,12 +71,56 @@ def conv2d_factors(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], 
     return grads, patches
 
 
+@contextlib.contextmanager
+def _cublas_tf32() -> Iterator[None]:
+    previous = torch._C._get_cublas_allow_tf32()
+    torch._C._set_cublas_allow_tf32(True)
+    try:
+        yield
+    finally:
+        torch._C._set_cublas_allow_tf32(previous)
+
+
+patches.register(patches.Patch(
+    "conv GEMM in the convolution's precision", "torch.backends.cuda.matmul.allow_tf32",
+    "the per-sample Conv2d weight GEMM on CUDA rounds as the cuDNN convolution it replaces does "
+    "(torch.backends.cudnn.allow_tf32, on by default): TF32 tensor cores instead of float32 CUDA cores",
+    ("kernel",), "every thread, for the duration of one per-sample conv GEMM (a float32 matmul of another thread "
+    "in that window may round in TF32); only while cudnn.allow_tf32 is on and cuBLAS TF32 is off",
+    "restored to the value read before the GEMM, on any exit", enter=_cublas_tf32,
+    current=lambda: (torch._C._get_cublas_allow_tf32(),)))
+
+
+def rounds_as_cudnn(x: torch.Tensor) -> bool:
+    """Whether a float32 CUDA matmul must be allowed TF32 to round as cuDNN's convolutions do now."""
+    return (x.is_cuda and x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
+            and not torch._C._get_cublas_allow_tf32())
+
+
+@torch.library.custom_op("compiled_psg::conv_weight_gemm", mutates_args=())
+def conv_weight_gemm(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``bmm(a^T, x)`` (``a [n, t, o]``, ``x [n, t, k]``) in the precision of the convolution it stands for:
+    cuDNN convolutions round float32 in TF32 while ``torch.backends.cudnn.allow_tf32`` is on (the default), and
+    the plain step's weight gradient with them; cuBLAS matmuls only under their own flag (off by default). Read
+    at every call, as cuDNN reads its flag. An op of its own, as Inductor would emit a bare ``bmm`` under the
+    matmul flag alone."""
+    if rounds_as_cudnn(a):
+        with patches.REGISTRY["conv GEMM in the convolution's precision"].enter():
+            return torch.bmm(a.transpose(1, 2), x)
+    return torch.bmm(a.transpose(1, 2), x)
+
+
+@conv_weight_gemm.register_fake
+def _(a, x):
+    return a.new_empty([a.shape[0], a.shape[2], x.shape[2]])
+
+
 def conv2d_weight_per_sample_gemm(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], stride: list[int],
                                   padding: list[int], dilation: list[int]) -> torch.Tensor:
     """The same per-sample Conv2d weight gradients as ``conv_weight_per_sample``, as one batched GEMM of the
-    factors (``conv2d_factors``): ``ps[n] = A[n]^T X[n]``."""
+    factors (``conv2d_factors``): ``ps[n] = A[n]^T X[n]``, in the convolution's precision (``conv_weight_gemm``)."""
     a, x = conv2d_factors(gs, xs, weight_shape, stride, padding, dilation)
-    return torch.bmm(a.transpose(1, 2), x).view(gs.shape[0], *weight_shape)
+    return conv_weight_gemm(a, x).view(gs.shape[0], *weight_shape)
 
 
 def gemm_form_on(device: torch.device) -> bool:
