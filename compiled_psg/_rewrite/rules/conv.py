@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 
 from ..._analyze.batch_dims import BatchDims, value_of
-from ..._capture import patches
 from ..._analyze.layout import batch_layout, split_batch
+from ..._capture import patches
 from ..contraction import Contraction
 from ..registry import contraction_rule
 
