@@ -1,4 +1,4 @@
-"""The GEMM form of per-sample Conv2d weight gradients (``rules.conv.conv2d_weight_per_sample_gemm``), taken on
+"""The GEMM form of per-sample Conv2d weight gradients (``rules.conv.conv2d_weight_gemm``), taken on
 CUDA, forced here on the CPU: every Conv2d zoo case against the naive loop, and the rewrite's op checked."""
 
 from __future__ import annotations
@@ -47,14 +47,18 @@ def test_gemm_form_of_strided_padded_dilated_kernels(gemm_form, shape):
         for name, p in model.named_parameters():
             torch.testing.assert_close(got[name][i], p.grad, rtol=1e-10, atol=1e-12)
     graph = psg.explain(fn, x, y).after.code
-    assert "conv_weight_gemm" in graph and "conv_weight_per_sample" not in graph
+    assert "conv2d_weight_gemm" in graph and "conv_weight_per_sample" not in graph
 
 
 def test_the_gemm_rounds_as_cudnn_and_restores_the_flag(monkeypatch):
     """Where cuDNN rounds in TF32 the GEMM runs with cuBLAS TF32 allowed, and the flag is back after it, also
-    when the GEMM raises; a CPU tensor never asks for TF32."""
-    a, x = torch.randn(2, 5, 3), torch.randn(2, 5, 4)
-    assert not conv.rounds_as_cudnn(a)
+    when the GEMM raises; a CPU tensor never asks for TF32. Replicas (r = 2) sum into one sample's gradient."""
+    torch.manual_seed(0)
+    gs, xs = torch.randn(2, 2, 4, 3, 3, dtype=torch.float64), torch.randn(2, 2, 3, 5, 5, dtype=torch.float64)
+    want = torch.stack([sum(torch.ops.aten.convolution_backward(
+        gs[n, k:k + 1], xs[n, k:k + 1], torch.empty(4, 3, 3, 3, dtype=torch.float64), None, [2, 2], [1, 1],
+        [1, 1], False, [0, 0], 1, [False, True, False])[1] for k in range(2)) for n in range(2)])
+    assert not conv.rounds_as_cudnn(gs)
     seen = []
     real_bmm = torch.bmm
 
@@ -67,8 +71,8 @@ def test_the_gemm_rounds_as_cudnn_and_restores_the_flag(monkeypatch):
     monkeypatch.setattr(conv, "rounds_as_cudnn", lambda x: True)
     monkeypatch.setattr(torch, "bmm", recording_bmm)
     before = torch._C._get_cublas_allow_tf32()
-    got = conv.conv_weight_gemm(a, x)
-    torch.testing.assert_close(got, real_bmm(a.transpose(1, 2), x))
+    args = ([4, 3, 3, 3], [2, 2], [1, 1], [1, 1])
+    torch.testing.assert_close(conv.conv2d_weight_gemm(gs, xs, *args), want, rtol=1e-12, atol=1e-12)
     with pytest.raises(RuntimeError, match="GEMM failed"):
-        conv.conv_weight_gemm(a, x)
+        conv.conv2d_weight_gemm(gs, xs, *args)
     assert seen == [True, True] and torch._C._get_cublas_allow_tf32() is before

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
@@ -42,35 +43,6 @@ def _(gs, xs, weight_shape, stride, padding, dilation, transposed, output_paddin
     return gs.new_empty([gs.shape[0]] + list(weight_shape))
 
 
-def conv2d_factors(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], stride: list[int],
-                   padding: list[int], dilation: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A [n, t, o], X [n, t, c*kh*kw])`` with ``A[n]^T X[n]`` the per-sample weight gradient of a Conv2d
-    (``groups = 1``, not transposed); ``t`` counts the ``r`` replicas' output positions.
-
-    ``A`` is ``gs [n, r, o, h', w']`` with the positions moved last; ``X`` holds the input's patches (a strided
-    slice of the padded input per kernel offset, stacked: plain indexing that the compiler fuses into one
-    gather, where ``F.unfold`` would fix the batch size). A 1x1 kernel needs no patches. Transient memory: the
-    patches of one layer.
-    """
-    n, r, o = gs.shape[0], gs.shape[1], gs.shape[2]
-    c, kh, kw = weight_shape[1], weight_shape[2], weight_shape[3]
-    oh, ow = gs.shape[3], gs.shape[4]
-    for dim, pad in ((4, padding[1]), (3, padding[0])):  # zeros concatenated: constant_pad_nd fixes the batch size
-        if pad:
-            zeros = xs.new_zeros([*xs.shape[:dim], pad, *xs.shape[dim + 1:]])
-            xs = torch.cat([zeros, xs, zeros], dim)
-    slices = []
-    for i in range(kh):
-        for j in range(kw):
-            top, left = i * dilation[0], j * dilation[1]
-            slices.append(xs[..., top:top + stride[0] * (oh - 1) + 1:stride[0],
-                             left:left + stride[1] * (ow - 1) + 1:stride[1]])
-    patches = slices[0].unsqueeze(3) if len(slices) == 1 else torch.stack(slices, 3)  # [n, r, c, kh*kw, h', w']
-    patches = patches.reshape(n, r, c * kh * kw, oh * ow).transpose(2, 3).reshape(n, r * oh * ow, c * kh * kw)
-    grads = gs.reshape(n, r, o, oh * ow).transpose(2, 3).reshape(n, r * oh * ow, o)
-    return grads, patches
-
-
 @contextlib.contextmanager
 def _cublas_tf32() -> Iterator[None]:
     previous = torch._C._get_cublas_allow_tf32()
@@ -97,30 +69,39 @@ def rounds_as_cudnn(x: torch.Tensor) -> bool:
             and not torch._C._get_cublas_allow_tf32())
 
 
-@torch.library.custom_op("compiled_psg::conv_weight_gemm", mutates_args=())
-def conv_weight_gemm(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``bmm(a^T, x)`` (``a [n, t, o]``, ``x [n, t, k]``) in the precision of the convolution it stands for:
-    cuDNN convolutions round float32 in TF32 while ``torch.backends.cudnn.allow_tf32`` is on (the default), and
-    the plain step's weight gradient with them; cuBLAS matmuls only under their own flag (off by default). Read
-    at every call, as cuDNN reads its flag. An op of its own, as Inductor would emit a bare ``bmm`` under the
-    matmul flag alone."""
-    if rounds_as_cudnn(a):
+@torch.library.custom_op("compiled_psg::conv2d_weight_gemm", mutates_args=())
+def conv2d_weight_gemm(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], stride: list[int],
+                       padding: list[int], dilation: list[int]) -> torch.Tensor:
+    """The same per-sample Conv2d weight gradients as ``conv_weight_per_sample`` (``groups = 1``, not
+    transposed), as one batched GEMM: ``ps[n] = G[n] U[n]^T`` with ``G [n, o, r*h'*w']`` the output gradient and
+    ``U [n, c*kh*kw, r*h'*w']`` the input's patches (``F.unfold``).
+
+    An op of its own, opaque to the compiler, for three reasons: ``F.unfold`` and padding fix the batch size
+    when traced; the patches (kh*kw times the input) must live only while the GEMM runs, where a traced gather
+    depends on forward activations alone and Inductor computes it early and holds it across the backward
+    (``benchmarks/scale_notes.md``, resnet50_gn); and the GEMM must round as the cuDNN convolution it replaces
+    does: in TF32 while ``torch.backends.cudnn.allow_tf32`` is on (the default, and the plain step's weight
+    gradient with it), where Inductor would emit a bare ``bmm`` under cuBLAS's own flag (off by default). The
+    flags are read at every call, as cuDNN reads its own.
+    """
+    n, r, o = gs.shape[0], gs.shape[1], gs.shape[2]
+    c, kh, kw = weight_shape[1], weight_shape[2], weight_shape[3]
+    cols = F.unfold(xs.reshape(n * r, c, xs.shape[3], xs.shape[4]), (kh, kw), dilation, padding, stride)
+    positions = cols.shape[-1]
+    if r == 1:
+        cols, grads = cols.view(n, c * kh * kw, positions), gs.reshape(n, o, positions)
+    else:
+        cols = cols.view(n, r, c * kh * kw, positions).transpose(1, 2).reshape(n, c * kh * kw, r * positions)
+        grads = gs.reshape(n, r, o, positions).transpose(1, 2).reshape(n, o, r * positions)
+    if rounds_as_cudnn(gs):
         with patches.REGISTRY["conv GEMM in the convolution's precision"].enter():
-            return torch.bmm(a.transpose(1, 2), x)
-    return torch.bmm(a.transpose(1, 2), x)
+            return torch.bmm(grads, cols.transpose(1, 2)).view(n, *weight_shape)
+    return torch.bmm(grads, cols.transpose(1, 2)).view(n, *weight_shape)
 
 
-@conv_weight_gemm.register_fake
-def _(a, x):
-    return a.new_empty([a.shape[0], a.shape[2], x.shape[2]])
-
-
-def conv2d_weight_per_sample_gemm(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], stride: list[int],
-                                  padding: list[int], dilation: list[int]) -> torch.Tensor:
-    """The same per-sample Conv2d weight gradients as ``conv_weight_per_sample``, as one batched GEMM of the
-    factors (``conv2d_factors``): ``ps[n] = A[n]^T X[n]``, in the convolution's precision (``conv_weight_gemm``)."""
-    a, x = conv2d_factors(gs, xs, weight_shape, stride, padding, dilation)
-    return conv_weight_gemm(a, x).view(gs.shape[0], *weight_shape)
+@conv2d_weight_gemm.register_fake
+def _(gs, xs, weight_shape, stride, padding, dilation):
+    return gs.new_empty([gs.shape[0], *weight_shape])
 
 
 def gemm_form_on(device: torch.device) -> bool:
@@ -147,9 +128,9 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
                                         ..., groups=n*G, mask=[False, True, False])
         ps = cbn[1].view(n, o, c/G, *k)                  # [n, o, c/G, *k]
 
-    On CUDA a Conv2d with ``groups = 1`` takes the GEMM form instead (``conv2d_weight_per_sample_gemm``)::
+    On CUDA a Conv2d with ``groups = 1`` takes the GEMM form instead (``conv2d_weight_gemm``, opaque too)::
 
-        ps = bmm(g.view(n, o, h'*w'), patches(x) [n, h'*w', c*kh*kw]).view(n, o, c, kh, kw)
+        ps = bmm(g.view(n, o, h'*w'), unfold(x) [n, c*kh*kw, h'*w'].mT).view(n, o, c, kh, kw)
 
     After (bias)::  ps = g.sum(spatial dims)             # [n, o]
     """
@@ -181,7 +162,7 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     def per_sample_weight(g, x, w):
         gs, xs = split_batch(g, 0, layout), split_batch(x, 0, layout)  # [n, r, o, *s'], [n, r, c, *s]
         if gemm:
-            return conv2d_weight_per_sample_gemm(gs, xs, w_shape, list(stride), list(padding), list(dilation))
+            return conv2d_weight_gemm(gs, xs, w_shape, list(stride), list(padding), list(dilation))
         return conv_weight_per_sample(gs, xs, w_shape, list(stride), list(padding), list(dilation), bool(transposed),
                                       list(output_padding), int(groups))
 
