@@ -33,6 +33,12 @@ def warn_outside_window() -> None:
                       "errors or refusals may be this version's, not your code's.", stacklevel=3)
 
 
+def logs_ignored_functions_in_metrics() -> bool:
+    """torch 2.11 and 2.12 put Dynamo's config, every set sorted, into each compile's metrics, and
+    ``ignore_logging_functions`` (functions: unsortable) is left out of it only from 2.13."""
+    return torch_minor() < (2, 13)
+
+
 def traces_batch_size_exponent() -> bool:
     """``h ** x.shape[0]`` (a tensor to a symbolic integer power): torch 2.11 to 2.13 fail inside torch while
     tracing (``NYI SymInt equality``, refused as a ``CaptureError``); 2.14 and later trace it, and the exponent

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import threading
 from pathlib import Path
 
@@ -35,7 +36,8 @@ def _record_mid_capture(ctx):
 
 
 def _capture_phase() -> list[str]:
-    return [name for name, p in patches.REGISTRY.items() if "capture" in p.when and p.current is not None]
+    return [name for name, p in patches.REGISTRY.items()
+            if "capture" in p.when and p.current is not None and p.in_force_here()]
 
 
 def test_every_phase_has_entries_and_each_entry_says_how_it_is_undone():
@@ -174,3 +176,28 @@ def test_semantics_page_carries_the_registry():
     spec.loader.exec_module(module)
     page = module.PAGE.read_text()
     assert page == module.render(page), "docs/semantics.md's table is stale: run python docs/gen_patches.py"
+
+
+def test_the_metrics_failure_of_old_torch_is_dropped_and_nothing_else():
+    """torch 2.11/2.12 log a traceback for every capture (their compile metrics sort Dynamo's config sets, and
+    ignore_logging_functions holds functions): that record alone is dropped during a capture, and only there."""
+    logger = logging.getLogger("torch._dynamo.metrics_context")
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        with patches.REGISTRY["metrics failure unlogged"].enter():
+            logger.error("Unexpected exception logging compilation metrics")
+            logger.error("another failure")
+        logger.error("Unexpected exception logging compilation metrics")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another failure", "Unexpected exception logging compilation metrics"]
+    assert not logger.filters
+    entry = patches.REGISTRY["metrics failure unlogged"]
+    assert entry.in_force_here() == (torch.__version__ < "2.13"), "in force on torch 2.11 and 2.12 only"

@@ -59,6 +59,7 @@ import re
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analyze.source import where
+from .._compat import logs_ignored_functions_in_metrics
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
 from . import (  # noqa: F401 - they register capture-phase changes
     backward_semantics,
@@ -531,6 +533,32 @@ patches.register(patches.Patch(
     ("capture",), "process-wide config; another thread's torch.compile waits on Dynamo's compile lock",
     "torch._dynamo.config.patch restores each value on exit", enter=_dynamo_settings,
     current=lambda: tuple(getattr(torch._dynamo.config, k) for k in _DYNAMO_KEYS)))
+_METRICS_LOGGER = "torch._dynamo.metrics_context"
+_METRICS_FAILURE = "Unexpected exception logging compilation metrics"
+
+
+class _DropMetricsFailure(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_METRICS_FAILURE)
+
+
+@contextlib.contextmanager
+def _metrics_failure_dropped() -> Iterator[None]:
+    logger, dropped = logging.getLogger(_METRICS_LOGGER), _DropMetricsFailure()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
+
+
+patches.register(patches.Patch(
+    "metrics failure unlogged", f"logging.getLogger({_METRICS_LOGGER!r}).filters",
+    "torch < 2.13 fails to write a compile's metrics while ignore_logging_functions holds functions (it sorts and "
+    "JSON-dumps every set of Dynamo's config) and logs that failure with a traceback: dropped during a capture; "
+    "the compile is unaffected", ("capture",), "every thread's records of that logger, during a capture",
+    "the filter removed on exit", enter=_metrics_failure_dropped,
+    current=lambda: tuple(logging.getLogger(_METRICS_LOGGER).filters), only_if=logs_ignored_functions_in_metrics))
 patches.register(patches.Patch(
     "mkldnn off", "torch._C._set_mkldnn_enabled", "float32 RNNs would become mkldnn_rnn_layer ops whose backward "
     "does not trace", ("capture",), "process-wide flag: another thread's eager RNN in that window runs the "

@@ -39,6 +39,10 @@ class Patch:
     takes: tuple[str, ...] = ()  # keyword arguments of ``applied`` that ``enter`` needs
     current: Callable[[], tuple] | None = None  # the objects the change replaces, as they are now
     checked_on: tuple[str, ...] = CHECKED_ON
+    only_if: Callable[[], bool] | None = None  # in force only where this holds (a torch version); None: always
+
+    def in_force_here(self) -> bool:
+        return self.only_if is None or self.only_if()
 
     def __post_init__(self):
         if not self.when or any(w not in PHASES for w in self.when):
@@ -68,7 +72,7 @@ def applied(phase: str, **arguments) -> Iterator[dict[str, object]]:
     with compile_lock, contextlib.ExitStack() as stack:
         entered = {}
         for patch in REGISTRY.values():
-            if phase in patch.when:
+            if phase in patch.when and patch.in_force_here():
                 entered[patch.name] = stack.enter_context(patch.enter(**{k: arguments[k] for k in patch.takes}))
         yield entered
 
