@@ -1,7 +1,9 @@
 """A DP step happens completely or not at all, and the accountant counts exactly the steps whose noisy update
-reached the parameters: a refused step changes nothing and counts nothing; a step whose update was applied is
-counted even when what follows it (adaptive clipping's next bound) goes wrong; a resumed run takes the same
-program path as the uninterrupted one."""
+reached the parameters: a refused step changes nothing and counts nothing; a step that fails after its update
+(eager or fused, first or later step) is undone, parameters, optimizer state, buffers and generator, and
+counts nothing (``transactional=False``: it is counted); a step whose update was applied is counted even when
+what follows it (adaptive clipping's next bound) goes wrong; a resumed run takes the same program path as the
+uninterrupted one."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from compiled_psg import DPConfigError, compile_step, make_private
+from compiled_psg._compile.run import CompiledPerSample
 
 
 def _data(n: int = 16, seed: int = 0):
@@ -165,3 +168,144 @@ def test_batches_sliced_from_one_tensor_run_on_one_capture():
         results.append([p.detach().clone() for p in model.parameters()])
     for p, q in zip(*results, strict=True):
         assert torch.equal(p, q)
+
+
+class _Failing(Exception):
+    pass
+
+
+def _stepper(generator, transactional=True, optimizer=torch.optim.Adam, backend="eager"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model.register_buffer("calls", torch.zeros(()))
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, optimizer(model.parameters(), lr=0.1),
+                        max_grad_norm=1.0, noise_multiplier=1.0, backend=backend, generator=generator,
+                        transactional=transactional)
+    return model, step
+
+
+def _fail_after_update(monkeypatch, target, name, times=1):
+    """``target.name`` runs, then raises ``_Failing`` (``times`` times): the update has reached the parameters."""
+    real = getattr(target, name)
+    left = [times]
+
+    def wrapped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if left[0] > 0:
+            left[0] -= 1
+            raise _Failing(name)
+        return out
+
+    monkeypatch.setattr(target, name, wrapped)
+
+
+def _state(model, step, generator):
+    order = {p: i for i, p in enumerate(model.parameters())}
+    opt = {order[p]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+           for p, s in step.optimizer.state.items()}
+    return ([t.detach().clone() for t in [*model.parameters(), *model.buffers()]], opt,
+            generator.get_state().clone(), step.steps_taken)
+
+
+def _same_state(a, b) -> bool:
+    (ta, oa, ga, na), (tb, ob, gb, nb) = a, b
+    same_opt = oa.keys() == ob.keys() and all(
+        oa[k].keys() == ob[k].keys() and all(torch.equal(torch.as_tensor(oa[k][j]), torch.as_tensor(ob[k][j]))
+                                             for j in oa[k]) for k in oa)
+    return all(torch.equal(p, q) for p, q in zip(ta, tb, strict=True)) and same_opt and torch.equal(ga, gb) \
+        and na == nb
+
+
+@pytest.mark.parametrize("when", ["first step", "later step"])
+def test_a_step_failing_after_its_update_restores_everything_and_counts_nothing(monkeypatch, when):
+    """Adam's update has reached the parameters (on the first step eagerly, creating its state; later in the
+    fused program, writing the state the program holds) when the step fails:
+    parameters, optimizer state, buffers, the generator and the count are as before the call, and the run
+    that goes on equals one in which the failure never happened, bit for bit."""
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen)
+    if when == "later step":
+        step(x[:8], y[:8])
+    before = _state(model, step, gen)
+    if when == "first step":  # the eager update: optimizer.step() has run
+        _fail_after_update(monkeypatch, step.optimizer, "step")
+    else:  # the fused program (traced, run op by op on the eager backend) has run
+        assert step.fused
+        _fail_after_update(monkeypatch, CompiledPerSample, "run")
+    with pytest.raises(_Failing):
+        step(x[8:16], y[8:16])
+    assert _same_state(before, _state(model, step, gen))
+    assert step.released_config is None
+    step(x[8:16], y[8:16])
+    step(x[16:], y[16:])
+
+    gen_clean = torch.Generator().manual_seed(5)
+    clean_model, clean = _stepper(gen_clean)
+    if when == "later step":
+        clean(x[:8], y[:8])
+    clean(x[8:16], y[8:16])
+    clean(x[16:], y[16:])
+    assert _same_state(_state(model, step, gen), _state(clean_model, clean, gen_clean))
+
+
+def test_an_accounted_run_counts_no_failed_step(monkeypatch):
+    """PrivateTraining: the accountant's history holds the completed steps only."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    gen = torch.Generator().manual_seed(1)
+    x, y = _data()
+    private = _private(model, x, y, gen, max_grad_norm=1.0)
+    private.step(x[:8], y[:8])
+    _fail_after_update(monkeypatch, CompiledPerSample, "run")  # the fused program has updated the parameters
+    snapshot = _snapshot(model, gen)
+    with pytest.raises(_Failing):
+        private.step(x[8:], y[8:])
+    assert private.accountant.steps == 1 and private.dp_step.steps_taken == 1 and _unchanged(model, gen, snapshot)
+
+
+def test_without_the_transaction_a_failure_after_the_noise_is_counted(monkeypatch):
+    """transactional=False: no copy; the noise may have reached the parameters, so the step is counted."""
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen, transactional=False)
+    step(x[:8], y[:8])
+    before = [p.detach().clone() for p in model.parameters()]
+    _fail_after_update(monkeypatch, CompiledPerSample, "run")
+    with pytest.raises(_Failing):
+        step(x[8:16], y[8:16])
+    assert step.steps_taken == 2 and step.released_config is not None
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.inductor
+def test_the_compiled_program_failing_after_its_update_is_undone(monkeypatch):
+    """The fused program updates the parameters in place; a failure after it (here: raised once the program
+    has returned) restores them, the optimizer's state tensors the program holds (in place) and the generator,
+    so that the next steps equal an uninterrupted run's bit for bit. The compile at the end of the first step
+    failing is undone the same way."""
+    x, y = _data(32)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen, optimizer=torch.optim.SGD, backend="inductor")
+    step.optimizer.param_groups[0]["momentum"] = 0.9  # state the program reads and writes
+    before = _state(model, step, gen)
+    _fail_after_update(monkeypatch, CompiledPerSample, "prepare")
+    with pytest.raises(_Failing):
+        step(x[:8], y[:8])
+    assert _same_state(before, _state(model, step, gen)) and not step.optimizer.state
+    step(x[:8], y[:8])
+    before = _state(model, step, gen)
+    _fail_after_update(monkeypatch, CompiledPerSample, "run")
+    with pytest.raises(_Failing):
+        step(x[8:16], y[8:16])
+    assert _same_state(before, _state(model, step, gen))
+    for i in range(8, 32, 8):
+        step(x[i:i + 8], y[i:i + 8])
+
+    gen_clean = torch.Generator().manual_seed(5)
+    clean_model, clean = _stepper(gen_clean, optimizer=torch.optim.SGD, backend="inductor")
+    clean.optimizer.param_groups[0]["momentum"] = 0.9
+    for i in range(0, 32, 8):
+        clean(x[i:i + 8], y[i:i + 8])
+    assert step.compiles == clean.compiles == 1
+    assert _same_state(_state(model, step, gen), _state(clean_model, clean, gen_clean))

@@ -23,7 +23,8 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                  automatic_gamma: float = 0.01, target_unclipped_quantile: float = 0.5,
                  clipbound_learning_rate: float = 0.2, unclipped_num_std: float | None = None,
                  min_clipbound: float = 0.0, max_clipbound: float = math.inf,
-                 memory_budget: float | None = None, public_buffers: Sequence[str] = ()) -> DPStep:
+                 memory_budget: float | None = None, public_buffers: Sequence[str] = (),
+                 transactional: bool = True) -> DPStep:
     """Build ``step(*batch) -> loss``: one (DP-)SGD step of ``optimizer`` on ``model``'s parameters, compiled as
     one program (forward, rewritten backward, reduction, noise, all-reduce, optimizer update).
 
@@ -73,6 +74,13 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     with ``DPConfigError`` before the step runs. ``public_buffers``: names of buffers whose writes you declare
     public (released as they are, outside the DP guarantee).
 
+    A step is a transaction (``transactional=True``): if it raises, at any point (a refused batch, an
+    out-of-memory error in the middle of the update, the compile at the end of the first step, an interrupt),
+    the parameters, the optimizer's state, the buffers and the noise generator are as before the call, and
+    nothing is counted. It costs a copy of the parameters, the optimizer state and the buffers per step.
+    ``transactional=False`` skips the copy: a step that fails after its noise was drawn is then counted, and the
+    parameters stay as the failure left them.
+
     ``memory_budget``: bytes of per-sample values the program may hold beyond what the plain step holds (None:
     the fastest plan, which keeps each layer's materialized per-sample gradients until the clip factors are
     known; 0: holds none). Layers move to strategies that hold nothing, the cheapest per byte freed first, at
@@ -88,4 +96,4 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                   noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                   loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,
                   in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size,
-                  clipping=clipping, public_buffers=public_buffers, **options)
+                  clipping=clipping, public_buffers=public_buffers, transactional=transactional, **options)

@@ -54,6 +54,7 @@ from .reduction import dp_clip_for, resolve_reduction
 from .release import refuse_private_writes
 from .results import add_into, combine_losses, micro_batches, split_result
 from .settings import StepSettings
+from .transaction import Snapshot
 
 log = logging.getLogger("compiled_psg")
 
@@ -89,7 +90,7 @@ class DPStep(StepSettings):
                  loss_reduction: str = "mean", secure_rng: bool = False, backend: str = "inductor",
                  generator: torch.Generator | None = None, in_dims=0, distributed: bool | None = None,
                  max_physical_batch_size: int | None = None, clipping: str = "flat",
-                 public_buffers: Sequence[str] = (), **clipping_options):
+                 public_buffers: Sequence[str] = (), transactional: bool = True, **clipping_options):
         from .._api import per_sample
 
         custom, bound, budget = resolve_reduction(reduce, max_grad_norm if clipping == "flat" else None)
@@ -108,6 +109,7 @@ class DPStep(StepSettings):
                                 "custom" if custom is not None else clipping, **clipping_options)
         self._custom_reduce = custom
         self.public_buffers = _public_buffers(model, public_buffers)
+        self.transactional = bool(transactional)  # a failed step restores everything and counts nothing
         self.max_physical_batch_size = max_physical_batch_size
         self._new_per_sample = lambda reduction: per_sample(model, in_dims=in_dims, reduce=reduction,
                                                             backend=backend)(loss_fn)
@@ -133,9 +135,9 @@ class DPStep(StepSettings):
         self.last_batch_size = 0
         self.last_norms: torch.Tensor | None = None
         self.last_config: DPConfig | None = None
-        # the config of an update that began in the current call (noise drawn, the optimizer stepping): a call that
-        # fails after it (e.g. compiling the program at the end of the first step) still released a noisy update,
-        # which the accountant must count (``PrivateTraining.step``)
+        # the config of an update that began in the current call (noise drawn, the optimizer stepping): with
+        # transactional=False a call that fails after it released a noisy update, which the accountant must count
+        # (``PrivateTraining.step``); a transactional step restores everything and releases nothing
         self.released_config: DPConfig | None = None
         self.last_unclipped: float | None = None  # adaptive clipping: samples with norm <= C in the last step
         self.last_count_noise: float | None = None  # and the noise added to their (centred) count
@@ -286,10 +288,15 @@ class DPStep(StepSettings):
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
+        snapshot = self._snapshot()
         try:
             loss = self._step(config, batch)
         except BaseException:
-            if self.released_config is not None:  # the update was released: counted, as the accountant does
+            if snapshot is not None:  # nothing of the step happened: nothing released, nothing counted
+                snapshot.restore()
+                self._state_ready, self.last_batch_size, self.last_norms = snapshot.step_fields
+                self.released_config = None
+            elif self.released_config is not None:  # the noise may have reached the parameters: counted
                 self.steps_taken += 1
             raise
         self.last_config = config
@@ -299,6 +306,14 @@ class DPStep(StepSettings):
         if (self.captures, self.program_builds, self.compiles) != before:  # the call's time is compile time
             self.compile_seconds += time.perf_counter() - start
         return loss
+
+    def _snapshot(self) -> Snapshot | None:
+        """What a failed step must restore (``transaction.Snapshot``), taken after the checks above."""
+        if not self.transactional:
+            return None
+        snapshot = Snapshot.take(self.model, self.optimizer, self.binding.params, self.noise.generator)
+        snapshot.step_fields = (self._state_ready, self.last_batch_size, self.last_norms)
+        return snapshot
 
     def _adapt_bound(self, config: DPConfig) -> None:
         """Adaptive clipping: the next step's ``C`` (``adaptive.next_bound``), or the reason the next step
