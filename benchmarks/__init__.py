@@ -9,6 +9,6 @@ import os
 
 def keep_freed_memory() -> None:
     """The benchmark commands keep freed memory in the CPU heap (``compiled_psg.retain_freed_memory``), as the
-    pages say: each command's ``main`` calls this, so its worker processes inherit it (``benchmarks.heap`` sets the
-    variable per worker to compare both settings). Importing the package changes nothing."""
+    pages say: each command's ``main`` calls this, so its worker processes inherit it (``benchmarks.probes.heap``
+    sets the variable per worker to compare both settings). Importing the package changes nothing."""
     os.environ.setdefault("COMPILED_PSG_RETAIN_FREED_MEMORY", "1")

@@ -19,7 +19,7 @@ python3 -c "import compiled_psg, compiled_psg._train.step; print('compiled_psg i
 if [ "$inspect" != "-" ]; then
   mkdir -p /tmp/ic_inspect
   TORCHINDUCTOR_CACHE_DIR=/tmp/ic_inspect TORCH_LOGS=output_code timeout 200 \
-    python3 -m benchmarks.gpu_inspect "$inspect" 64 "$OUT" 2> "$OUT/output_code_$inspect.log" | tee -a "$log"
+    python3 -m benchmarks.probes.gpu_inspect "$inspect" 64 "$OUT" 2> "$OUT/output_code_$inspect.log" | tee -a "$log"
   echo "inspect rc=$? after ${SECONDS}s" >> "$log"
 fi
 left=$((budget - SECONDS))

@@ -365,7 +365,7 @@ def psg_dp(wl: Workload) -> Prepared:
 
 def dp_compile_step(wl: Workload, **options):
     """The page's DP step (clip to ``MAX_NORM``, noise ``NOISE_MULTIPLIER``, SGD) on a fresh copy of the model;
-    ``options`` go to ``compile_step`` too (``benchmarks.micro_batches``: ``max_physical_batch_size``)."""
+    ``options`` go to ``compile_step`` too (``benchmarks.probes.micro_batches``: ``max_physical_batch_size``)."""
     from compiled_psg import compile_step
 
     model, _ = _copy(wl)

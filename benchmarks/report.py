@@ -460,7 +460,7 @@ def markdown(results: dict) -> str:
             *not_best(results), ""]
     out += ["## Failures and wrong results", "", *failures(results), ""]
     # hand-written, from the commands they name: what the GPU run's generated code shows; on CPU, the measured
-    # cause of each missed target (python -m benchmarks.breakdown)
+    # cause of each missed target (python -m benchmarks.probes.breakdown)
     notes = Path(__file__).with_name("gpu_notes.md" if gpu else "cpu_notes.md")
     if notes.exists() and not results["quick"]:
         out += [notes.read_text().rstrip(), ""]

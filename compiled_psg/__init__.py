@@ -10,7 +10,6 @@ from ._api import PerSampleFunction as PerSampleFunction
 from ._api import per_sample as per_sample
 from ._api import per_sample_grad as per_sample_grad
 from ._compat import warn_outside_window as _warn_outside_window
-from ._compile.heap import retain_freed_memory as retain_freed_memory
 from ._errors import BatchInputError as BatchInputError
 from ._errors import CaptureError as CaptureError
 from ._errors import CompileError as CompileError
@@ -20,6 +19,7 @@ from ._errors import PerSampleError as PerSampleError
 from ._errors import SampleMixingError as SampleMixingError
 from ._errors import UnsupportedError as UnsupportedError
 from ._explain import explain as explain
+from ._heap import retain_freed_memory as retain_freed_memory
 from ._inspect.report import Report as Report
 from ._reduce.reductions import Reduction as Reduction
 from ._reduce.reductions import clip_sum as clip_sum

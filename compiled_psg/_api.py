@@ -14,7 +14,7 @@ import torch.nn as nn
 from ._capture import backward_semantics, torch_caches
 from ._capture.dynamo import CAPTURE_LOCK
 from ._compile.build import Rewritten, build
-from ._compile.run import BACKENDS, CompiledPerSample
+from ._compile.run import BACKENDS, CompiledGraph
 from ._errors import BatchInputError, CaptureError, PerSampleError
 from ._inspect.report import Report, dump_if_asked
 from ._reduce.reductions import PerSampleGrads, Reduction
@@ -200,7 +200,7 @@ def _first_line(e: BaseException) -> str:
 class PreparedCall:
     """One call, ready to run: the cached (or new) compiled entry and the inputs it takes."""
 
-    entry: CompiledPerSample
+    entry: CompiledGraph
     params: dict[str, torch.Tensor]  # the parameters, read from their source at this call
     args: tuple  # the call's arguments
     batch_size: int
@@ -221,7 +221,7 @@ class PerSampleFunction:
         self.reduce = reduce if reduce is not None else PerSampleGrads()
         self.backend = backend
         # key -> graphs for that signature, most recently built first; one is used only while its guards hold
-        self._cache: dict[Any, list[CompiledPerSample]] = {}
+        self._cache: dict[Any, list[CompiledGraph]] = {}
         self._captures = 0
         self._retired_compiles = 0
         self._retired_seconds = 0.0
@@ -233,7 +233,7 @@ class PerSampleFunction:
         after a guard failed)."""
         return self._captures
 
-    def _entries(self) -> list[CompiledPerSample]:
+    def _entries(self) -> list[CompiledGraph]:
         return [c for entries in list(self._cache.values()) for c in entries]
 
     @property
@@ -252,7 +252,7 @@ class PerSampleFunction:
         return (_params_signature(params), _arg_signature(args, batch_dims), tuple(batch_dims.items()), modes,
                 self.reduce, self.backend)
 
-    def _valid(self, entries: list[CompiledPerSample], params, args, batch_dims, batch_size):
+    def _valid(self, entries: list[CompiledGraph], params, args, batch_dims, batch_size):
         """The first entry whose Dynamo guards hold for this call, and otherwise why the newest one's failed."""
         if not entries:
             return None, None
@@ -264,7 +264,7 @@ class PerSampleFunction:
                 return entry, None
         return None, entries[0].rewritten.captured.guards.why(self.fn, tensors, guard_args)
 
-    def compiled_for(self, *args) -> tuple[CompiledPerSample, dict, tuple, int]:
+    def compiled_for(self, *args) -> tuple[CompiledGraph, dict, tuple, int]:
         """``(entry, params, args, batch_size)`` for this call (public, for inspection); the library itself uses
         ``prepare_call``, which names them."""
         call = self.prepare_call(*args)
@@ -297,7 +297,7 @@ class PerSampleFunction:
                     rewritten = self._build(params, args, batch_dims, batch_size)
                 finally:
                     torch_caches.release()
-                entry = CompiledPerSample(rewritten, self.backend)
+                entry = CompiledGraph(rewritten, self.backend)
                 self._captures += 1
                 for old in entries[MAX_ENTRIES_PER_KEY - 1:]:
                     self._retired_compiles += old.compiles

@@ -146,7 +146,7 @@ def test_cost_model_benchmark_forces_each_strategy():
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.cost_model import _norms_fn, only
+    from benchmarks.probes.cost_model import _norms_fn, only
 
     norms = {}
     for name in ("ghost", "materialize"):
@@ -158,11 +158,11 @@ def test_cost_model_benchmark_forces_each_strategy():
 
 
 def test_breakdown_attributes_a_call_to_its_ops():
-    """``benchmarks.breakdown`` sums each op's own time into categories: a matmul is a library call, the noise
+    """``benchmarks.probes.breakdown`` sums each op's own time into categories: a matmul is a library call, the noise
     of a DP step is named (it is drawn on worker threads), the rest of the call is outside every op."""
     import torch
 
-    from benchmarks.breakdown import _profile, category
+    from benchmarks.probes.breakdown import _profile, category
     from compiled_psg._train.dp import gaussian_many
 
     assert category("aten::addmm") == "library matmul/conv"
@@ -177,13 +177,13 @@ def test_breakdown_attributes_a_call_to_its_ops():
 
 
 def test_the_threefry_candidate_matches_random123_and_is_gaussian():
-    """``benchmarks.noise``'s candidate generator: Threefry-2x32-20's known answers (Random123's kat_vectors),
+    """``benchmarks.probes.noise``'s candidate generator: Threefry-2x32-20's known answers (Random123's kat_vectors),
     and Box-Muller on its words gives N(0, 1) (Kolmogorov-Smirnov), a different stream for another key."""
     import torch
     from scipy import stats
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.noise import threefry2x32, threefry_normal
+    from benchmarks.probes.noise import threefry2x32, threefry_normal
 
     known = [((0, 0), (0, 0), (0x6B200159, 0x99BA4EFE)),
              ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
@@ -198,14 +198,14 @@ def test_the_threefry_candidate_matches_random123_and_is_gaussian():
 
 
 def test_cold_compile_phases_count_each_function_once():
-    """``benchmarks.cold_compile``'s timer: a phase called inside another is taken out of the outer one, an
+    """``benchmarks.probes.cold_compile``'s timer: a phase called inside another is taken out of the outer one, an
     inclusive phase keeps what it calls, and calls from other threads (the noise build) are not counted."""
     import threading
     import time
     import types
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.cold_compile import PhaseTimer
+    from benchmarks.probes.cold_compile import PhaseTimer
 
     ns = types.SimpleNamespace()
     ns.inner = lambda: time.sleep(0.05)
@@ -230,14 +230,14 @@ def test_cold_compile_phases_count_each_function_once():
 
 
 def test_cold_compile_phases_fire_where_torch_calls_them():
-    """Every wrapper of ``benchmarks.cold_compile.install`` sits where its callers look the function up: one
+    """Every wrapper of ``benchmarks.probes.cold_compile.install`` sits where its callers look the function up: one
     ``torch.compile`` with AOT autograd records Dynamo's trace and both halves of AOT's trace (the metadata pass
     and the graph capture, which ``aot_autograd`` imports by name), and ``restore`` undoes them."""
     import torch
     import torch._functorch.aot_autograd as aot_autograd
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.cold_compile import PhaseTimer, install
+    from benchmarks.probes.cold_compile import PhaseTimer, install
 
     timer = PhaseTimer()
     install(timer)

@@ -1,4 +1,4 @@
-"""The per-call shortcuts (benchmarks/call_overhead.py) read what the slow paths read: one module walk for the
+"""The per-call shortcuts (benchmarks/probes/call_overhead.py) read what the slow paths read: one module walk for the
 parameters and training flags, sizes without sympy, the step's cached noise template."""
 
 from __future__ import annotations

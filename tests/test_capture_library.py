@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from reference import reference_per_sample
 
 import compiled_psg as psg
-from compiled_psg._compile.run import CompiledPerSample
+from compiled_psg._compile.run import CompiledGraph
 
 library_log = logging.getLogger("some_library")
 
@@ -85,7 +85,7 @@ def test_inductor_failure_is_compile_error(monkeypatch):
         loss(x, y)
     assert isinstance(info.value, psg.PerSampleError) and "simulated Inductor failure" in str(info.value)
     entry = loss.compiled_for(x, y)[0]
-    eager = CompiledPerSample(entry.rewritten, "eager")  # the same graph without a compiler: the exact numbers
+    eager = CompiledGraph(entry.rewritten, "eager")  # the same graph without a compiler: the exact numbers
     got = eager(loss._params(), (x, y), 5)[2]
     expected = reference_per_sample(loss.fn, dict(model.named_parameters()), (x, y))
     for name in expected:

@@ -96,7 +96,7 @@ def test_the_heap_keeps_freed_memory_only_when_asked(monkeypatch):
     import ctypes
     import resource
 
-    from compiled_psg._compile import heap
+    from compiled_psg import _heap as heap
 
     monkeypatch.setattr(heap, "_state", {})  # as before the first program: nothing asked for
     monkeypatch.delenv(heap.ENV, raising=False)

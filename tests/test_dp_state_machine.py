@@ -27,6 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch.utils.data import DataLoader, TensorDataset
 
 from compiled_psg import DPConfigError, make_private
+from compiled_psg._train import step as step_module
 from compiled_psg._train.accounting import _quiet_absl
 from compiled_psg._train.eager import NoiseSource
 
@@ -127,8 +128,8 @@ class DPTraining(RuleBasedStateMachine):
     def step_failing_after_its_update(self, index):
         """The update completes (the fused program's run, or the eager ``optimizer.step()`` on a first step or an
         empty batch), then the step raises: nothing of it may remain."""
-        optimizer, step = self.private.dp_step.optimizer, type(self.private.dp_step)
-        real_update, real_fused = optimizer.step, step._run_fused
+        optimizer = self.private.dp_step.optimizer
+        real_update, real_fused = optimizer.step, step_module.fused_path
 
         def update(*args, **kwargs):
             real_update(*args, **kwargs)
@@ -138,13 +139,13 @@ class DPTraining(RuleBasedStateMachine):
             real_fused(*args, **kwargs)
             raise _Injected("the fused program")
 
-        optimizer.step, step._run_fused = update, fused
+        optimizer.step, step_module.fused_path = update, fused
         try:
             with pytest.raises(_Injected):
                 self.private.step(X[index], Y[index])
         finally:
             del optimizer.step
-            step._run_fused = real_fused
+            step_module.fused_path = real_fused
 
     @rule(index=st.lists(st.integers(0, N - 1), min_size=1, max_size=BATCH))
     def step_refused(self, index):

@@ -201,10 +201,12 @@ def test_a_clipped_contribution_of_an_embedding_stays_within_the_bound(magnitude
     assert worst <= 1.0 + 1e-5
 
 
-def test_a_noisy_update_is_accounted_even_when_the_step_fails_after_it(monkeypatch):
+@pytest.mark.parametrize("transactional", [True, False])
+def test_a_step_failing_after_its_noisy_update_is_undone_or_accounted(monkeypatch, transactional):
     """The first step applies the eager noisy update, then compiles the program: a CompileError (or Ctrl-C) there
     left PrivateTraining.step before the accountant counted the step (history [], epsilon 0, parameters moved).
-    A step refused before any update still counts nothing."""
+    A transactional step now restores the parameters and counts nothing; with transactional=False the update
+    stays and is counted. A step refused before any update counts nothing either way."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from compiled_psg._compile import run as run_module
@@ -213,7 +215,8 @@ def test_a_noisy_update_is_accounted_even_when_the_step_fails_after_it(monkeypat
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     data = TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
     private = psg.make_private(model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(data, batch_size=16),
-                               lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager")
+                               lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager",
+                               transactional=transactional)
     x, y = data[:16]
     with pytest.raises(psg.BatchInputError):
         private.step(x, y[:15])  # refused before anything ran
@@ -223,11 +226,12 @@ def test_a_noisy_update_is_accounted_even_when_the_step_fails_after_it(monkeypat
     def failing_prepare(self, *args, **kwargs):
         raise psg.CompileError("simulated: Inductor failed on the step program")
 
-    monkeypatch.setattr(run_module.CompiledPerSample, "prepare", failing_prepare)
+    monkeypatch.setattr(run_module.CompiledGraph, "prepare", failing_prepare)
     with pytest.raises(psg.CompileError, match="simulated"):
         private.step(x, y)
-    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
-    assert private.accountant.history == [(1.0, 0.25, 1)]
+    moved = any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert moved is not transactional
+    assert private.accountant.history == ([] if transactional else [(1.0, 0.25, 1)])
 
 
 class _WithClassmethod(nn.Module):

@@ -61,7 +61,7 @@ def test_views_become_reshapes():
 
 
 def test_layout_optimization_off_only_where_per_sample_convolutions_read_nchw():
-    """Channels-last buffers would make each per-sample convolution op copy its operands (benchmarks.layout)."""
+    """Channels-last buffers would make each per-sample convolution op copy its operands (benchmarks.probes.layout)."""
     from compiled_psg._compile.run import _inductor_settings
 
     torch.manual_seed(0)

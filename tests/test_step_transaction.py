@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from compiled_psg import DPConfigError, compile_step, make_private
-from compiled_psg._compile.run import CompiledPerSample
+from compiled_psg._compile.run import CompiledGraph
 
 
 def _data(n: int = 16, seed: int = 0):
@@ -232,7 +232,7 @@ def test_a_step_failing_after_its_update_restores_everything_and_counts_nothing(
         _fail_after_update(monkeypatch, step.optimizer, "step")
     else:  # the fused program (traced, run op by op on the eager backend) has run
         assert step.fused
-        _fail_after_update(monkeypatch, CompiledPerSample, "run")
+        _fail_after_update(monkeypatch, CompiledGraph, "run")
     with pytest.raises(_Failing):
         step(x[8:16], y[8:16])
     assert _same_state(before, _state(model, step, gen))
@@ -257,7 +257,7 @@ def test_an_accounted_run_counts_no_failed_step(monkeypatch):
     x, y = _data()
     private = _private(model, x, y, gen, max_grad_norm=1.0)
     private.step(x[:8], y[:8])
-    _fail_after_update(monkeypatch, CompiledPerSample, "run")  # the fused program has updated the parameters
+    _fail_after_update(monkeypatch, CompiledGraph, "run")  # the fused program has updated the parameters
     snapshot = _snapshot(model, gen)
     with pytest.raises(_Failing):
         private.step(x[8:], y[8:])
@@ -271,7 +271,7 @@ def test_without_the_transaction_a_failure_after_the_noise_is_counted(monkeypatc
     model, step = _stepper(gen, transactional=False)
     step(x[:8], y[:8])
     before = [p.detach().clone() for p in model.parameters()]
-    _fail_after_update(monkeypatch, CompiledPerSample, "run")
+    _fail_after_update(monkeypatch, CompiledGraph, "run")
     with pytest.raises(_Failing):
         step(x[8:16], y[8:16])
     assert step.steps_taken == 2 and step.released_config is not None
@@ -289,13 +289,13 @@ def test_the_compiled_program_failing_after_its_update_is_undone(monkeypatch):
     model, step = _stepper(gen, optimizer=torch.optim.SGD, backend="inductor")
     step.optimizer.param_groups[0]["momentum"] = 0.9  # state the program reads and writes
     before = _state(model, step, gen)
-    _fail_after_update(monkeypatch, CompiledPerSample, "prepare")
+    _fail_after_update(monkeypatch, CompiledGraph, "prepare")
     with pytest.raises(_Failing):
         step(x[:8], y[:8])
     assert _same_state(before, _state(model, step, gen)) and not step.optimizer.state
     step(x[:8], y[:8])
     before = _state(model, step, gen)
-    _fail_after_update(monkeypatch, CompiledPerSample, "run")
+    _fail_after_update(monkeypatch, CompiledGraph, "run")
     with pytest.raises(_Failing):
         step(x[8:16], y[8:16])
     assert _same_state(before, _state(model, step, gen))

@@ -3,7 +3,7 @@
 For each object a guard matches by identity (the model's classes, modules, builtins, code objects), Dynamo
 registers ``weakref.finalize(obj, check_fn_manager.invalidate)``, so that the cache entry dies if the object dies
 and another one reuses its ``id``. Most such objects are classes and modules that live for the whole process, and
-each finalizer holds its ``CheckFunctionManager`` (with the guard tree) for that long: about 0.3 MB per capture.
+each finalizer holds its ``CheckFunctionManager`` (with the guard tree) for that long: every capture's guard tree.
 
 ``adopt`` moves those finalizers onto our ``Guards``: one finalizer per watched object for the whole process,
 which marks every live ``Guards`` that matched it as stale when it dies (the next call then recaptures). The
@@ -68,8 +68,8 @@ def _freed(key: int, name: str) -> None:
 
 patches.register(patches.Patch(
     "guard finalizers", "weakref.finalize entries of Dynamo's CheckFunctionManager (its cache invalidation)",
-    "each finalizer keeps a capture's whole guard tree alive for as long as a watched object lives (about 0.3 MB "
-    "a capture); adopt() moves them onto our Guards, one small finalizer per object", ("process",),
+    "each finalizer keeps a capture's whole guard tree alive for as long as a watched object lives; adopt() "
+    "moves them onto our Guards, one small finalizer per object", ("process",),
     "only the finalizers of our own captures' frames; another frame's are untouched", "permanent by design: "
     "the capture's frame is never run again (its cache entry dies with the capture), so torch's invalidation "
     "has nothing left to invalidate; our finalizer marks our Guards stale instead"))

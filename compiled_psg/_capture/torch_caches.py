@@ -1,6 +1,6 @@
 """Free what torch keeps for the life of the process after each capture or compile.
 
-Without this, RSS grows by about 1 MB per capture, forever:
+Without this, the process's memory grows with every capture, forever (``tests/test_capture_threads_leaks.py``):
 
 - **Shape environments.** Class-level ``functools.lru_cache``s on ``ShapeEnv`` methods (``get_implications``,
   ``_maybe_evaluate_static``, ``simplify``, ...) are keyed by ``self``: strong references from a module global.

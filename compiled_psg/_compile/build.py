@@ -36,7 +36,7 @@ class Rewritten:
     captured: Captured
     forward: fx.GraphModule  # forward with the per-sample loss head
     joint: fx.GraphModule  # joint graph of the per-sample losses, before the per-sample pass
-    rewritten: fx.GraphModule  # after the per-sample pass and the reduction
+    graph_module: fx.GraphModule  # after the per-sample pass and the reduction
     roles: list[Role]
     batch: BatchDims
     param_names: list[str]

@@ -4,9 +4,8 @@ A per-sample program is compiled once for every batch size, so ``B`` is a symbol
 A view that merges the batch with another dimension and splits it again (``nn.MultiheadAttention``'s
 ``[T, B * H, D]``) leaves indices such as ``((x3 + 128*x0) // 32 % (4*ks0)) % 4``. They equal ``x3 // 32``, but
 Inductor's simplifier bounds a loop variable by its numeric range only; ``x0 < ks0`` gives it no bound, so the
-modulus stays, and the C++ kernel computes it for every element, unvectorized. On the benchmark transformer the
-kernel stacking the attention's q, k, v gradients took 21.7 ms of a 119.7 ms call at B = 64, and the DP step
-137.5 against 108.2 ms with the rules (``python -m benchmarks.indexing --model transformer --batch 64``).
+modulus stays, and the C++ kernel computes it for every element, unvectorized (on the benchmark transformer the
+kernel stacking the attention's q, k, v gradients: docs/benchmarks-probes.md, "Index simplification").
 
 :func:`simplified_indexing` adds two rules, applied before and after Inductor's own, that bound an index by symbolic
 interval arithmetic over the loop ranges (``0 <= x0 <= ks0 - 1``, shape symbols positive):

@@ -21,11 +21,11 @@ from torch.utils import _pytree as pytree
 from .._capture import patches, torch_caches
 from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import BatchInputError, CompileError, InternalError, PerSampleError
+from .._heap import opted_in_by_environment, retain_freed_memory
 from .._reduce.reductions import holds_low_precision
 from .._rewrite.rules.conv import calls_batch_as_groups
 from . import indexing  # noqa: F401 - registers the compile phase's index simplification
 from .build import Rewritten
-from .heap import opted_in_by_environment, retain_freed_memory
 from .prepare import for_inductor
 
 BACKENDS = ("inductor", "eager")
@@ -51,7 +51,7 @@ patches.register(patches.Patch(
     current=lambda: (torch._inductor.config.emulate_precision_casts, torch._inductor.config.layout_optimization)))
 
 
-class CompiledPerSample:
+class CompiledGraph:
     """Runs ``graph`` (default: the rewritten graph) compiled by ``backend``. A graph built on the rewritten one
     (the fused training step) may take more inputs after the rewritten graph's own: ``run(..., extra)``."""
 
@@ -59,7 +59,7 @@ class CompiledPerSample:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.rewritten = rewritten
-        self.graph = rewritten.rewritten if graph is None else graph
+        self.graph = rewritten.graph_module if graph is None else graph
         self.backend = backend
         self._compiled: dict[str, Callable] = {}
         self.compile_seconds = 0.0
@@ -111,7 +111,7 @@ class CompiledPerSample:
         return plan
 
     def _callable(self, batch_size: int, inputs: list) -> Callable:
-        if not self._heap_checked:  # a CPU program, and the environment opts in: recycle buffers (heap.py)
+        if not self._heap_checked:  # a CPU program, and the environment opts in: recycle buffers (_heap.py)
             self._heap_checked = True
             if opted_in_by_environment() and any(isinstance(x, torch.Tensor) and x.device.type == "cpu"
                                                  for x in inputs):

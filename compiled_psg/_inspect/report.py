@@ -63,7 +63,7 @@ class Report:
             rewrites.append(ParamRewrite(
                 name=p.name, shape=p.shape, contractions=[c.node.name for c in p.contractions], rules=rules,
                 per_sample_shape=("B", *p.shape), choices=list(rw.choices.get(p.name, []))))
-        return cls(captured=rw.captured.joint, before=rw.joint, after=rw.rewritten, rewrites=rewrites,
+        return cls(captured=rw.captured.joint, before=rw.joint, after=rw.graph_module, rewrites=rewrites,
                    head=list(rw.head.records), fallbacks=list(rw.head.fallbacks) + list(rw.backward.fallbacks),
                    labels=_labels(rw.roles, rw.joint), memory_plan=rw.memory_plan)
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from .._analyze.batch_dims import value_of
 from .._analyze.layout import scale_batch
-from .._compile.heap import retains
+from .._heap import retains
 from .._rewrite.contraction import Contraction, bounded_materialized_sq_norms, factored_gram, factored_sum_squares
 from .._rewrite.per_sample_pass import LiftResult
 
@@ -69,8 +69,7 @@ class ReduceContext(Protocol):
 ITEMSIZE = 4  # bytes per element in the estimates; only the ratios between strategies matter
 FLOPS_PER_BYTE = 4.0  # machine balance: a byte moved costs about this many FLOPs (2-core CPU: ~100 GF/s, 25 GB/s)
 # A buffer kept alive across the program is not recycled between calls: each call faults in fresh zeroed pages,
-# writing which costs about 6.4 to 7 times writing warm ones (``python -m benchmarks.fresh_pages``: 16 to 256 MiB),
-# so a held byte costs about six more written bytes.
+# which costs about six more written bytes per byte (docs/benchmarks-probes.md, "Fresh pages cost more").
 FRESH_PAGE_FACTOR = 6.0
 
 
@@ -89,7 +88,8 @@ class Cost:
     @property
     def total(self) -> float:
         """The one cost function: FLOPs plus bytes weighted by the machine balance, and held bytes at the price
-        of the fresh pages they take every call where the heap does not keep freed memory (``heap.py``)."""
+        of the fresh pages they take every call where the heap does not keep freed memory
+        (``compiled_psg/_heap.py``)."""
         return self.flops + FLOPS_PER_BYTE * (self.bytes + held_price() * self.held)
 
     def __add__(self, other: Cost) -> Cost:

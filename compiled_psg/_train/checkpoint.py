@@ -17,23 +17,23 @@ def step_state(step) -> dict:
             "steps_taken": step.steps_taken,
             "model": step.model.state_dict(),
             "optimizer": step.optimizer.state_dict(),
-            "generator": None if step.generator is None else step.generator.get_state()}
+            "generator": None if step.noise.generator is None else step.noise.generator.get_state()}
 
 
 def load_step_state(step, state: dict) -> None:
     """Restore what ``state_dict`` saved, into a step built the same way (same model class, optimizer and
     arguments). The next step continues exactly where the saved run stopped (same noise with a seeded
     ``generator``)."""
-    if (state["generator"] is not None) != (step.generator is not None):
+    if (state["generator"] is not None) != (step.noise.generator is not None):
         raise DPConfigError("the saved step and this one disagree on generator=: build the step with a "
                             "torch.Generator exactly when the saved one had one")
     step.config = step.config.replace(**state["config"])
     step.model.load_state_dict(state["model"])
     step.optimizer.load_state_dict(state["optimizer"])
-    if step.generator is not None:
-        step.generator.set_state(state["generator"])
+    if step.noise.generator is not None:
+        step.noise.generator.set_state(state["generator"])
     step.steps_taken = int(state["steps_taken"])
     # The first step runs eagerly so that the optimizer creates its state, which the program reads. A run
     # that has stepped has that state (none at all for a stateless optimizer, plain SGD): resume on the
     # program, as the uninterrupted run would.
-    step._state_ready = step.steps_taken > 0 or bool(step.optimizer.state)
+    step.state_ready = step.steps_taken > 0 or bool(step.optimizer.state)

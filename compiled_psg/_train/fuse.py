@@ -57,7 +57,7 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     all-reduce over (None: one process); ``divide_by_count``: the scale is 1 / the global batch size;
     ``accumulate``: inputs ``partial_j`` are added to the clipped sums (the earlier micro-batches of a logical
     batch), before the noise."""
-    per_sample_gm = rewritten.rewritten
+    per_sample_gm = rewritten.graph_module
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     loss, losses, *flat = graph.graph_copy(per_sample_gm.graph, env)

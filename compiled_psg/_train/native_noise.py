@@ -1,9 +1,9 @@
 """Native Gaussian noise: AES-128 in counter mode and Box-Muller, vectorized, on torch's OpenMP threads.
 
-torch's CPU generator is one Mersenne Twister behind a lock, about 3.5 ns per uniform; it was most of a DP step
-on models whose per-sample work is small (mlp: 3.1 of 5.5 ms at B = 64). ``aes_normal.cpp`` draws from a
+torch's CPU generator is one Mersenne Twister behind a lock; it was most of a DP step on models whose per-sample
+work is small (docs/benchmarks-probes.md, "Noise drawn outside the program"). ``aes_normal.cpp`` draws from a
 counter-based stream instead, so every thread computes its own slice, and any slice of the stream can be drawn
-alone: number e depends on the key and e only. Timings: ``python -m benchmarks.noise``.
+alone: number e depends on the key and e only. Timings: ``python -m benchmarks.probes.noise``.
 
 The key is drawn for each draw from the user's ``torch.Generator`` (or torch's global one): a seeded run is
 reproducible and a saved generator state resumes it, and the stream is exactly as predictable as that

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from .._compile.run import CompiledPerSample
+from .._compile.run import CompiledGraph
 from . import distributed as dist_utils
 from . import update_graph
 from .binding import OptimizerBinding
@@ -35,7 +35,7 @@ class ProgramCache:
         self.current: StepProgram | None = None
         self._update: update_graph.UpdateGraph | None = None
         # (id(per-sample entry), noisy, divide_by_count, accumulate) -> the program and its compiled form
-        self._programs: dict[tuple, tuple[StepProgram, CompiledPerSample]] = {}
+        self._programs: dict[tuple, tuple[StepProgram, CompiledGraph]] = {}
 
     @property
     def compiles(self) -> int:
@@ -52,8 +52,8 @@ class ProgramCache:
         log.warning("compiled_psg: compile_step runs the optimizer update eagerly after the compiled per-sample "
                     "graph (two programs): %s", reason)
 
-    def get(self, entry: CompiledPerSample, config: DPConfig,
-            accumulate: bool) -> tuple[StepProgram, CompiledPerSample] | None:
+    def get(self, entry: CompiledGraph, config: DPConfig,
+            accumulate: bool) -> tuple[StepProgram, CompiledGraph] | None:
         """The program for this per-sample graph and settings, or None after falling back. Raises
         ``update_graph.StateMissing`` when the optimizer has no state yet (one eager step creates it)."""
         if update_graph.has_step_hooks(self.optimizer):
@@ -83,7 +83,7 @@ class ProgramCache:
             program = fuse_step(entry.rewritten, self._update, binding.params, binding.names, noisy=noisy,
                                 group_name=dist_utils.group_name() if self.distributed else None,
                                 divide_by_count=divide_by_count, accumulate=accumulate)
-            self._programs[key] = (program, CompiledPerSample(entry.rewritten, entry.backend, graph=program.gm))
+            self._programs[key] = (program, CompiledGraph(entry.rewritten, entry.backend, graph=program.gm))
             self.builds += 1
         self.current = self._programs[key][0]
         return self._programs[key]

@@ -34,7 +34,7 @@ into another world size is ``torch.distributed.checkpoint``'s job).
 
 Memory: the step holds every parameter unsharded at once, and one full set of clipped sums (the graph's own
 outputs, not copied; released parameter by parameter into the reduce-scatter's input buffer), where FSDP's
-own step unshards one block at a time (``python -m benchmarks.sharded_memory``; docs/training.md). What is not
+own step unshards one block at a time (``python -m benchmarks.probes.sharded_memory``; docs/training.md). What is not
 done: the optimizer update runs eagerly after the compiled per-sample graph (two programs, ``step.fused`` is
 False) instead of being fused into one program; hybrid sharding (2-D meshes), grouped ``fully_shard([a, b])``,
 mixed-precision and CPU-offload policies, parameters outside every ``fully_shard`` and custom reductions are
@@ -55,6 +55,7 @@ import torch.nn as nn
 
 from .._errors import DPConfigError, UnsupportedError
 from .config import DPConfig
+from .paths import run_per_sample
 from .results import combine_losses, micro_batches, split_result
 from .step import DPStep
 
@@ -276,17 +277,18 @@ class ShardedStep(DPStep):
 
     def _check_layouts(self) -> None:
         """The shards of the trained parameters (checked again when the optimizer's parameters change)."""
-        key = tuple(id(p) for p in self.params)
+        params = self.binding.params
+        key = tuple(id(p) for p in params)
         if key == self._layouts_key:
             return
         # fully_shard without mesh= builds a mesh per call: the same ranks make the same group
-        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in self.params if hasattr(p, "device_mesh")}
-        group = self.params[0].device_mesh.get_group() if hasattr(self.params[0], "device_mesh") else None
+        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in params if hasattr(p, "device_mesh")}
+        group = params[0].device_mesh.get_group() if hasattr(params[0], "device_mesh") else None
         if len(meshes) > 1:
             raise UnsupportedError(f"the trained parameters lie on {len(meshes)} device meshes. {FIX}")
         world = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
-        self._layouts = [ShardLayout(p, world, rank, n) for p, n in zip(self.params, self.names, strict=True)]
+        self._layouts = [ShardLayout(p, world, rank, n) for p, n in zip(params, self.binding.names, strict=True)]
         if world != dist.get_world_size():
             raise UnsupportedError(f"the model is sharded over {world} of {dist.get_world_size()} ranks: the data "
                                    "parallel group would differ from the sharding group. Fix: fully_shard over "
@@ -312,21 +314,21 @@ class ShardedStep(DPStep):
         with unsharded(self._fsdp_modules):
             if batch_size == 0:  # this rank drew no sample: zeros, and it still joins the collective
                 loss, _, result = f.with_losses(*batch)
-                sums, norm = split_result(result, self.names, self.params)
-                total, losses, norms, sizes = _accumulate(None, sums, self.names), [loss], [norm], [0]
+                sums, norm = split_result(result, self.binding.names, self.binding.params)
+                total, losses, norms, sizes = _accumulate(None, sums, self.binding.names), [loss], [norm], [0]
             else:
                 for piece in micro_batches(batch, f.in_dims, batch_size, self._max_physical_batch_size):
                     c = self.prepare_batch(f, piece)
-                    loss, _, result = self._run_per_sample(c.entry, config, c.params, c.args, c.batch_size)
-                    sums, norm = split_result(result, self.names, self.params)
-                    total = _accumulate(total, sums, self.names)
+                    loss, _, result = run_per_sample(self.inputs, c.entry, config, c.params, c.args, c.batch_size)
+                    sums, norm = split_result(result, self.binding.names, self.binding.params)
+                    total = _accumulate(total, sums, self.binding.names)
                     losses.append(loss)
                     norms.append(norm)
                     sizes.append(c.batch_size)
         sums = result = None  # the last micro-batch's sums: total holds them (the reduce-scatter frees it)
         self.last_norms = None if norms[0] is None else torch.cat(norms)
         self.last_batch_size = self._sharded_update(config, total, batch_size)
-        self._state_ready = True
+        self.state_ready = True
         return combine_losses(losses, sizes, config.loss_reduction)
 
     def _sharded_update(self, config: DPConfig, sums: list[torch.Tensor], batch_size: int) -> int:

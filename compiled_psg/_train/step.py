@@ -10,8 +10,8 @@ The noise itself is drawn outside the program into one buffer that every step fi
 (``dp.gaussian_many``: on CPU in float32 the native AES-CTR stream keyed from the generator, ``native_noise``;
 else torch's generators, or ``os.urandom`` with ``secure_rng``) and enters as an input: the secure source cannot
 run inside a graph, a seeded ``torch.Generator`` keeps runs resumable, and on CPU Inductor's in-graph generator
-was 2.9-5.6x slower than ``torch.randn`` plus a compiled add for 1e5 to 1e7 parameters
-(``python -m benchmarks.noise``; 2 cores, quiet machine).
+was several times slower than ``torch.randn`` plus a compiled add (docs/benchmarks-probes.md, "Noise drawn
+outside the program").
 
 The first step runs eagerly (the rewritten graph without a compiler, then ``optimizer.step()``): optimizers
 create their state lazily, and the program reads that state. The program is built and compiled at the end of
@@ -35,9 +35,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
-from .._compile.run import CompiledPerSample
+from .._compile.run import CompiledGraph
 from .._errors import DPConfigError
 from .._reduce.reductions import Reduction
 from . import distributed as dist_utils
@@ -46,13 +45,14 @@ from .adaptive import next_bound
 from .binding import OptimizerBinding
 from .checkpoint import load_step_state, step_state
 from .config import DPConfig
-from .eager import NoiseSource, eager_update
+from .eager import NoiseSource
 from .fuse import StepProgram
 from .inputs import StepInputs
+from .paths import eager_path, eager_update_of, fused_path
 from .programs import ProgramCache
 from .reduction import dp_clip_for, resolve_reduction
 from .release import refuse_private_writes
-from .results import add_into, combine_losses, micro_batches, split_result
+from .results import micro_batches, split_result
 from .settings import StepSettings
 from .transaction import Snapshot
 
@@ -125,11 +125,11 @@ class DPStep(StepSettings):
         self.per_sample  # noqa: B018 -- the per-sample function of the initial config, checked now
         self.program_cache = ProgramCache(optimizer, self.binding, self.distributed)
         self._check_dtypes()
-        self._eager_runners: dict[int, CompiledPerSample] = {}
+        self._eager_runners: dict[int, CompiledGraph] = {}
         self.inputs = StepInputs(self.binding, self.noise, self._acc_dtype)
         if self.distributed:
             dist_utils.broadcast_parameters(self.binding.params)
-        self._state_ready = False
+        self.state_ready = False
         self.compile_seconds = 0.0
         self.steps_taken = 0
         self.last_batch_size = 0
@@ -178,12 +178,7 @@ class DPStep(StepSettings):
         """The ``PerSampleFunction`` of the current settings (``per_sample.captures``)."""
         return self._per_sample_for(self._config)
 
-    # the parts, under the names the step always had
-    secure_rng = property(lambda self: self.noise.secure)
-    generator = property(lambda self: self.noise.generator)
-    params = property(lambda self: self.binding.params)
-    names = property(lambda self: self.binding.names)
-    trained = property(lambda self: self.binding.trained)
+    # read-outs of the program cache: whether the update runs in the program, why not, programs built
     fused = property(lambda self: self.program_cache.fused)
     fallback_reason = property(lambda self: self.program_cache.fallback_reason)
     program_builds = property(lambda self: self.program_cache.builds)
@@ -229,47 +224,22 @@ class DPStep(StepSettings):
                           "step clips and noises the optimizer's parameters only, and leaves these as they are. "
                           "Fix: freeze them (requires_grad_(False)) or add them to the optimizer", stacklevel=3)
 
-    # --- the fused program ---------------------------------------------------------------------------------
-    def _program_for(self, entry: CompiledPerSample, config: DPConfig,
-                     accumulate: bool) -> tuple[StepProgram, CompiledPerSample] | None:
+    # --- the parts the paths use (``paths.py``) --------------------------------------------------------------
+    def program_for(self, entry: CompiledGraph, config: DPConfig,
+                    accumulate: bool) -> tuple[StepProgram, CompiledGraph] | None:
         try:
             return self.program_cache.get(entry, config, accumulate)
         except update_graph.StateMissing:  # e.g. the state was cleared: one eager step creates it again
-            self._state_ready = False
+            self.state_ready = False
             return None
 
-    def _run_per_sample(self, entry: CompiledPerSample, config: DPConfig, params: dict, args: tuple, size: int):
-        """``(loss, per-sample losses, result)`` of the per-sample graph, fed its run-time inputs."""
-        graph = entry.rewritten.rewritten.graph
-        extra = sum(n.op == "placeholder" for n in graph.nodes) - len(entry.rewritten.roles)
-        loss, losses, *flat = entry.run(params, args, size, self.inputs.reduce_inputs(config, extra))
-        return loss, losses, pytree.tree_unflatten(list(flat), entry.rewritten.out_spec)
-
-    def _run_fused(self, config: DPConfig, program: StepProgram, compiled: CompiledPerSample, params: dict,
-                   args: tuple, physical_size: int, logical_size: int,
-                   partial: list[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the program on the last micro-batch (``physical_size`` samples of ``logical_size``)."""
-        self.binding.install()
-        extra = self.inputs.for_program(config, program.inputs, logical_size, partial=partial)
-        self.released_config = config
-        outputs = dict(zip(program.outputs, compiled.run(params, args, physical_size, extra), strict=True))
-        count = outputs.get("global_count")
-        self.last_batch_size = logical_size if count is None else int(round(count.item()))
-        return outputs["loss"], outputs.get("norms")
-
-    # --- the eager path: first step, empty batches, fallbacks ----------------------------------------------
-    def _run_eager_update(self, config: DPConfig, grads: list[torch.Tensor], batch_size: int) -> None:
-        self.released_config = config
-        self.last_batch_size = eager_update(config, grads, batch_size, self.binding, self.noise, self.distributed)
-        self._state_ready = True
-
-    def _eager_runner(self, entry: CompiledPerSample) -> CompiledPerSample:
+    def eager_runner(self, entry: CompiledGraph) -> CompiledGraph:
         """The rewritten graph op by op for the first step (the program compiles at its end: no double
         compile); the compiled per-sample graph itself when the update runs eagerly anyway."""
         if not self.fused:
             return entry
         if id(entry) not in self._eager_runners:
-            self._eager_runners[id(entry)] = CompiledPerSample(entry.rewritten, "eager")
+            self._eager_runners[id(entry)] = CompiledGraph(entry.rewritten, "eager")
         return self._eager_runners[id(entry)]
 
     # --- one step ------------------------------------------------------------------------------------------
@@ -288,14 +258,12 @@ class DPStep(StepSettings):
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
-        snapshot = self._snapshot()
+        snapshot = Snapshot.of_step(self)  # after the checks above: what a failed step restores
         try:
             loss = self._step(config, batch)
         except BaseException:
             if snapshot is not None:  # nothing of the step happened: nothing released, nothing counted
-                snapshot.restore()
-                self._state_ready, self.last_batch_size, self.last_norms = snapshot.step_fields
-                self.released_config = None
+                snapshot.restore_step(self)
             elif self.released_config is not None:  # the noise may have reached the parameters: counted
                 self.steps_taken += 1
             raise
@@ -306,14 +274,6 @@ class DPStep(StepSettings):
         if (self.captures, self.program_builds, self.compiles) != before:  # the call's time is compile time
             self.compile_seconds += time.perf_counter() - start
         return loss
-
-    def _snapshot(self) -> Snapshot | None:
-        """What a failed step must restore (``transaction.Snapshot``), taken after the checks above."""
-        if not self.transactional:
-            return None
-        snapshot = Snapshot.take(self.model, self.optimizer, self.binding.params, self.noise.generator)
-        snapshot.step_fields = (self._state_ready, self.last_batch_size, self.last_norms)
-        return snapshot
 
     def _adapt_bound(self, config: DPConfig) -> None:
         """Adaptive clipping: the next step's ``C`` (``adaptive.next_bound``), or the reason the next step
@@ -333,45 +293,16 @@ class DPStep(StepSettings):
         self._bind()
         if batch_size == 0:  # a step of noise alone (Poisson sampling draws empty batches)
             loss, _, result = f.with_losses(*batch)
-            sums, self.last_norms = split_result(result, self.names, self.params)
-            self._run_eager_update(config, [sums[n] for n in self.names], 0)
+            sums, self.last_norms = split_result(result, self.binding.names, self.binding.params)
+            eager_update_of(self, config, [sums[n] for n in self.binding.names], 0)
             return loss
         pieces = [self.prepare_batch(f, piece)
                   for piece in micro_batches(batch, f.in_dims, batch_size, self._max_physical_batch_size)]
-        sizes = [c.batch_size for c in pieces]
-        losses, norms, partial = [], [], None
-        *head, last = pieces
-        entry, params, args, size = last.entry, last.params, last.args, last.batch_size
         accumulate = self._max_physical_batch_size is not None
-        built = self._program_for(entry, config, accumulate) if self.fused and self._state_ready else None
+        built = self.program_for(pieces[-1].entry, config, accumulate) if self.fused and self.state_ready else None
         if built is not None:
-            for c in head:  # the earlier micro-batches: the compiled per-sample graph, summed here
-                loss, _, result = self._run_per_sample(c.entry, config, c.params, c.args, c.batch_size)
-                sums, piece_norms = split_result(result, self.names, self.params)
-                partial = add_into(partial, sums, self.names)
-                losses.append(loss)
-                norms.append(piece_norms)
-            loss, piece_norms = self._run_fused(config, *built, params, args, size, batch_size, partial)
-            self.last_norms = None if piece_norms is None else torch.cat([*norms, piece_norms])
-            return combine_losses([*losses, loss], sizes, config.loss_reduction)
-        # the first step (optimizer state does not exist yet), and the eager update when the program cannot be
-        # built: the per-sample graph on every micro-batch, then optimizer.step()
-        for c in pieces:
-            loss, _, result = self._run_per_sample(self._eager_runner(c.entry), config, c.params, c.args,
-                                                   c.batch_size)
-            sums, piece_norms = split_result(result, self.names, self.params)
-            partial = add_into(partial, sums, self.names)
-            losses.append(loss)
-            norms.append(piece_norms)
-        self.last_norms = None if norms[0] is None else torch.cat(norms)
-        self._run_eager_update(config, partial, batch_size)
-        if self.fused:  # build and compile the program now, so that the first call carries the compile time
-            built = self._program_for(entry, config, accumulate)
-            if built is not None:
-                program, compiled = built
-                compiled.prepare(params, args, max(size, 2),
-                                 self.inputs.for_program(config, program.inputs, size, draw_noise=False))
-        return combine_losses(losses, sizes, config.loss_reduction)
+            return fused_path(self, config, built, pieces, batch_size)
+        return eager_path(self, config, pieces, batch_size, accumulate)
 
     # --- save and resume -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -44,7 +44,7 @@ class Snapshot:
     optimizer: torch.optim.Optimizer
     optimizer_state: dict  # param -> {key: copy or value}
     generators: list[tuple]
-    step_fields: tuple = ()  # the step's own fields a failed step must not change (``DPStep._snapshot``)
+    step_fields: tuple = ()  # the step's own fields a failed step must not change (``of_step``)
 
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
@@ -55,6 +55,21 @@ class Snapshot:
             state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                      for p, s in optimizer.state.items()}
         return cls(copies, buffers, optimizer, state, _generator_states(generator, params))
+
+    @classmethod
+    def of_step(cls, step) -> Snapshot | None:
+        """What a failed call of a ``DPStep`` must restore; None where the step is not transactional."""
+        if not step.transactional:
+            return None
+        snapshot = cls.take(step.model, step.optimizer, step.binding.params, step.noise.generator)
+        snapshot.step_fields = (step.state_ready, step.last_batch_size, step.last_norms)
+        return snapshot
+
+    def restore_step(self, step) -> None:
+        """``restore``, and the step's own fields; nothing of the failed call is released."""
+        self.restore()
+        step.state_ready, step.last_batch_size, step.last_norms = self.step_fields
+        step.released_config = None
 
     def restore(self) -> None:
         """Everything as ``take`` found it, in place."""

@@ -206,8 +206,7 @@ def _(a, w, stride, padding, dilation):
 
 # Both ops read the batch as the groups of one NCHW convolution. Inductor's layout optimization gives a graph with
 # convolutions channels-last buffers, and copies between the layouts follow. ``_compile/run.py`` turns it off for
-# graphs that call these ops: ``python -m benchmarks.layout`` put resnet's norms at B = 64 faster without it in 5 of 6
-# pairs of runs (medians 219 against 260 ms) and its DP step no different within this machine's noise.
+# graphs that call these ops (docs/benchmarks-probes.md, "No channels-last layout around per-sample convolutions").
 BATCH_AS_GROUPS = frozenset({torch.ops.compiled_psg.conv_weight_per_sample.default,
                              torch.ops.compiled_psg.conv_channel_batch_per_sample.default})
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.call_overhead``: what a cached call, and a DP step, cost on top of running their graph.
+"""``python -m benchmarks.probes.call_overhead``: what a cached call, and a DP step, cost on top of running their graph.
 
 A call of a per-sample function finds its cached graph (a key from the parameters' and arguments' signatures),
 checks the capture's Dynamo guards (module structure, hooks, Python attributes the loss read), then runs the
@@ -35,25 +35,16 @@ import torch.nn.functional as F
 
 import compiled_psg as psg
 
-from . import keep_freed_memory
-from .models import MODELS, build_workload
+from .. import keep_freed_memory
+from ..models import MODELS, build_workload
+from ..timing import interleaved_medians
 
 
 def interleaved(variants: dict[str, Callable[[], object]], repeats: int, inner: int,
                 warm_up: int = 20) -> dict[str, float]:
-    """Median microseconds per call of each variant; each round times every variant in turn (a load spike on
-    the shared machine then hits all of them, not one)."""
-    for fn in variants.values():
-        for _ in range(warm_up):
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            samples[name].append((time.perf_counter() - start) / inner * 1e6)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    """Median microseconds per call of each variant (``timing.interleaved_medians``: a load spike on the shared
+    machine then hits all of them, not one)."""
+    return {name: s * 1e6 for name, s in interleaved_medians(variants, repeats, warm_up, inner).items()}
 
 
 def _workload(model_name: str, batch: int, full: bool = False):
@@ -149,11 +140,11 @@ def breakdown(steps: int = 1000, batch: int = 16, backend: str = "inductor", mod
     targets = [(step_module.DPStep, "__call__", "step"), (step_module.DPStep, "_per_sample_for", "per-sample function"),
                (_api.PerSampleFunction, "prepare_call", "prepare_call (walk, key, guards)"),
                (_api.PerSampleFunction, "_valid", "  guard check"),
-               (step_module.DPStep, "_program_for", "program lookup"),
+               (step_module.DPStep, "program_for", "program lookup"),
                (update_graph, "signature", "  optimizer signature"),
                (inputs_module.StepInputs, "for_program", "extra inputs"),
                (eager.NoiseSource, "draw_many", "  noise draw"),
-               (run.CompiledPerSample, "run", "run the program"), (run.CompiledPerSample, "_inputs", "  inputs")]
+               (run.CompiledGraph, "run", "run the program"), (run.CompiledGraph, "_inputs", "  inputs")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
 
     def timer(fn, label):
@@ -180,7 +171,7 @@ def breakdown(steps: int = 1000, batch: int = 16, backend: str = "inductor", mod
 
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.call_overhead", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.call_overhead", description=__doc__.split("\n\n")[1])
     p.add_argument("--repeats", type=int, default=15, help="timed rounds per variant (median reported; >= 7)")
     p.add_argument("--inner", type=int, default=20, help="calls per timed round")
     p.add_argument("--backend", choices=["eager", "inductor"], default=None,

@@ -2,17 +2,15 @@
 
 Inductor allocates a program's buffers on every call. glibc serves an allocation above its mmap threshold (at most
 32 MiB) with fresh pages from the kernel and unmaps it on free, and gives freed memory at the top of the heap back
-to the kernel; either way the next call faults in zeroed pages again, which costs 6.4 to 7 times writing warm ones
-(``python -m benchmarks.fresh_pages``). A per-sample program's ``[B, ...]`` buffers are such allocations: the
-benchmark transformer's DP step at B = 256 faulted 133,113 pages per step with the heap released and 33 with it kept
-(``python -m benchmarks.heap --model transformer --batch 256``). PyTorch's CUDA caching allocator keeps freed blocks
+to the kernel; either way the next call faults in zeroed pages again, which costs several times writing warm ones.
+A per-sample program's ``[B, ...]`` buffers are such allocations (measured: docs/benchmarks-probes.md, "The heap
+keeps freed memory" and "Fresh pages cost more than warm ones"). PyTorch's CUDA caching allocator keeps freed blocks
 for reuse; ``compiled_psg.retain_freed_memory()`` does the same for the CPU heap, once per process, when the user
 asks for it (it changes the whole process's heap, so it is never on by default): no mmap for large
 blocks (``M_MMAP_MAX = 0``) and no trimming (``M_TRIM_THRESHOLD = -1``). A finite threshold is not enough: with
 2 GiB (the largest value mallopt's int takes), a freed buffer that leaves more than 2 GiB free at the top of the heap
 (materialized per-sample gradients: 1.2 GB per call for the benchmark CNN at B = 256, beside the program's other
-buffers) is given back, and the next call faults it in again: a 2.5 GiB buffer, freed and allocated again where it
-bordered the heap's top, faulted 655,328 pages per call
+buffers) is given back, and the next call faults all of it in again
 (``tests/test_clip_plans.py::test_the_heap_keeps_freed_memory_only_when_asked`` checks the setting and the faults).
 As with the CUDA cache, the process keeps that memory (its peak heap, or more where small cached blocks keep a freed
 buffer from being reused) after the program's last call. The settings hold for the main thread's heap: glibc maps a
@@ -28,7 +26,7 @@ import functools
 import os
 import threading
 
-from .._capture import patches
+from ._capture import patches
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_MAX = -4
@@ -55,9 +53,8 @@ def retain_freed_memory() -> bool:
     """Keep what compiled CPU programs free in the process heap, so their large buffers are recycled between
     calls instead of faulted in fresh (glibc: ``mallopt(M_TRIM_THRESHOLD, -1)`` and ``mallopt(M_MMAP_MAX, 0)``,
     once per process, for the whole process, never undone). Returns True when the heap is set; False where the C
-    library is not glibc. Measured effect: the benchmark transformer's DP step at B = 256 faults 133,113 pages a
-    step without it and 33 with it (``python -m benchmarks.heap --model transformer --batch 256``); the process
-    keeps its peak heap afterwards, as PyTorch's CUDA caching allocator does on the GPU."""
+    library is not glibc. The process keeps its peak heap afterwards, as PyTorch's CUDA caching allocator does on
+    the GPU. Its effect on page faults: docs/benchmarks-probes.md, "The heap keeps freed memory"."""
     if "set" in _state:
         return _state["set"]
     with _lock:

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.fresh_pages``: what a buffer costs when it is not recycled between calls.
+"""``python -m benchmarks.probes.fresh_pages``: what a buffer costs when it is not recycled between calls.
 
 A buffer the allocator cannot recycle (kept alive across the program, or above glibc's 32 MiB mmap threshold) is
 faulted in as fresh zeroed pages on every call. This times writing a fresh buffer against writing a reused one
@@ -9,14 +9,14 @@ of the same size, medians of ``--repeats`` interleaved calls; the ratio minus on
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from ..timing import interleaved_medians
+
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fresh_pages", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.fresh_pages", description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, nargs="+", default=[16, 64, 256], help="buffer sizes in MiB")
     p.add_argument("--repeats", type=int, default=15, help="timed calls of each (median; >= 7)")
     args = p.parse_args(argv)
@@ -28,15 +28,8 @@ def main(argv: list[str] | None = None) -> None:
         n = mib * 2**20 // 4
         kept = torch.empty(n)
         calls = {"fresh": lambda n=n: torch.empty(n).fill_(1.0), "reused": lambda kept=kept: kept.fill_(1.0)}
-        times: dict[str, list[float]] = {k: [] for k in calls}
-        for fn in calls.values():
-            fn()
-        for r in range(args.repeats):
-            for k in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
-                start = time.perf_counter()
-                calls[k]()
-                times[k].append(time.perf_counter() - start)
-        fresh, reused = (statistics.median(times[k]) * 1e3 for k in ("fresh", "reused"))
+        medians = interleaved_medians(calls, args.repeats, warm_up=1)
+        fresh, reused = (medians[k] * 1e3 for k in ("fresh", "reused"))
         print(f"{mib:>6} {fresh:8.2f} {reused:8.2f} {fresh / reused:6.2f}", flush=True)
 
 

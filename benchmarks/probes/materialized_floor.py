@@ -1,4 +1,4 @@
-"""``python -m benchmarks.materialized_floor --models mlp transformer --sizes 16 256``: how close any program
+"""``python -m benchmarks.probes.materialized_floor --models mlp transformer --sizes 16 256``: how close any program
 returning per-sample gradients can come to ``torch.compile(vmap(grad))``.
 
 Whatever computes them, a program that returns per-sample gradients runs the forward pass before any of them
@@ -26,10 +26,10 @@ import statistics
 
 import torch
 
-from . import keep_freed_memory
-from .measure import Device, Plan, interleaved_times
-from .methods import METHODS
-from .models import build_workload
+from .. import keep_freed_memory
+from ..measure import Device, Plan, interleaved_times
+from ..methods import METHODS
+from ..models import build_workload
 
 TIMED = ("psg_grads", "func_compile", "backward", "backward_compile")
 
@@ -80,7 +80,7 @@ def measure(model: str, size: int, repeats: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.materialized_floor",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.materialized_floor",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer", "gpt2"])
     p.add_argument("--sizes", nargs="+", type=int, default=[16, 64, 256])

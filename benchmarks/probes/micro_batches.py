@@ -1,4 +1,4 @@
-"""``python -m benchmarks.micro_batches --models transformer resnet --sizes 16 64 256 --splits 2 4``: the DP
+"""``python -m benchmarks.probes.micro_batches --models transformer resnet --sizes 16 64 256 --splits 2 4``: the DP
 step's time and peak memory when ``compile_step(..., max_physical_batch_size=N)`` splits each batch.
 
 A one-pass DP step holds more per sample than the plain step: every clip factor must be known before any
@@ -25,9 +25,9 @@ import statistics
 
 import torch
 
-from . import keep_freed_memory, methods
-from .measure import Device, Plan, interleaved_times
-from .models import build_workload
+from .. import keep_freed_memory, methods
+from ..measure import Device, Plan, interleaved_times
+from ..models import build_workload
 
 TARGET = 1.25
 
@@ -60,7 +60,7 @@ def measure(model: str, size: int, splits: list[int], repeats: int) -> list[dict
 
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.micro_batches", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.micro_batches", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["mlp", "cnn", "transformer", "resnet", "gpt2"])
     p.add_argument("--sizes", nargs="+", type=int, default=[16, 64, 256])
     p.add_argument("--splits", nargs="+", type=int, default=[2, 4], help="micro-batches per batch (k)")

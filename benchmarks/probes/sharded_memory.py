@@ -12,7 +12,7 @@ MiB, the peak of each over the step:
 - ``psg``: ``compile_step`` on the same model (max_grad_norm, noise on, the second step: the first captures),
   backend ``"eager"`` (the rewritten graph op by op: Inductor's kernels allocate outside the dispatcher).
 
-    python -m benchmarks.sharded_memory [--layers 8] [--width 512] [--batch 32] [--world 2]
+    python -m benchmarks.probes.sharded_memory [--layers 8] [--width 512] [--batch 32] [--world 2]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import keep_freed_memory
+from .. import keep_freed_memory
 
 MIB = 2**20
 

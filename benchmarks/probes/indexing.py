@@ -1,4 +1,4 @@
-"""``python -m benchmarks.indexing --model transformer --batch 64``: compiled_psg's programs with and without its
+"""``python -m benchmarks.probes.indexing --model transformer --batch 64``: compiled_psg's programs with and without its
 index rules for Inductor.
 
 compiled_psg compiles with the batch symbolic and adds two rules to Inductor's simplification of index
@@ -20,9 +20,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-from . import keep_freed_memory
+from .. import keep_freed_memory
+from ..timing import first_call_seconds
 
 METHODS = ("sgd_step", "dp_func_compile", "psg_grads", "psg_norms", "dp_psg_compile_step")
 
@@ -42,9 +42,9 @@ def worker(model: str, batch: int, repeats: int, rules: bool) -> dict:
 
     import compiled_psg._compile.run as compile_run
 
-    from .measure import Device, Plan, interleaved_times
-    from .methods import METHODS as ALL
-    from .models import build_workload
+    from ..measure import Device, Plan, interleaved_times
+    from ..methods import METHODS as ALL
+    from ..models import build_workload
 
     if not rules:
         compile_run.simplified_indexing = contextlib.nullcontext
@@ -53,9 +53,7 @@ def worker(model: str, batch: int, repeats: int, rules: bool) -> dict:
     runs, result = {}, {}
     for key in METHODS:
         run = ALL[key].setup(wl).run
-        start = time.perf_counter()
-        run(*args)
-        result[key] = {"first_s": time.perf_counter() - start}
+        result[key] = {"first_s": first_call_seconds(lambda run=run: run(*args))}
         for _ in range(3):
             run(*args)
         runs[key] = lambda run=run: run(*args)
@@ -72,7 +70,7 @@ def worker(model: str, batch: int, repeats: int, rules: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.indexing", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.indexing", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="transformer")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--repeats", type=int, default=9, help="timed calls of each method (median; >= 7)")
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     for setting in ("on", "off"):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE": "1"}
-            out = subprocess.run([sys.executable, "-m", "benchmarks.indexing", "--worker", setting, "--model",
+            out = subprocess.run([sys.executable, "-m", "benchmarks.probes.indexing", "--worker", setting, "--model",
                                   args.model, "--batch", str(args.batch), "--repeats", str(args.repeats)],
                                  env=env, capture_output=True, text=True, check=True)
         result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.cold_compile --models mlp cnn --batch 16``: where a first call's time goes.
+"""``python -m benchmarks.probes.cold_compile --models mlp cnn --batch 16``: where a first call's time goes.
 
 The page's cold-compile target compares the first call of ``compile_step``'s DP step with that of
 ``torch.compile(vmap(grad))``. This splits each first call into phases, by timers around the functions that do
@@ -44,7 +44,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import keep_freed_memory
+from .. import keep_freed_memory
+from ..timing import first_call_seconds
 
 PHASES = ("capture", "update capture", "program", "dynamo", "aot trace", "lowering", "codegen", "c++ wait",
           "inductor other", "compile_fx other", "eager step", "noise wait", "rest")
@@ -115,14 +116,15 @@ def install(timer: PhaseTimer) -> None:
 
     import compiled_psg._api as api
     import compiled_psg._train.native_noise as native_noise
+    import compiled_psg._train.paths as paths
     import compiled_psg._train.step as step
     import compiled_psg._train.update_graph as update_graph
 
     timer.wrap(api, "build", "capture", inclusive=True)  # _api calls build through its module global
     timer.wrap(update_graph, "capture_update", "update capture", inclusive=True)
-    timer.wrap(step.DPStep, "_program_for", "program")
-    timer.wrap(step.DPStep, "_run_per_sample", "eager step")  # the first step's, and micro-batches' (none here)
-    timer.wrap(step.DPStep, "_run_eager_update", "eager step")
+    timer.wrap(step.DPStep, "program_for", "program")
+    timer.wrap(paths, "run_per_sample", "eager step")  # the first step's, and micro-batches' (none here)
+    timer.wrap(paths, "eager_update_of", "eager step")
     timer.wrap(convert_frame, "_compile", "dynamo")
     timer.wrap(compile_fx, "compile_fx", "compile_fx other")  # the run-time imports of compile_fx find this one
     timer.wrap(aot_autograd, "create_aot_state", "aot trace")
@@ -138,8 +140,8 @@ def install(timer: PhaseTimer) -> None:
 def worker(model: str, batch: int, methods: list[str]) -> list[dict]:
     import torch
 
-    from .methods import METHODS
-    from .models import build_workload
+    from ..methods import METHODS
+    from ..models import build_workload
 
     wl = build_workload(model, False, torch.device("cpu"))
     args = wl.batch(batch)
@@ -150,9 +152,7 @@ def worker(model: str, batch: int, methods: list[str]) -> list[dict]:
     for key in methods:
         timer.seconds.clear()
         timer.kernels = 0
-        start = time.perf_counter()
-        METHODS[key].setup(wl).run(*args)
-        total = time.perf_counter() - start
+        total = first_call_seconds(lambda key=key: METHODS[key].setup(wl).run(*args))
         phases = {p: round(timer.seconds.get(p, 0.0), 2) for p in PHASES[:-1]}
         phases["rest"] = round(total - sum(timer.seconds.values()), 2)
         rows.append({"model": model, "batch": batch, "method": key, "first_call_s": round(total, 2),
@@ -172,7 +172,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cold_compile", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.cold_compile", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS))
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         if cache.exists():
             raise SystemExit(f"{cache} exists: the first calls would not be cold. Pass an empty --scratch folder.")
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
-        cmd = [sys.executable, "-m", "benchmarks.cold_compile", "--worker", "--models", model,
+        cmd = [sys.executable, "-m", "benchmarks.probes.cold_compile", "--worker", "--models", model,
                "--batch", str(args.batch), "--methods", *args.methods]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
         rows += json.loads(out.strip().splitlines()[-1])

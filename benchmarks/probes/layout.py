@@ -1,4 +1,4 @@
-"""``python -m benchmarks.layout``: per-sample convolutions with and without Inductor's layout optimization.
+"""``python -m benchmarks.probes.layout``: per-sample convolutions with and without Inductor's layout optimization.
 
 ``compiled_psg`` turns Inductor's ``layout_optimization`` (channels-last buffers for graphs with convolutions) off
 for graphs that call its per-sample convolution ops, which read the batch as the groups of one NCHW convolution
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from . import keep_freed_memory
+from .. import keep_freed_memory
 
 # the two methods this compares, by their names in the benchmark's method table
 METHOD_NAMES = {"norms": "psg_norms", "dp_step": "dp_psg_compile_step"}
@@ -26,9 +26,9 @@ def _one(model: str, batch: int, method: str, layout_on: bool, repeats: int) -> 
 
     from compiled_psg._compile import run
 
-    from .methods import METHODS
-    from .models import build_workload
-    from .timing import median_seconds
+    from ..methods import METHODS
+    from ..models import build_workload
+    from ..timing import median_seconds
 
     if layout_on:  # what Inductor would do without compiled_psg's setting
         run.calls_batch_as_groups = lambda graph: False
@@ -41,7 +41,7 @@ def _one(model: str, batch: int, method: str, layout_on: bool, repeats: int) -> 
 
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.layout", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.layout", description=__doc__.split("\n\n")[1])
     p.add_argument("--models", nargs="+", default=["cnn", "resnet"])
     p.add_argument("--methods", nargs="+", default=["norms", "dp_step"], choices=list(METHOD_NAMES))
     p.add_argument("--batch", type=int, default=64)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.pairs):
                 for setting in ("on", "off"):
                     with tempfile.TemporaryDirectory() as cache:
-                        cmd = [sys.executable, "-m", "benchmarks.layout", "--one", model, method, setting,
+                        cmd = [sys.executable, "-m", "benchmarks.probes.layout", "--one", model, method, setting,
                                "--batch", str(args.batch), "--repeats", str(args.repeats)]
                         out = subprocess.run(cmd, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache},
                                              capture_output=True, text=True)

@@ -1,5 +1,5 @@
-"""``python -m benchmarks.noise``: Gaussian noise drawn outside the compiled step (as ``compile_step`` does) against
-noise drawn inside it.
+"""``python -m benchmarks.probes.noise``: Gaussian noise drawn outside the compiled step (as ``compile_step``
+does) against noise drawn inside it.
 
 For each number of parameters P, side by side in one process (medians of ``--repeats`` calls after warm-up):
 
@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 
 import torch
 
 from compiled_psg._train.dp import gaussian_many
 
-from . import keep_freed_memory
-from .timing import median_seconds
+from .. import keep_freed_memory
+from ..timing import interleaved_medians, median_seconds
 
 _M32 = 0xFFFFFFFF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -91,14 +89,8 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
 
     def after_parallel(draw) -> float:
         """Median ms of ``draw`` timed right after an OpenMP parallel region, after 3 warm-up calls."""
-        def once() -> float:
-            big.mul_(1.0)  # over ATen's grain size: an OpenMP parallel region
-            start = time.perf_counter()
-            draw()
-            return time.perf_counter() - start
-        for _ in range(3):
-            once()
-        return statistics.median(once() for _ in range(repeats)) * 1e3
+        return interleaved_medians({"draw": draw}, repeats,
+                                   before=lambda: big.mul_(1.0))["draw"] * 1e3  # over ATen's grain size: parallel
 
     key = torch.tensor([0x13198A2E, 0x03707344], device=device)
     add_threefry = torch.compile(lambda g, key: g + sigma * threefry_normal(key, g.numel(), device), dynamic=False)
@@ -125,7 +117,7 @@ def measure(size: int, repeats: int, device: str = "cpu") -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.noise", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.noise", description=__doc__.split("\n\n")[1])
     p.add_argument("--sizes", nargs="+", type=int, default=[100_000, 1_000_000, 10_000_000])
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

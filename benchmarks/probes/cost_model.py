@@ -1,4 +1,4 @@
-"""``python -m benchmarks.cost_model [--quick] [--backend eager|inductor] [--quantity sq_norm|clip_sq_norm]
+"""``python -m benchmarks.probes.cost_model [--quick] [--backend eager|inductor] [--quantity sq_norm|clip_sq_norm]
 [--model NAME --batch B [--set seq=32] [--step]]``: does the cost model pick the faster way?
 
 For each shape of a Linear layer over a sequence (``x [n, t, i] -> [n, t, o]``, index letters n batch, t tokens,
@@ -26,8 +26,8 @@ import torch.nn as nn
 import compiled_psg as psg
 from compiled_psg._reduce import strategies
 
-from . import keep_freed_memory
-from .timing import median_seconds
+from .. import keep_freed_memory
+from ..timing import median_seconds
 
 SHAPES = [(n, t, i, o) for n, t, (i, o) in itertools.product((16, 64), (1, 16, 128), ((64, 64), (256, 1024)))]
 TRANSFORMER_SHAPES = [(64, 64, 128, 384), (64, 64, 128, 512), (64, 64, 512, 128)]  # the benchmark transformer's
@@ -51,9 +51,9 @@ def measure_model(model_name: str, batch: int, repeats: int, overrides: dict | N
     across the program (fresh pages every call, and the peak memory). ``step``: the page's DP step
     (``compile_step``) under each plan instead, against the plain SGD steps (eager and compiled), with the ratios
     of the page's targets (time against the faster plain step, peak against the lower one)."""
-    from . import models
-    from .measure import Device
-    from .models import build_workload
+    from .. import models
+    from ..measure import Device
+    from ..models import build_workload
 
     spec = models.MODELS[model_name]
     if overrides:  # the same model with some sizes changed (``--set seq=32``)
@@ -74,7 +74,7 @@ def measure_model(model_name: str, batch: int, repeats: int, overrides: dict | N
         return wl.criterion(model(x), y)
 
     if step:
-        from .methods import METHODS, dp_compile_step
+        from ..methods import METHODS, dp_compile_step
 
         plains = {key: METHODS[key].setup(wl).run for key in ("sgd_step", "sgd_step_compile")}
         plans = {**{key: contextlib.nullcontext() for key in plains}, **plans}
@@ -154,7 +154,7 @@ def measure_shape(shape, backend: str, repeats: int, quantity: str = "sq_norm") 
 
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cost_model", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.cost_model", description=__doc__.split("\n\n")[1])
     p.add_argument("--quick", action="store_true", help="three small shapes, eager backend: checks the harness")
     p.add_argument("--backend", choices=["eager", "inductor"], default="inductor")
     p.add_argument("--repeats", type=int, default=9, help="timed calls per strategy (median; >= 7)")

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.breakdown``: where a method's time goes, against the baseline it is judged by.
+"""``python -m benchmarks.probes.breakdown``: where a method's time goes, against the baseline it is judged by.
 
 Issue 12 asks for the measured cause of every missed target. For each model and batch size this runs, in one
 process with an empty Inductor cache (one subprocess per model), the methods of the targets side by side:
@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from . import keep_freed_memory
+from .. import keep_freed_memory
+from ..timing import first_call_seconds, median_seconds
 
 PAIRS = {  # method -> the baselines a target compares it with
     "dp_psg_compile_step": ("sgd_step", "sgd_step_compile", "dp_func_compile"),
@@ -100,8 +99,8 @@ def measure_model(model: str, sizes: list[int], methods: list[str], repeats: int
     """In this process (its Inductor cache empty): every method at every size."""
     import torch
 
-    from .methods import METHODS
-    from .models import build_workload
+    from ..methods import METHODS
+    from ..models import build_workload
 
     wl = build_workload(model, False, torch.device("cpu"))
     out = {}
@@ -111,21 +110,15 @@ def measure_model(model: str, sizes: list[int], methods: list[str], repeats: int
         for key in methods:
             try:
                 before = _compile_timers()
-                start = time.perf_counter()
-                prepared = METHODS[key].setup(wl)
-                prepared.run(*batch)
-                first = time.perf_counter() - start
+                made = {}  # the set-up is timed with the first call
+                first = first_call_seconds(
+                    lambda key=key, batch=batch, made=made: made.setdefault("it", METHODS[key].setup(wl)).run(*batch))
+                prepared = made["it"]
                 after = _compile_timers()
                 spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-                for _ in range(3):
-                    prepared.run(*batch)
-                times = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    prepared.run(*batch)
-                    times.append(time.perf_counter() - t)
+                median = median_seconds(lambda run=prepared.run, batch=batch: run(*batch), repeats)
                 inductor = spent.get("compile_fx_inner", 0.0)  # nested in AOT autograd's timer
-                rows[key] = {"median_ms": statistics.median(times) * 1e3, "first_call_s": first,
+                rows[key] = {"median_ms": median * 1e3, "first_call_s": first,
                              "inductor_s": inductor, "inductor_graphs": int(spent.get("compile_fx_inner#", 0)),
                              "aot_trace_s": max(spent.get("create_aot_dispatcher_function", 0.0) - inductor, 0.0),
                              **_profile(prepared.run, batch, profiled)}
@@ -166,7 +159,7 @@ def markdown(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.breakdown", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["cnn", "mlp", "transformer", "resnet", "gpt2"])
     parser.add_argument("--sizes", nargs="+", type=int, default=[64])
     parser.add_argument("--methods", nargs="+",
@@ -184,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    results = {"meta": {"command": "python -m benchmarks.breakdown " + " ".join(argv or sys.argv[1:]),
+    results = {"meta": {"command": "python -m benchmarks.probes.breakdown " + " ".join(argv or sys.argv[1:]),
                         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                                    f"torch {torch.__version__}"}, "models": {}}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE": "1"}
-            cmd = [sys.executable, "-m", "benchmarks.breakdown", "--one", model, "--sizes",
+            cmd = [sys.executable, "-m", "benchmarks.probes.breakdown", "--one", model, "--sizes",
                    *map(str, args.sizes), "--methods", *methods, "--repeats", str(args.repeats),
                    "--profiled", str(args.profiled)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.gpu_inspect MODEL B OUTDIR``: what the GPU runs in one DP step of ``compile_step``.
+"""``python -m benchmarks.probes.gpu_inspect MODEL B OUTDIR``: what the GPU runs in one DP step of ``compile_step``.
 
 Run it with ``TORCH_LOGS=output_code`` (and an empty ``TORCHINDUCTOR_CACHE_DIR``) to get Inductor's generated
 code on stderr. Here: three steps (the first runs eagerly and compiles), then ``torch.profiler`` over ten steps
@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from . import keep_freed_memory
-from .methods import METHODS
-from .models import build_workload
+from .. import keep_freed_memory
+from ..methods import METHODS
+from ..models import build_workload
 
 STEPS = 10
 

@@ -1,6 +1,6 @@
-"""``python -m benchmarks.heap --model transformer --batch 256``: the DP step with and without the kept heap.
+"""``python -m benchmarks.probes.heap --model transformer --batch 256``: the DP step with and without the kept heap.
 
-``compiled_psg.retain_freed_memory()`` keeps freed memory in glibc's heap (``compiled_psg/_compile/heap.py``), so a
+``compiled_psg.retain_freed_memory()`` keeps freed memory in glibc's heap (``compiled_psg/_heap.py``), so a
 program's buffers are recycled between calls instead of faulted in fresh. This runs one worker process per setting
 (the setting is per process: ``COMPILED_PSG_RETAIN_FREED_MEMORY=1`` asks for it, ``0`` leaves the heap as it is),
 and in each the plain SGD step (eager and ``torch.compile``) and ``compile_step``'s DP step, timed in interleaved
@@ -23,9 +23,9 @@ METHODS = ("sgd_step", "sgd_step_compile", "dp_psg_compile_step")
 def worker(model: str, batch: int, repeats: int) -> dict:
     import torch
 
-    from .measure import Device
-    from .methods import METHODS as ALL
-    from .models import build_workload
+    from ..measure import Device
+    from ..methods import METHODS as ALL
+    from ..models import build_workload
 
     wl = build_workload(model, False, torch.device("cpu"))
     args = wl.batch(batch)
@@ -52,7 +52,7 @@ def worker(model: str, batch: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.heap", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.heap", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="transformer")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=9, help="timed calls of each method (median; >= 7)")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'heap':>9} {'method':>20} {'ms':>9} {'page faults/call':>17} {'peak MiB':>9}")
     for setting, env_value in (("kept", "1"), ("released", "0")):
         env = {**os.environ, "COMPILED_PSG_RETAIN_FREED_MEMORY": env_value}
-        out = subprocess.run([sys.executable, "-m", "benchmarks.heap", "--worker", "--model", args.model,
+        out = subprocess.run([sys.executable, "-m", "benchmarks.probes.heap", "--worker", "--model", args.model,
                               "--batch", str(args.batch), "--repeats", str(args.repeats)],
                              env=env, capture_output=True, text=True, check=True)
         result = json.loads(out.stdout.strip().splitlines()[-1])

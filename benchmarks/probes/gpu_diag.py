@@ -1,34 +1,24 @@
-"""``python -m benchmarks.gpu_diag MODEL B``: the full error of ``compile_step`` on MODEL (the tables keep its
+"""``python -m benchmarks.probes.gpu_diag MODEL B``: the full error of ``compile_step`` on MODEL (the tables keep its
 first line only), which attention kernel the default ``scaled_dot_product_attention`` picks there, and the
 same step with SDPA limited to the math backend (decomposed into matmuls and softmax), timed against the
 plain SGD steps under the same setting."""
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 import traceback
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import keep_freed_memory
-from .methods import METHODS
-from .models import build_workload
+from .. import keep_freed_memory
+from ..methods import METHODS
+from ..models import build_workload
+from ..timing import first_call_seconds, median_seconds
 
 
 def _time(run, batch, reps=15) -> float:
-    for _ in range(3):
-        run(*batch)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        run(*batch)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_seconds(lambda: run(*batch), reps, sync=torch.cuda.synchronize)
 
 
 def main(model: str, size: int) -> None:
@@ -47,10 +37,7 @@ def main(model: str, size: int) -> None:
         for key in ("sgd_step", "sgd_step_compile", "dp_psg_compile_step"):
             try:
                 prepared = METHODS[key].setup(wl)
-                t0 = time.perf_counter()
-                prepared.run(*batch)
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
+                first = first_call_seconds(lambda run=prepared.run: run(*batch), sync=torch.cuda.synchronize)
                 rows.append(f"SDPA math backend: {key}: {_time(prepared.run, batch) * 1e3:.2f} ms "
                             f"(first call {first:.1f} s)")
             except Exception:

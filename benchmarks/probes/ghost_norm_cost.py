@@ -4,7 +4,7 @@ rounding bound (``compiled_psg._rewrite.contraction.factored_sq_norms``, what ``
 against the float32 ghost norm it replaced (which adversarial tokens can make cancel to 0 or NaN) and against
 materializing ``g[n]`` and reducing it. Eager torch ops, side by side in one process, medians of 9 calls.
 
-    python -m benchmarks.ghost_norm_cost
+    python -m benchmarks.probes.ghost_norm_cost
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 
 from compiled_psg._rewrite.contraction import factored_sq_norms
 
-from . import keep_freed_memory
-from .timing import median_seconds
+from .. import keep_freed_memory
+from ..timing import median_seconds
 
 SHAPES = [(64, 32, 256, 256), (32, 128, 256, 256), (16, 64, 768, 768)]  # (n, t, o, i)
 

@@ -1,0 +1,82 @@
+"""The two ways a DP step runs a batch, as small functions of the step's parts.
+
+- ``fused_path``: the earlier micro-batches through the compiled per-sample graph, their clipped sums added here,
+  and the last micro-batch through the step program (forward, rewritten backward, clipping, noise, all-reduce and
+  the optimizer's update in one program).
+- ``eager_path``: the first step (optimizers create their state lazily, and the program reads it), an empty
+  batch (a step of noise alone) and an update that could not be captured: the per-sample graph on every
+  micro-batch, then ``eager.eager_update`` (noise, all-reduce, ``optimizer.step()`` in Python). At its end the
+  program is built and compiled, so that the first call carries the compile time.
+
+Both record on the step what it reports (``last_norms``, ``last_batch_size``) and, before the update begins,
+``released_config`` (``transaction.py`` and ``PrivateTraining.step`` read it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .._compile.run import CompiledGraph
+from .config import DPConfig
+from .eager import eager_update
+from .fuse import StepProgram
+from .inputs import StepInputs
+from .results import add_into, combine_losses, split_result
+
+
+def run_per_sample(inputs: StepInputs, entry: CompiledGraph, config: DPConfig, params: dict, args: tuple,
+                   size: int):
+    """``(loss, per-sample losses, result)`` of the per-sample graph, fed its run-time inputs."""
+    graph = entry.rewritten.graph_module.graph
+    extra = sum(n.op == "placeholder" for n in graph.nodes) - len(entry.rewritten.roles)
+    loss, losses, *flat = entry.run(params, args, size, inputs.reduce_inputs(config, extra))
+    return loss, losses, pytree.tree_unflatten(list(flat), entry.rewritten.out_spec)
+
+
+def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry):
+    """The per-sample graph on each micro-batch of ``pieces``: their losses, norms and summed results."""
+    losses, norms, partial = [], [], None
+    for c in pieces:
+        loss, _, result = run_per_sample(step.inputs, runner(c.entry), config, c.params, c.args, c.batch_size)
+        sums, piece_norms = split_result(result, step.binding.names, step.binding.params)
+        partial = add_into(partial, sums, step.binding.names)
+        losses.append(loss)
+        norms.append(piece_norms)
+    return losses, norms, partial
+
+
+def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph], pieces: list,
+               batch_size: int) -> torch.Tensor:
+    program, compiled = built
+    *head, last = pieces
+    losses, norms, partial = _sums_of(step, config, head)
+    step.binding.install()
+    extra = step.inputs.for_program(config, program.inputs, batch_size, partial=partial)
+    step.released_config = config
+    outputs = dict(zip(program.outputs, compiled.run(last.params, last.args, last.batch_size, extra), strict=True))
+    count = outputs.get("global_count")
+    step.last_batch_size = batch_size if count is None else int(round(count.item()))
+    piece_norms = outputs.get("norms")
+    step.last_norms = None if piece_norms is None else torch.cat([*norms, piece_norms])
+    return combine_losses([*losses, outputs["loss"]], [c.batch_size for c in pieces], config.loss_reduction)
+
+
+def eager_update_of(step, config: DPConfig, grads: list[torch.Tensor], batch_size: int) -> None:
+    step.released_config = config
+    step.last_batch_size = eager_update(config, grads, batch_size, step.binding, step.noise, step.distributed)
+    step.state_ready = True
+
+
+def eager_path(step, config: DPConfig, pieces: list, batch_size: int, accumulate: bool) -> torch.Tensor:
+    losses, norms, partial = _sums_of(step, config, pieces, step.eager_runner)
+    step.last_norms = None if norms[0] is None else torch.cat(norms)
+    eager_update_of(step, config, partial, batch_size)
+    last = pieces[-1]
+    if step.fused:  # build and compile the program now, so that the first call carries the compile time
+        built = step.program_for(last.entry, config, accumulate)
+        if built is not None:
+            program, compiled = built
+            compiled.prepare(last.params, last.args, max(last.batch_size, 2),
+                             step.inputs.for_program(config, program.inputs, last.batch_size, draw_noise=False))
+    return combine_losses(losses, [c.batch_size for c in pieces], config.loss_reduction)
