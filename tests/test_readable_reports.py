@@ -7,8 +7,7 @@ import torch
 import torch.nn as nn
 
 import compiled_psg as psg
-from compiled_psg._analyze.source import readable_module_path
-from compiled_psg._inspect.report import group_sites
+from compiled_psg._analyze.source import group_sites, readable_module_path
 from compiled_psg._jobs.explain import report_for
 
 
@@ -55,6 +54,23 @@ def test_mixing_report_names_modules_and_groups_repeats():
     assert "[module stem.1 (BatchNorm1d)]" in text, text
     assert "[module layers.N.1 (BatchNorm1d)] (x6)" in text, text
     assert len(text.splitlines()) == 3, text  # the title, the stem, one line for the six repeated blocks
+    message = str(err)  # the error itself groups them too: one line per op, source line and module
+    assert "[module layers.N.1 (BatchNorm1d)] (x6)" in message and len(message.splitlines()) == 3, message
+
+
+def test_hardswish_and_rsub_have_batch_semantics():
+    """Ops torch does not tag pointwise (MobileNetV3's hardswish) are elementwise op facts, not refusals."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Hardswish(), nn.Linear(6, 3)).double()
+
+    def loss(x):
+        return (1 - model(x)).pow(2).sum()
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    got = psg.per_sample(model, backend="eager")(loss)(x)
+    for i in range(5):
+        want = torch.autograd.grad(loss(x[i:i + 1]), list(model.parameters()))
+        for (name, _), w in zip(model.named_parameters(), want, strict=True):
+            torch.testing.assert_close(got[name][i], w, rtol=1e-10, atol=1e-12)
 
 
 def test_group_sites_keeps_distinct_sites():

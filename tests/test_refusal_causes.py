@@ -58,3 +58,25 @@ def test_make_private_over_a_loader_of_dicts_names_the_dicts_and_a_fix():
     with pytest.raises(psg.BatchInputError, match=r"yields dicts \(keys \['x', 'y'\]\).*collate_fn"):
         psg.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_Dicts(), batch_size=8),
                          lambda b: F.cross_entropy(model(b["x"]), b["y"]), noise_multiplier=1.0, backend="eager")
+
+
+def test_cdist_between_samples_is_refused_and_its_row_count_branch_names_compute_mode():
+    """Distances between the samples' own rows pair every sample with every other: refused at the distance op.
+    Distances to shared points with torch.cdist's default compute_mode take the matrix-product algorithm above 25
+    rows: the batch size picks the algorithm, and the fix names compute_mode, not a branch the user never wrote."""
+    torch.manual_seed(0)
+    prototypes = nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+
+    def between_samples(x):
+        h = x.mean(1) @ prototypes.T
+        return torch.cdist(h, h).sum()
+
+    with pytest.raises(psg.SampleMixingError, match="_cdist_forward.*pairs every sample with every other"):
+        psg.per_sample({"prototypes": prototypes}, backend="eager")(between_samples)(x)
+
+    def to_prototypes(x):
+        return torch.cdist(x.reshape(-1, 4), prototypes).sum()
+
+    with pytest.raises(psg.CaptureError, match="compute_mode='donot_use_mm_for_euclid_dist'"):
+        psg.per_sample({"prototypes": prototypes}, backend="eager")(to_prototypes)(x)

@@ -609,6 +609,33 @@ def build_explicit_batch_mean():
     return Built(model, loss, lambda B, dtype, g: (randn(g, dtype, B, 5), labels(g, 3, B)))
 
 
+class _Prototypes(nn.Module):
+    """Distances to learned prototypes (a prototype network's head, a codebook): ``torch.cdist(h(x), P)``."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 5), nn.Tanh())
+        self.prototypes = nn.Parameter(torch.randn(3, 5))
+        self.p = p
+
+    def forward(self, x):
+        return -torch.cdist(self.body(x), self.prototypes, p=self.p,
+                            compute_mode="donot_use_mm_for_euclid_dist")
+
+
+def prototype_case(p: float, tokens: int | None = None) -> Callable[[], Built]:
+    """Nearest-prototype classification by softmax over negative distances: rows ``[B, 4]``, or ``[B, T, 4]``."""
+    def build():
+        model = _Prototypes(p)
+
+        def loss(x, y):
+            return F.cross_entropy(model(x).reshape(-1, 3), y.reshape(-1))
+
+        shape = () if tokens is None else (tokens,)
+        return Built(model, loss, lambda B, dtype, g: (randn(g, dtype, B, *shape, 4), labels(g, 3, B, *shape)))
+    return build
+
+
 # ---------------------------------------------------------------- the list
 
 CASES: list[Case] = [
@@ -644,6 +671,9 @@ CASES: list[Case] = [
          classifier_case(lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.InstanceNorm2d(4, affine=True),
                                                nn.ReLU()), (2, 6, 6))),
     Case("seq_linear", build_seq_linear),
+    Case("cdist_prototypes_p2", prototype_case(2.0)),
+    Case("cdist_prototypes_p1", prototype_case(1.0)),
+    Case("cdist_prototypes_p3_tokens", prototype_case(3.0, tokens=4)),
     Case("rmsnorm_seq", build_rmsnorm_seq),
     Case("embedding_padding_layernorm_seq", build_embedding_layernorm_seq),
     Case("mha_batch_first_causal", build_mha_batch_first),

@@ -782,6 +782,56 @@ def _trilinear(an: Analysis, node: fx.Node) -> Fact:
     return PerSample(c - sum(s < c for s in sumdim), layout)
 
 
+def _distances(an: Analysis, node: fx.Node, operands: list, roles: list[str], out_rows: str) -> Fact:
+    """Pairwise distances and their gradient, by where each operand's batch sits: ``roles`` names each operand's
+    last two dimensions (``"pm"``: rows p, features m), the output's are ``out_rows``; leading dimensions
+    broadcast. A batch on the feature dimension ``m``, which every distance sums over, mixes the samples; on a row
+    dimension missing from the output, the op sums over the batch."""
+    facts = [an.fact(o) for o in operands]
+    _no_sample_index(facts)
+    out_rank = max(_rank(o) for o in operands)
+    found: dict[object, list] = {}
+    for o, fact, role in zip(operands, facts, roles, strict=True):
+        if not isinstance(fact, PerSample):
+            continue
+        rank = _rank(o)
+        dim = _norm_dim(fact.dim, rank)
+        if dim >= rank - 2:
+            letter = role[dim - rank + 2]
+            if letter == "m":
+                raise _mix("each distance sums over the features, the dimension that holds the batch", _FIX_DIM)
+        else:
+            letter = dim + out_rank - rank  # a leading (broadcast) dimension, aligned from the right
+        found.setdefault(letter, []).append(fact.layout)
+    if not found:
+        return _pooled(facts) or SHARED
+    if len(found) > 1:
+        raise _mix("its result pairs every sample with every other sample (distances between per-sample rows of "
+                   "two different inputs)", "compute distances to shared points (a parameter) only")
+    letter, layouts = next(iter(found.items()))
+    layout = _merge_layouts(layouts)
+    if isinstance(letter, int):
+        return PerSample(letter, layout)
+    if letter not in out_rows:
+        return Pooled(node, "it sums over the batch (the gradient of distances to every sample)")
+    return PerSample(out_rank - 2 + out_rows.index(letter), layout)
+
+
+@_handles(ops._overloads("_cdist_forward", "_euclidean_dist"))
+def _cdist_forward(an: Analysis, node: fx.Node) -> Fact:
+    """``_cdist_forward(x1 [..., p, m], x2 [..., r, m], p, mode) -> [..., p, r]``; ``_euclidean_dist(x1, x2)``,
+    cdist's matrix-product form for p = 2 and more than 25 rows, alike."""
+    return _distances(an, node, list(node.args[:2]), ["pm", "rm"], "pr")
+
+
+@_handles(ops._overloads("_cdist_backward"))
+def _cdist_backward(an: Analysis, node: fx.Node) -> Fact:
+    """``_cdist_backward(grad [..., p, r], x1 [..., p, m], x2 [..., r, m], p, cdist [..., p, r]) -> [..., p, m]``:
+    the gradient for ``x1``, a sum over the rows ``r`` of ``x2``."""
+    grad, x1, x2, _, dist = node.args[:5]
+    return _distances(an, node, [grad, x1, x2, dist], ["pr", "pm", "rm", "pr"], "pm")
+
+
 @_handles(ops._overloads("convolution", "_convolution", "conv2d", "conv1d", "conv3d"))
 def _convolution(an: Analysis, node: fx.Node) -> Fact:
     x, weight = node.args[0], node.args[1]

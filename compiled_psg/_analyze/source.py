@@ -60,3 +60,40 @@ def where(node: fx.Node) -> str:
     """The source line, and the module when the op ran inside one."""
     module = module_path(node)
     return source_line(node) + (f" [module {module}]" if module else "")
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=[.\s]|$)|^\d+(?=\.)")
+
+
+def _generic_module(source: str) -> str:
+    """``... [module layers.3.mlp (MLP)]`` -> ``... [module layers.N.mlp (MLP)]``: repeated blocks look alike."""
+    head, sep, module = source.partition("[module ")
+    return head + sep + _INDEX.sub("N", module) if sep else source
+
+
+def group_sites(sites) -> list[str]:
+    """One line per kind of mixing site: sites that differ only in the index of a repeated block (a layer of a
+    ``ModuleList``) read ``op at ... [module layers.N.norm (BatchNorm1d)] (x12): reason``."""
+    groups: dict[tuple, list] = {}
+    for site in sites:
+        if not all(hasattr(site, a) for a in ("op", "source", "reason", "fix")):
+            groups.setdefault((str(site),), []).append(site)
+            continue
+        groups.setdefault((site.op, _generic_module(site.source), site.reason, site.fix), []).append(site)
+    lines = []
+    for key, members in groups.items():
+        if len(members) == 1:
+            lines.append(str(members[0]))
+        else:
+            op, _, reason, fix = key
+            lines.append(f"{op} at {_common_source([m.source for m in members])} (x{len(members)}): {reason}. "
+                         f"Fix: {fix}")
+    return lines
+
+
+def _common_source(sources: list[str]) -> str:
+    """The sources of one group with each index that differs among them written ``N``: ``layers.N.1``."""
+    split = [re.split(r"(\d+)", s) for s in sources]
+    if len({len(parts) for parts in split}) != 1:
+        return _generic_module(sources[0])
+    return "".join(parts[0] if len(set(parts)) == 1 else "N" for parts in zip(*split, strict=True))

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
-from .._analyze.source import source_line
+from .._analyze.source import group_sites, source_line
 from .._capture.dynamo import Captured, Role, capture_joint
 from .._capture.retrace import forward_slice, retrace_joint
 from .._compat import reconnects_inner_gradients
@@ -171,11 +171,15 @@ def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> N
         at_one = guard.expr.subs({s: 1 for s in symbols})
         if at_one == sympy.false:
             where_from = getattr(guard.sloc, "user_stack", None) or getattr(guard, "sloc", "")
+            fix = ("do not branch on x.shape[0] (or on sizes derived from it) in the loss function")
+            if "in cdist" in str(where_from):  # torch.cdist picks its algorithm for p = 2 by the number of rows
+                fix = ("torch.cdist computes p = 2 distances by a matrix product above 25 rows, and by differences "
+                       "below: give it compute_mode='donot_use_mm_for_euclid_dist' (or 'use_mm_for_euclid_dist'), "
+                       "so that a batch and a sample alone take the same one")
             raise CaptureError(
                 f"the loss depends on the batch size beyond shapes: Dynamo guarded on {guard.expr} (the batch size "
                 f"is {sorted(map(str, symbols))}), which a batch of one fails, so the batch takes a branch that no "
-                f"sample alone would take ({str(where_from).strip()[:300]}). Fix: do not branch on x.shape[0] (or "
-                "on sizes derived from it) in the loss function")
+                f"sample alone would take ({str(where_from).strip()[:300]}). Fix: {fix}")
 
 
 # Guards raised inside ops' shape functions choose layouts or check shapes (a convolution's meta function guards
@@ -263,11 +267,11 @@ def _refusal(captured: Captured, forward: fx.GraphModule, sites: list[MixingSite
     if mixing:
         error: Exception = SampleMixingError(
             "per-sample gradients are undefined for this loss: samples are mixed.\n"
-            + "\n".join(f"  - {site}" for site in sites))
+            + "\n".join(f"  - {line}" for line in group_sites(sites)))
     else:  # ops of unknown batch semantics, or the batch size as a value a batch of one cannot read as 1
         headline = ("compiled_psg cannot prove that this loss keeps samples apart" if any(
             s.kind == "unknown" for s in sites) else "compiled_psg cannot give this loss a sample's own batch size")
-        error = UnsupportedError(headline + ":\n" + "\n".join(f"  - {site}" for site in sites))
+        error = UnsupportedError(headline + ":\n" + "\n".join(f"  - {line}" for line in group_sites(sites)))
     error.refusal = (captured, forward, sites)  # the caller builds the report (_inspect.report.Report)
     return error
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch.fx as fx
 
+from .._analyze.source import group_sites
 from .draw import draw, drawing_support
 from .render import graph_text, normalize, shape_of
 
@@ -139,43 +139,6 @@ class Report:
                         draw(gm, which, folder / f"{which}.svg")
                         written.append(folder / f"{which}.svg")
         return written
-
-
-_INDEX = re.compile(r"(?<=\.)\d+(?=[.\s]|$)|^\d+(?=\.)")
-
-
-def _generic_module(source: str) -> str:
-    """``... [module layers.3.mlp (MLP)]`` -> ``... [module layers.N.mlp (MLP)]``: repeated blocks look alike."""
-    head, sep, module = source.partition("[module ")
-    return head + sep + _INDEX.sub("N", module) if sep else source
-
-
-def group_sites(sites) -> list[str]:
-    """One line per kind of mixing site: sites that differ only in the index of a repeated block (a layer of a
-    ``ModuleList``) read ``op at ... [module layers.N.norm (BatchNorm1d)] (x12): reason``."""
-    groups: dict[tuple, list] = {}
-    for site in sites:
-        if not all(hasattr(site, a) for a in ("op", "source", "reason", "fix")):
-            groups.setdefault((str(site),), []).append(site)
-            continue
-        groups.setdefault((site.op, _generic_module(site.source), site.reason, site.fix), []).append(site)
-    lines = []
-    for key, members in groups.items():
-        if len(members) == 1:
-            lines.append(str(members[0]))
-        else:
-            op, _, reason, fix = key
-            lines.append(f"{op} at {_common_source([m.source for m in members])} (x{len(members)}): {reason}. "
-                         f"Fix: {fix}")
-    return lines
-
-
-def _common_source(sources: list[str]) -> str:
-    """The sources of one group with each index that differs among them written ``N``: ``layers.N.1``."""
-    split = [re.split(r"(\d+)", s) for s in sources]
-    if len({len(parts) for parts in split}) != 1:
-        return _generic_module(sources[0])
-    return "".join(parts[0] if len(set(parts)) == 1 else "N" for parts in zip(*split, strict=True))
 
 
 def _mib(n: float) -> str:

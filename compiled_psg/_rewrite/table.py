@@ -9,7 +9,16 @@ module of ``rules/`` (and import that module below), add the op to the zoo in ``
 from __future__ import annotations
 
 from .registry import CONTRACTION_RULES, LIFT_RULES, LINEARITY
-from .rules import conv, embedding, embedding_bag, lift, linear, norm, reduce  # noqa: F401  (each registers its rules)
+from .rules import (  # noqa: F401  (each registers its rules)
+    conv,
+    distance,
+    embedding,
+    embedding_bag,
+    lift,
+    linear,
+    norm,
+    reduce,
+)
 from .rules.lift import pointwise
 
 __all__ = ["CONTRACTION_RULES", "LIFT_RULES", "supported_ops"]
