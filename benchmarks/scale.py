@@ -556,12 +556,13 @@ PAGE_SOURCES = (("GPU (H100), full configs: gpt2, llama_lora, resnet50_gn, vit w
                  'MODELS="resnet50_gn vit gpt2 llama_lora" METHODS="plain plain_compile psg psg_bounded" '
                  'PROFILE="resnet50_gn llama_lora gpt2" bash benchmarks/gpu_scale.sh 450 330',
                  "f1239d8: the per-sample Conv2d weight GEMM in TF32 where cuDNN rounds in TF32, its patch gather "
-                 "traced (the opaque `conv2d_weight_gemm` with `F.unfold` inside is not measured on a GPU)"),
+                 "traced (the opaque `conv2d_weight_gemm` with `F.unfold` inside is not measured on a GPU); no copy "
+                 "of the parameters per step (`transactional=False` in this page's code)"),
                 ("GPU (H100), full configs: resnet50_gn, vit, bert_last with memory_budget=0",
                  "benchmarks-scale-gpu-h100.json",
                  'MODELS="resnet50_gn vit bert_last" METHODS="plain psg psg_bounded plain_compile" '
                  'PROFILE="resnet50_gn vit" bash benchmarks/gpu_scale.sh 320 210',
-                 "f7e26b7: the per-sample Conv2d weight GEMM in float32"),
+                 "f7e26b7: the per-sample Conv2d weight GEMM in float32, no copy of the parameters per step"),
                 ("GPU (H200), full configs, every model and peer", "benchmarks-scale-gpu.json",
                  "bash benchmarks/gpu_scale.sh 450 270` (which runs `python -m benchmarks.scale --device cuda "
                  "--parallel --profile gpt2 --output-code --budget 270`); llama_lora from a second call on the same "
@@ -572,7 +573,8 @@ PAGE_SOURCES = (("GPU (H100), full configs: gpt2, llama_lora, resnet50_gn, vit w
                 ("CPU, scaled configs", "benchmarks-scale-cpu.json",
                  "python -m benchmarks.scale --device cpu --threads 2 --out DIR --budget 2700` (resnet50_gn from "
                  "`python -m benchmarks.scale --device cpu --threads 2 --out DIR --models resnet50_gn --budget 1200`, "
-                 "the same DIR", "this page's commit"))
+                 "the same DIR", "d687fee (a DP step that keeps no copy of the parameters: `transactional=False` "
+                 "in this page's code)"))
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
