@@ -50,6 +50,13 @@ def _params_and_modes(params: nn.Module | Mapping[str, torch.Tensor]) -> tuple[d
         if not p.is_floating_point():
             raise BatchInputError(f"parameter {name!r} has dtype {p.dtype}; gradients need a floating dtype. "
                                   "Fix: leave it out of params, or convert it with .float()")
+    frozen = [name for name, p in named.items() if not p.requires_grad]
+    if frozen and isinstance(params, Mapping):
+        raise BatchInputError(
+            f"the tensors {frozen} of params do not require grad, so the loss that reads them has no gradient. "
+            "per_sample differentiates the very tensors the loss reads. Fix: pass tensors that require grad "
+            "(nn.Parameter, or t.requires_grad_()), or use psg.per_sample_grad(fn)(params, *batch), which takes the "
+            "dict as an argument and differentiates any tensors in it")
     if not named:
         raise BatchInputError("no parameters to differentiate: every parameter is frozen or the dict is empty")
     return named, modes

@@ -80,3 +80,27 @@ def test_cdist_between_samples_is_refused_and_its_row_count_branch_names_compute
 
     with pytest.raises(psg.CaptureError, match="compute_mode='donot_use_mm_for_euclid_dist'"):
         psg.per_sample({"prototypes": prototypes}, backend="eager")(to_prototypes)(x)
+
+
+def test_a_dict_of_tensors_that_do_not_require_grad_is_named_and_per_sample_grad_takes_it():
+    """``torch.func.functional_call`` with a plain state dict: per_sample names the frozen tensors and the
+    functional form, which differentiates them as given."""
+    model = nn.Linear(4, 3).double()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss(x, y):
+        return F.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
+
+    named = r"\['weight', 'bias'\] of params do not require grad.*per_sample_grad"
+    with pytest.raises(psg.BatchInputError, match=named):
+        psg.per_sample(params, backend="eager")(loss)(x, y)
+
+    def functional(p, x, y):
+        return F.cross_entropy(torch.func.functional_call(model, p, (x,)), y)
+
+    got = psg.per_sample_grad(functional, backend="eager")(params, x, y)
+    for i in range(5):
+        g = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters()))
+        for (name, _), w in zip(model.named_parameters(), g, strict=True):
+            torch.testing.assert_close(got[name][i], w, rtol=1e-10, atol=1e-12)
