@@ -104,3 +104,24 @@ def test_a_dict_of_tensors_that_do_not_require_grad_is_named_and_per_sample_grad
         g = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), list(model.parameters()))
         for (name, _), w in zip(model.named_parameters(), g, strict=True):
             torch.testing.assert_close(got[name][i], w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer", [lambda: nn.InstanceNorm2d(4, affine=True), lambda: nn.Conv2d(4, 4, 3, groups=2)],
+                         ids=["instance_norm", "grouped_conv"])
+def test_a_batch_size_fixed_by_a_double_backward_is_named_as_such(layer):
+    """A gradient penalty through these layers: torch's double backward fixes the batch size. The message says
+    so, instead of pointing at a view in the user's code (there is none) and a stack inside compiled_psg."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), layer(), nn.Tanh(), nn.Flatten(), nn.LazyLinear(1)).double()
+    x = torch.randn(3, 2, 8, 8, dtype=torch.float64)
+    model(x)
+
+    def loss(x):
+        x = x.detach().requires_grad_(True)
+        out = model(x).sum()
+        (g,) = torch.autograd.grad(out, x, create_graph=True)
+        return out + g.pow(2).sum()
+
+    with pytest.raises(psg.CaptureError, match="tracing the gradients of the loss fixed the batch size") as info:
+        psg.per_sample(model, backend="eager")(loss)(x)
+    assert "x.view" not in str(info.value) and "dynamo.py" not in str(info.value)

@@ -589,6 +589,15 @@ def _ignored_logging_functions() -> set:
     return functions
 
 
+def _fixed_in_our_backward(text: str) -> bool:
+    """Whether Dynamo's user stack ends in ``joint``'s own ``torch.autograd.grad`` over the loss: the batch size
+    was fixed by a backward formula, the user's loss code ran without fixing it."""
+    stack = text.partition("User stack:")[2].strip().splitlines()
+    frames = [line for line in stack if line.strip().startswith("File ")]
+    return bool(frames) and __file__.rstrip("c") in frames[-1] and any(
+        "torch.autograd.grad(total" in line for line in stack)
+
+
 def _note_not_a_tensor(ctx) -> None:
     _pending["refusal"] = BatchInputError(
         "the loss function must return a tensor (a scalar loss or per-sample losses [B]), got "
@@ -683,6 +692,14 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     except Exception as e:  # ConstraintViolationError: the batch size got fixed
         text = str(e)
         if "ConstraintViolation" in type(e).__name__ or "marked dynamic" in text or "specialize" in text:
+            if _fixed_in_our_backward(text):
+                raise CaptureError(
+                    "tracing the gradients of the loss fixed the batch size: a backward formula in torch (the "
+                    "double backward of a torch.autograd.grad(..., create_graph=True) in the loss, through a layer "
+                    "such as InstanceNorm, GroupNorm or a grouped convolution) specializes the batch size, which "
+                    "the loss's own code does not. Fix: differentiate with respect to an activation after that "
+                    "layer rather than through it, or compute that penalty outside the per-sample function"
+                    f"\n(torch: {text.strip().splitlines()[0]})") from None
             raise CaptureError(
                 "the loss function fixes the batch size (for example x.view(64, -1) or a Python int taken from "
                 f"x.shape[0] used as a constant), so one graph cannot serve every batch size:\n{text}\nFix: use "
