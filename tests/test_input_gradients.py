@@ -301,3 +301,28 @@ def test_backward_call_inside_the_loss_is_refused():
     with pytest.raises(psg.UnsupportedError) as info:
         psg.per_sample(net, backend="eager")(lambda x: backward_inside(net, x))(*data())
     assert "torch.autograd.grad(..., create_graph=True)" in str(info.value) and ".backward()" in str(info.value)
+
+
+@pytest.mark.parametrize("through", ["linear_on_tokens", "embedding_output"])
+def test_a_gradient_penalty_through_a_linear_on_tokens_is_exact(through):
+    """``autograd.grad(lin(h).sum(1).sum(), h, create_graph=True)`` with ``h`` ``[B, T, F]``: the inner gradient
+    is the loss's ones expanded to every token and reshaped to ``[B*T, O]``, the same for every sample; it was
+    refused as a reshape that moves values between samples."""
+    torch.manual_seed(0)
+    lin, emb = nn.Linear(3, 2).double(), nn.Embedding(7, 3).double()
+    if through == "linear_on_tokens":
+        params, batch = dict(lin.named_parameters()), torch.randn(4, 5, 3, dtype=F64)
+        first = lambda x: x.detach().requires_grad_(True)  # noqa: E731
+    else:
+        params = {"lin.weight": lin.weight, "lin.bias": lin.bias, "emb.weight": emb.weight}
+        batch, first = torch.randint(0, 7, (4, 5)), emb
+
+    def loss(x):
+        h = first(x)
+        (g,) = torch.autograd.grad(lin(h).sum(1).sum(), h, create_graph=True)
+        return g.pow(2).sum() + lin(h).pow(2).sum()
+
+    got = psg.per_sample(params, backend="eager")(loss)(batch)
+    for name, p in params.items():
+        want = torch.stack([torch.autograd.grad(loss(batch[i:i + 1]), p)[0] for i in range(4)])
+        torch.testing.assert_close(got[name], want, rtol=1e-10, atol=1e-12)

@@ -482,6 +482,8 @@ def _view(an: Analysis, node: fx.Node) -> Fact:
     if isinstance(fact, Shared | Pooled):
         return fact
     src = value_of(node.args[0])
+    if isinstance(fact, PerSample) and fact.layout is None and an.batch.is_whole(src, fact.dim):
+        fact = PerSample(fact.dim, (1, 1))  # the same for every sample (any layout, _from_shape): take it whole
     if isinstance(fact, SampleIndex) or fact.layout is None:
         dims = an.batch.dims(out)
         whole = len(dims) == 1 and an.batch.factor(out.shape[dims[0]]) == an.batch.factor(src.shape[fact.dim])
