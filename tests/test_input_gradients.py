@@ -326,3 +326,27 @@ def test_a_gradient_penalty_through_a_linear_on_tokens_is_exact(through):
     for name, p in params.items():
         want = torch.stack([torch.autograd.grad(loss(batch[i:i + 1]), p)[0] for i in range(4)])
         torch.testing.assert_close(got[name], want, rtol=1e-10, atol=1e-12)
+
+
+def test_vmap_of_jacrev_inside_the_loss_is_exact_and_a_diagonal_across_the_batch_is_refused():
+    """``vmap(jacrev(f))(x)`` builds each sample's Jacobian with ``diagonal_scatter`` on the sample's own rows:
+    exact. A diagonal written across the batch dimension reaches sample ``k`` at its position ``k`` in the
+    batch, which is 0 when the sample is alone: refused at the diagonal_scatter."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(4, 3, dtype=F64)
+
+    def loss(x):
+        return torch.func.vmap(torch.func.jacrev(net))(x).pow(2).sum() + net(x).pow(2).sum()
+
+    got = psg.per_sample(net, backend="eager")(loss)(x)
+    for name, p in net.named_parameters():
+        want = torch.stack([torch.autograd.grad(loss(x[i:i + 1]), p)[0] for i in range(4)])
+        torch.testing.assert_close(got[name], want, rtol=1e-10, atol=1e-12)
+
+    def across(x):
+        scores = net(x).T  # [2, B]
+        return torch.diagonal_scatter(scores, torch.zeros(2, dtype=x.dtype)).pow(2).sum()
+
+    with pytest.raises(psg.SampleMixingError, match="diagonal_scatter"):
+        psg.per_sample(net, backend="eager")(across)(x)

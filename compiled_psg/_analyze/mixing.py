@@ -784,6 +784,36 @@ def _trilinear(an: Analysis, node: fx.Node) -> Fact:
     return PerSample(c - sum(s < c for s in sumdim), layout)
 
 
+@_handles(ops._overloads("diagonal_scatter"))
+def _diagonal_scatter(an: Analysis, node: fx.Node) -> Fact:
+    """``diagonal_scatter(input, src, offset, dim1, dim2)``: ``src``'s dimensions are ``input``'s without ``dim1``
+    and ``dim2``, then the diagonal. The batch may sit in any other dimension, the same one in both."""
+    kw = _kwargs(node)
+    inp, src = kw["input"], kw["src"]
+    rank = _rank(inp)
+    diagonal = {_norm_dim(kw.get("dim1", 0), rank), _norm_dim(kw.get("dim2", 1), rank)}
+    kept = [d for d in range(rank) if d not in diagonal]
+    facts = [an.fact(inp), an.fact(src)]
+    _no_sample_index(facts)
+    dims, layouts = set(), []
+    for fact, to_input in ((facts[0], lambda d: d), (facts[1], lambda d: kept[d] if d < len(kept) else None)):
+        if not isinstance(fact, PerSample):
+            continue
+        d = to_input(_norm_dim(fact.dim, rank if fact is facts[0] else rank - 1))
+        if d is None or d in diagonal:
+            raise _mix("it writes a diagonal across the dimension that holds the batch", _FIX_DIM)
+        dims.add(d)
+        layouts.append(fact.layout)
+    pooled = _pooled(facts)
+    if not dims:
+        return pooled or SHARED
+    if pooled is not None:
+        raise _mix("it writes per-sample values into a sum over the batch, or the other way round")
+    if len(dims) > 1:
+        raise _mix("its result pairs every sample with every other sample")
+    return PerSample(dims.pop(), _merge_layouts(layouts))
+
+
 def _distances(an: Analysis, node: fx.Node, operands: list, roles: list[str], out_rows: str) -> Fact:
     """Pairwise distances and their gradient, by where each operand's batch sits: ``roles`` names each operand's
     last two dimensions (``"pm"``: rows p, features m), the output's are ``out_rows``; leading dimensions
