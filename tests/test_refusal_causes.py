@@ -125,3 +125,10 @@ def test_a_batch_size_fixed_by_a_double_backward_is_named_as_such(layer):
     with pytest.raises(psg.CaptureError, match="tracing the gradients of the loss fixed the batch size") as info:
         psg.per_sample(model, backend="eager")(loss)(x)
     assert "x.view" not in str(info.value) and "dynamo.py" not in str(info.value)
+
+
+def test_torch_sgn_whose_backward_fixes_the_batch_size_names_torch_sign():
+    p = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    with pytest.raises(psg.CaptureError, match="torch.sign for real tensors"):
+        psg.per_sample({"p": p}, backend="eager")(lambda x: (torch.sgn(x * p) * x * p).sum())(
+            torch.randn(4, 3, dtype=torch.float64))

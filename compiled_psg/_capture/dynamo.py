@@ -694,11 +694,12 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         if "ConstraintViolation" in type(e).__name__ or "marked dynamic" in text or "specialize" in text:
             if _fixed_in_our_backward(text):
                 raise CaptureError(
-                    "tracing the gradients of the loss fixed the batch size: a backward formula in torch (the "
-                    "double backward of a torch.autograd.grad(..., create_graph=True) in the loss, through a layer "
-                    "such as InstanceNorm, GroupNorm or a grouped convolution) specializes the batch size, which "
-                    "the loss's own code does not. Fix: differentiate with respect to an activation after that "
-                    "layer rather than through it, or compute that penalty outside the per-sample function"
+                    "tracing the gradients of the loss fixed the batch size: the loss's own code does not, but "
+                    "torch's backward formula of an op in it does (seen: torch.sgn, whose real-valued twin "
+                    "torch.sign does not; the double backward of a torch.autograd.grad(..., create_graph=True) "
+                    "through InstanceNorm or a grouped convolution). Fix: use an op with a traceable backward "
+                    "(torch.sign for real tensors), differentiate with respect to an activation after such a layer "
+                    "rather than through it, or compute that term outside the per-sample function"
                     f"\n(torch: {text.strip().splitlines()[0]})") from None
             raise CaptureError(
                 "the loss function fixes the batch size (for example x.view(64, -1) or a Python int taken from "
