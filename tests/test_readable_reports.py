@@ -148,3 +148,17 @@ def test_explain_refuses_what_the_step_refuses_an_empty_batch_and_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(psg.DPConfigError, match="autocast"):
         psg.explain(step, torch.randn(4, 3))
     assert step.captures == 0  # neither refusal captured anything
+
+
+def test_a_frame_without_its_code_line_does_not_swallow_the_next_frame():
+    """linecache finds no code for a frame whose file changed since import: the user's frame after it is still
+    the one named."""
+    import torch.fx as fx
+
+    from compiled_psg._analyze.source import source_line
+
+    graph = fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["stack_trace"] = ('  File "/site/compiled_psg/_capture/dynamo.py", line 613, in joint\n'
+                                '  File "/home/me/train.py", line 144, in loss\n    return F.cross_entropy(x)\n')
+    assert source_line(node) == "/home/me/train.py:144 in loss: return F.cross_entropy(x)"

@@ -6,7 +6,9 @@ import re
 
 import torch.fx as fx
 
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>[^\n]*)')
+# a frame of a stack trace, with its code line when the trace has one (linecache may find none)
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)'
+                    r'(?:\n(?![ \t]*File ")[ \t]*(?P<code>[^\n]*))?')
 _LIBRARY_PARTS = ("/torch/", "/compiled_psg/_")
 
 
@@ -19,7 +21,7 @@ def source_line(node: fx.Node) -> str:
     if not chosen:
         return "unknown source line"
     f = chosen[0]
-    return f'{f["file"]}:{f["line"]} in {f["func"]}: {f["code"].strip()}'
+    return f'{f["file"]}:{f["line"]} in {f["func"]}: {(f["code"] or "").strip()}'
 
 
 _ROOT = re.compile(r"^(?:[GL]\['[^\]]*'\]|self)")  # Dynamo's source of the root object: a global or local
