@@ -784,6 +784,37 @@ def _trilinear(an: Analysis, node: fx.Node) -> Fact:
     return PerSample(c - sum(s < c for s in sumdim), layout)
 
 
+@_handles(ops.MATRIX_STACKS)
+def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
+    """Linear algebra on stacks of matrices (``linalg.inv_ex``, ``solve_ex``, ``cholesky_ex``, ``det``, ``eigh``,
+    ``svd``, their helpers): every matrix is handled on its own, so a batch in dimension 0 of a stack
+    ``[B, ..., n, m]`` stays apart; in a matrix dimension it mixes the rows and columns of different samples.
+    Shared matrices broadcast over the stack."""
+    tensors = [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]
+    facts = [an.fact(t) for t in tensors]
+    _no_sample_index(facts)
+    out = value_of(node)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    per = [(t, f) for t, f in zip(tensors, facts, strict=True) if isinstance(f, PerSample)]
+    if not per:
+        fact = _pooled(facts) or SHARED
+        return tuple(fact for _ in outs) if isinstance(out, (tuple, list)) else fact
+    if _pooled(facts) is not None:
+        raise _mix("it combines per-sample matrices with a sum over the batch")
+    for t, f in per:
+        if _rank(t) < 3 or _norm_dim(f.dim, _rank(t)) != 0:
+            raise _mix("the batch sits in a matrix dimension, whose rows and columns this op combines",
+                       "keep the batch as the leading dimension of a stack of matrices, [B, n, n]")
+    layout = _merge_layouts([f.layout for _, f in per])
+    found = []
+    for v in outs:
+        dims = an.batch.dims(v) if isinstance(v, torch.Tensor) else ()
+        if dims not in ((), (0,)):
+            raise _unknown(_op_name(node), " (an output with the batch outside its leading dimension)")
+        found.append(PerSample(0, layout) if dims else SHARED)
+    return tuple(found) if isinstance(out, (tuple, list)) else found[0]
+
+
 @_handles(ops._overloads("diagonal_scatter"))
 def _diagonal_scatter(an: Analysis, node: fx.Node) -> Fact:
     """``diagonal_scatter(input, src, offset, dim1, dim2)``: ``src``'s dimensions are ``input``'s without ``dim1``

@@ -174,6 +174,15 @@ def is_pointwise(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
+# Linear algebra on stacks of matrices: each matrix of the stack is solved, factored or inverted on its own.
+MATRIX_STACKS = _overloads(
+    "linalg_inv_ex", "linalg_cholesky_ex", "_linalg_solve_ex", "linalg_lu_factor_ex", "linalg_lu", "lu_unpack",
+    "linalg_lu_solve", "_linalg_det", "_linalg_slogdet", "_linalg_eigh", "_linalg_svd", "linalg_qr", "cholesky",
+    "cholesky_solve", "cholesky_inverse", "triangular_solve", "linalg_solve_triangular", "linalg_matrix_exp",
+    "linalg_householder_product", "linalg_ldl_factor_ex", "linalg_ldl_solve", "linalg_eig", "_linalg_eigvals",
+    "linalg_eigvals",
+)
+
 # op -> names of (input, target) and the argument names of extra elementwise tensors; reduction in "reduction"
 LOSSES: dict = {}
 for _names, _extra in [

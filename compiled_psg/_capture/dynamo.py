@@ -792,6 +792,26 @@ def _runtime_failure(e: Exception) -> PerSampleError:
         "two; if it does, report this message to compiled_psg")
 
 
+def _refuse_effects(gm: fx.GraphModule) -> None:
+    """Ops with side effects reach the joint graph as ``with_effects`` threaded on a token, an input and an
+    output of their own that no per-sample program has. The one seen: ``linalg.inv``, ``cholesky``, ``solve`` and
+    ``lu_factor`` raising on a singular matrix (``aten._linalg_check_errors``), which their ``_ex`` twins report
+    in an ``info`` tensor instead."""
+    effects = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects]
+    if not effects:
+        return
+    lines = []
+    for node in effects:
+        op = node.args[1]
+        name = getattr(op, "__name__", str(op))
+        fix = ("use the _ex twin (torch.linalg.inv_ex, cholesky_ex, solve_ex, lu_factor_ex), which returns an "
+               "info tensor instead of raising, and check info outside the loss"
+               if "_linalg_check_errors" in name else "compute that step outside the per-sample function")
+        lines.append(f"{name} at {where(node)}: an op with a side effect (here: raising on a singular matrix) "
+                     f"that per-sample programs cannot carry. Fix: {fix}")
+    raise UnsupportedError("the loss calls ops with side effects:\n  - " + "\n  - ".join(lines))
+
+
 def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[int, int], batched: list,
             branches: list[str]) -> Captured:
     """Label the captured graph's inputs and check the contract; ``manager``: the frame's guards."""
@@ -801,6 +821,7 @@ def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[
         raise UnsupportedError("the loss uses what per-sample gradients derived from its forward ops would "
                                "get wrong:\n  - "
                                + "\n  - ".join(_pending["backward_changes"]))
+    _refuse_effects(_pending["gm"])
     roles, constants = _label(_pending["real"], params, args, set(batch_dims))
     fake = _pending["fake"]
     if len(roles) != len(fake):
