@@ -1,0 +1,99 @@
+"""torch's OpInfo database, each op posed as a per-sample problem (as ``test_module_db.py`` does with modules).
+
+For an op with a float64 sample input ``x`` (and its other arguments ``a``): a batch ``X [B, *x.shape]`` around
+``x``, a shared parameter ``P`` of ``x``'s shape, and the loss ``sum_k <op(X * P, *a)_k, W_k>`` over the op's
+floating outputs with fixed weights ``W_k``. The op is posable when it keeps the leading dimension as a batch:
+``op(X * P)[i] == op(X[i] * P)`` for every sample, each output shaped ``[B, ...]`` (the first sample input that
+is, else the op is skipped). Each posable op must be exact against the loop (autograd on the batch of sample
+``i`` alone, NaN where the loop's is NaN) or refused with one of compiled_psg's errors that says why; an
+``InternalError``, a torch exception escaping, or a wrong value fails. The refusals (FFT, some linalg helpers,
+the ``*_copy`` view ops, ...) are the op facts still missing; ``vmap(grad)`` computes most of them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+
+import compiled_psg as psg
+
+B = 3
+
+
+def _key(op) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+OPS = [op for op in op_db if op.supports_autograd and torch.float64 in op.supported_dtypes("cpu")]
+
+
+def _floating(out) -> list[torch.Tensor]:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point() and o.layout == torch.strided]
+
+
+def _pose(op):
+    """``(loss, X, P)`` for the op's first sample input that keeps a leading batch apart, or None."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        samples = list(op.sample_inputs("cpu", torch.float64, requires_grad=False))
+    for sample in samples:
+        x = sample.input
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float64 or x.dim() < 1 or x.numel() == 0 \
+                or x.layout != torch.strided:
+            continue
+        g = torch.Generator().manual_seed(0)
+        batch = x.unsqueeze(0) + 0.1 * torch.randn((B, *x.shape), generator=g, dtype=torch.float64)
+        p = torch.nn.Parameter(1 + 0.1 * torch.randn(x.shape, generator=g, dtype=torch.float64))
+
+        def outputs(inp, sample=sample):
+            return _floating(op(inp, *sample.args, **sample.kwargs))
+
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                together = outputs(batch * p)
+                alone = [outputs(batch[i] * p) for i in range(B)]
+        except Exception:  # noqa: BLE001 - this sample does not take a leading batch dimension
+            continue
+        if not together or any(len(a) != len(together) for a in alone):
+            continue
+        if not all(t.shape[:1] == (B,) and all(alone[i][k].shape == t.shape[1:] and torch.allclose(
+                t[i], alone[i][k], rtol=1e-9, atol=1e-9, equal_nan=True) for i in range(B))
+                for k, t in enumerate(together)):
+            continue
+        weights = [torch.randn(t.shape[1:], generator=g, dtype=torch.float64) for t in together]
+
+        def loss(inp, p=p, outputs=outputs, weights=weights):
+            return sum((o * w).sum() for o, w in zip(outputs(inp * p), weights, strict=True))
+
+        return loss, batch, p
+    return None
+
+
+@pytest.mark.parametrize("op", OPS, ids=_key)
+def test_op_is_exact_or_refused_by_name(op):
+    posed = _pose(op)
+    if posed is None:
+        pytest.skip("no sample input keeps a leading batch dimension apart")
+    loss, batch, p = posed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the op's own warnings (deprecations) on the eager reference
+        try:
+            want = torch.stack([torch.autograd.grad(loss(batch[i:i + 1]), p)[0] for i in range(B)])
+        except RuntimeError as e:
+            pytest.skip(f"the loop reference fails: {e}")
+    try:
+        got = psg.per_sample({"p": p}, backend="eager")(loss)(batch)["p"]
+    except psg.InternalError:
+        raise
+    except psg.PerSampleError as e:
+        if isinstance(e, psg.UnsupportedError | psg.SampleMixingError):  # names the op (or its aten form)
+            assert "aten." in str(e) or op.name.split(".")[-1] in str(e), f"a refusal must name the op: {e}"
+        return
+    scale = float(want.abs().nan_to_num().max().clamp_min(1))
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9 * scale, equal_nan=True)
+
