@@ -510,7 +510,7 @@ def _moved(fact: Fact, mapping: Callable[[int], int | None], op: str) -> Fact:
 @_handles(ops.DIM_OPS)
 def _dim_op(an: Analysis, node: fx.Node) -> Fact:
     target = node.target
-    name = target.overloadpacket.__name__
+    name = target.overloadpacket.__name__.removesuffix("_copy")  # a view's functional copy: the view's rule
     if name in ("cat", "stack"):
         return _cat(an, node, name == "stack")
     if name in ("slice_scatter", "select_scatter"):
@@ -813,6 +813,55 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
             raise _unknown(_op_name(node), " (an output with the batch outside its leading dimension)")
         found.append(PerSample(0, layout) if dims else SHARED)
     return tuple(found) if isinstance(out, (tuple, list)) else found[0]
+
+
+@_handles(ops.OVER_DIMS)
+def _over_dims(an: Analysis, node: fx.Node) -> Fact:
+    """FFTs over ``dim`` and ``rot90`` over ``dims``: each slice along the other dimensions on its own, the output
+    as many dimensions as the input."""
+    kw = _kwargs(node)
+    x = node.args[0]
+    fact = an.fact(x)
+    _no_sample_index([fact])
+    if not isinstance(fact, PerSample):
+        return fact
+    rank = _rank(x)
+    dims = {_norm_dim(d, rank) for d in _as_list(kw[ops.OVER_DIMS[node.target]])}
+    if _norm_dim(fact.dim, rank) in dims:
+        raise _mix("it transforms along the dimension that holds the batch", _FIX_DIM)
+    return fact
+
+
+@_handles(ops._overloads("view_as_real", "view_as_complex"))
+def _complex_view(an: Analysis, node: fx.Node) -> Fact:
+    """``view_as_real`` appends a dimension of 2 (real, imaginary) and ``view_as_complex`` removes it: every other
+    dimension stays where it is."""
+    x = node.args[0]
+    fact = an.fact(x)
+    _no_sample_index([fact])
+    if isinstance(fact, PerSample) and node.target.overloadpacket.__name__ == "view_as_complex" \
+            and _norm_dim(fact.dim, _rank(x)) == _rank(x) - 1:
+        raise _mix("it pairs the entries of the dimension that holds the batch as real and imaginary parts", _FIX_DIM)
+    return fact if not isinstance(fact, PerSample) else PerSample(_norm_dim(fact.dim, _rank(x)), fact.layout)
+
+
+@_handles(ops._overloads("diag_embed"))
+def _diag_embed(an: Analysis, node: fx.Node) -> Fact:
+    """``diag_embed(x, offset, dim1, dim2)``: the last dimension of ``x`` becomes a diagonal on ``(dim1, dim2)`` of
+    an output one dimension larger; the other dimensions keep their order."""
+    kw = _kwargs(node)
+    x = node.args[0]
+    fact = an.fact(x)
+    _no_sample_index([fact])
+    if not isinstance(fact, PerSample):
+        return fact
+    rank = _rank(x)
+    d = _norm_dim(fact.dim, rank)
+    if d == rank - 1:
+        raise _mix("it spreads the dimension that holds the batch over a diagonal", _FIX_DIM)
+    diagonal = {_norm_dim(kw.get("dim1", -2), rank + 1), _norm_dim(kw.get("dim2", -1), rank + 1)}
+    kept = [e for e in range(rank + 1) if e not in diagonal]
+    return PerSample(kept[d], fact.layout)
 
 
 @_handles(ops._overloads("diagonal_scatter"))

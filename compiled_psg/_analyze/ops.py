@@ -47,11 +47,11 @@ ELEMENTWISE = _overloads(
     "bernoulli.p", "bernoulli", "hardsigmoid_backward", "hardswish_backward", "rrelu_with_noise",
     "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "gelu_backward", "silu_backward",
     "native_dropout_backward", "threshold_backward", "mish_backward", "_conj", "lift_fresh_copy",
-    "hardswish", "rsub.Tensor", "rsub.Scalar", "softshrink_backward", "hardshrink_backward",
+    "hardswish", "rsub.Tensor", "rsub.Scalar", "softshrink_backward", "hardshrink_backward", "zero",
 )
 
 IDENTITY = _overloads("clone", "alias", "detach", "contiguous", "_to_copy", "lift_fresh_copy", "view_as",
-                      "_assert_tensor_metadata")
+                      "_assert_tensor_metadata", "alias_copy", "detach_copy")
 VIEWS = _overloads("view", "_unsafe_view", "reshape", "view_copy")
 
 # Ops that move, drop, tile or slice whole dimensions; each has its own handler in mixing.py.
@@ -60,7 +60,15 @@ DIM_OPS = _overloads(
     "slice.Tensor", "narrow", "flip", "roll", "repeat", "split.Tensor", "split_with_sizes", "unbind.int",
     "chunk", "unsafe_split.Tensor", "unsafe_split_with_sizes", "unsafe_chunk", "diagonal", "unfold",
     "cat", "stack", "constant_pad_nd", "slice_scatter", "select_scatter", "one_hot", "tensor_split.sections",
+    # the functional copies of views (``*_copy``): the same handlers as the views
+    "t_copy", "transpose_copy.int", "permute_copy", "unsqueeze_copy", "squeeze_copy.dim", "squeeze_copy.dims",
+    "squeeze_copy", "expand_copy", "select_copy.int", "slice_copy.Tensor", "narrow_copy", "split_copy.Tensor",
+    "split_with_sizes_copy", "unbind_copy.int", "diagonal_copy", "unfold_copy",
 )
+
+# Ops over some dimensions, given by an argument, that keep every other dimension apart: argument -> dims.
+OVER_DIMS = {op: "dim" for op in _overloads("_fft_r2c", "_fft_c2r", "_fft_c2c")} | {
+    op: "dims" for op in _overloads("rot90")}
 
 # Backward of a view that picks part of a dimension (``x[:, k]``, ``x[:, a:b]``): zeros shaped ``input_sizes`` with
 # the gradient written at the picked positions. They appear in a loss that calls ``torch.autograd.grad`` inside
