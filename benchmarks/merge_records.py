@@ -60,7 +60,7 @@ def merge(sources: list[Path], fixed: str | None = None) -> dict[str, list[dict]
         for method, record in by_method.items():
             if fixed and any(fixed in e for e in _errors(record)):
                 by_method[method] = {k: record[k] for k in ("model", "method", "label") if k in record} | {
-                    "error": f"not measured (the refusal this run met, {fixed}, is fixed)"}
+                    "error": f"not measured in this run (the code it ran refused it: {fixed})"}
     return {model: [headers[model], *records.get(model, {}).values()] for model in headers}
 
 
