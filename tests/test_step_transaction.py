@@ -39,6 +39,17 @@ def _unchanged(model, generator, snapshot) -> bool:
         generator.get_state(), state)
 
 
+def _after_one_step():
+    """``(model, generator, x, y, private)``: a Linear under make_private (C = 1), one step taken."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    gen = torch.Generator().manual_seed(1)
+    x, y = _data()
+    private = _private(model, x, y, gen, max_grad_norm=1.0)
+    private.step(x[:8], y[:8])
+    return model, gen, x, y, private
+
+
 def test_adaptive_bound_past_the_float_range_counts_the_step_and_refuses_the_next():
     """clipbound_learning_rate=1000 makes the next bound exp(1000) times the last: the step whose update was
     applied is counted (no OverflowError after the update), and the next step, whose noise would be infinite, is
@@ -100,12 +111,7 @@ def test_a_finite_max_clipbound_keeps_adaptive_clipping_going():
 
 def test_a_step_refused_under_autocast_counts_nothing():
     """The refusal comes before anything is released: the accountant must not count the previous step again."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    gen = torch.Generator().manual_seed(1)
-    x, y = _data()
-    private = _private(model, x, y, gen, max_grad_norm=1.0)
-    private.step(x[:8], y[:8])
+    model, gen, x, y, private = _after_one_step()
     history = list(private.accountant.history)
     snapshot = _snapshot(model, gen)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(DPConfigError, match="autocast"):
@@ -251,12 +257,7 @@ def test_a_step_failing_after_its_update_restores_everything_and_counts_nothing(
 
 def test_an_accounted_run_counts_no_failed_step(monkeypatch):
     """PrivateTraining: the accountant's history holds the completed steps only."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    gen = torch.Generator().manual_seed(1)
-    x, y = _data()
-    private = _private(model, x, y, gen, max_grad_norm=1.0)
-    private.step(x[:8], y[:8])
+    model, gen, x, y, private = _after_one_step()
     _fail_after_update(monkeypatch, CompiledGraph, "run")  # the fused program has updated the parameters
     snapshot = _snapshot(model, gen)
     with pytest.raises(_Failing):

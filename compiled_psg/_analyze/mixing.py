@@ -815,14 +815,20 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
     return tuple(found) if isinstance(out, (tuple, list)) else found[0]
 
 
+def _first_input(an: Analysis, node: fx.Node) -> tuple[fx.Node, Fact]:
+    """The op's first argument and its fact, which must not be a sample's position in the batch."""
+    x = node.args[0]
+    fact = an.fact(x)
+    _no_sample_index([fact])
+    return x, fact
+
+
 @_handles(ops.OVER_DIMS)
 def _over_dims(an: Analysis, node: fx.Node) -> Fact:
     """FFTs over ``dim`` and ``rot90`` over ``dims``: each slice along the other dimensions on its own, the output
     as many dimensions as the input."""
     kw = _kwargs(node)
-    x = node.args[0]
-    fact = an.fact(x)
-    _no_sample_index([fact])
+    x, fact = _first_input(an, node)
     if not isinstance(fact, PerSample):
         return fact
     rank = _rank(x)
@@ -836,9 +842,7 @@ def _over_dims(an: Analysis, node: fx.Node) -> Fact:
 def _complex_view(an: Analysis, node: fx.Node) -> Fact:
     """``view_as_real`` appends a dimension of 2 (real, imaginary) and ``view_as_complex`` removes it: every other
     dimension stays where it is."""
-    x = node.args[0]
-    fact = an.fact(x)
-    _no_sample_index([fact])
+    x, fact = _first_input(an, node)
     if isinstance(fact, PerSample) and node.target.overloadpacket.__name__ == "view_as_complex" \
             and _norm_dim(fact.dim, _rank(x)) == _rank(x) - 1:
         raise _mix("it pairs the entries of the dimension that holds the batch as real and imaginary parts", _FIX_DIM)
@@ -850,9 +854,7 @@ def _diag_embed(an: Analysis, node: fx.Node) -> Fact:
     """``diag_embed(x, offset, dim1, dim2)``: the last dimension of ``x`` becomes a diagonal on ``(dim1, dim2)`` of
     an output one dimension larger; the other dimensions keep their order."""
     kw = _kwargs(node)
-    x = node.args[0]
-    fact = an.fact(x)
-    _no_sample_index([fact])
+    x, fact = _first_input(an, node)
     if not isinstance(fact, PerSample):
         return fact
     rank = _rank(x)

@@ -440,30 +440,6 @@ def _label(real_inputs, params: dict[str, torch.Tensor], args: tuple, batched: s
     return roles, constants
 
 
-@contextlib.contextmanager
-def _mkldnn_disabled():
-    """Only the ``enabled`` flag: ``torch.backends.mkldnn.flags`` also sets a deprecated TF32 flag (a warning)."""
-    before = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._set_mkldnn_enabled(before)
-
-
-@contextlib.contextmanager
-def _opt_einsum_disabled():
-    """``torch.backends.opt_einsum.flags`` restores ``strategy`` through a setter that raises while disabled;
-    set and restore the module attribute alone."""
-    module = torch.backends.opt_einsum
-    before = module.enabled
-    module.enabled = False
-    try:
-        yield
-    finally:
-        module.enabled = before
-
-
 def _note_stand_in(ctx) -> None:
     """Runs while Dynamo traces a stand-in (a no-op in eager calls): the capture's guards will need it."""
     _pending["stand_ins"] = True
@@ -562,13 +538,18 @@ patches.register(patches.Patch(
 patches.register(patches.Patch(
     "mkldnn off", "torch._C._set_mkldnn_enabled", "float32 RNNs would become mkldnn_rnn_layer ops whose backward "
     "does not trace", ("capture",), "process-wide flag: another thread's eager RNN in that window runs the "
-    "native kernel (same values)", "the flag restored on exit", enter=_mkldnn_disabled,
+    "native kernel (same values)", "the flag restored on exit",
+    enter=patches.flag_set(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled, False),
     current=lambda: (torch._C._get_mkldnn_enabled(),)))
 patches.register(patches.Patch(
     "opt_einsum off", "torch.backends.opt_einsum.enabled", "opt_einsum plans contractions from concrete sizes, "
     "which would fix the batch size", ("capture",), "process-wide flag: another thread's eager einsum in that "
     "window uses the default contraction order (same values)", "the attribute restored on exit",
-    enter=_opt_einsum_disabled, current=lambda: (torch.backends.opt_einsum.enabled,)))
+    # the module attribute alone: torch.backends.opt_einsum.flags restores ``strategy`` through a setter that
+    # raises while disabled (torch.backends.mkldnn.flags likewise sets a deprecated TF32 flag: a warning)
+    enter=patches.flag_set(lambda: torch.backends.opt_einsum.enabled,
+                           lambda v: setattr(torch.backends.opt_einsum, "enabled", v), False),
+    current=lambda: (torch.backends.opt_einsum.enabled,)))
 patches.register(patches.Patch(
     "stand-ins", "torch.nn.modules.transformer._detect_is_causal_mask, torch.nn.functional.linear_cross_entropy",
     "the first reads the mask's values (a data-dependent guard); the second's chunked path is opaque to "

@@ -54,6 +54,20 @@ class Patch:
 REGISTRY: dict[str, Patch] = {}
 
 
+def flag_set(read: Callable[[], object], write: Callable[[object], object], value: object):
+    """An ``enter`` for a flag of torch: ``write(value)`` while in force, the value ``read`` found restored on any
+    exit."""
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        before = read()
+        write(value)
+        try:
+            yield
+        finally:
+            write(before)
+    return enter
+
+
 def register(patch: Patch) -> Patch:
     """Add ``patch`` to the table (once per name: a module imported twice re-registers the same entry)."""
     REGISTRY[patch.name] = patch

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -43,23 +41,14 @@ def _(gs, xs, weight_shape, stride, padding, dilation, transposed, output_paddin
     return gs.new_empty([gs.shape[0]] + list(weight_shape))
 
 
-@contextlib.contextmanager
-def _cublas_tf32() -> Iterator[None]:
-    previous = torch._C._get_cublas_allow_tf32()
-    torch._C._set_cublas_allow_tf32(True)
-    try:
-        yield
-    finally:
-        torch._C._set_cublas_allow_tf32(previous)
-
-
 patches.register(patches.Patch(
     "conv GEMM in the convolution's precision", "torch.backends.cuda.matmul.allow_tf32",
     "the per-sample Conv2d weight GEMM on CUDA rounds as the cuDNN convolution it replaces does "
     "(torch.backends.cudnn.allow_tf32, on by default): TF32 tensor cores instead of float32 CUDA cores",
     ("kernel",), "every thread, for the duration of one per-sample conv GEMM (a float32 matmul of another thread "
     "in that window may round in TF32); only while cudnn.allow_tf32 is on and cuBLAS TF32 is off",
-    "restored to the value read before the GEMM, on any exit", enter=_cublas_tf32,
+    "restored to the value read before the GEMM, on any exit",
+    enter=patches.flag_set(torch._C._get_cublas_allow_tf32, torch._C._set_cublas_allow_tf32, True),
     current=lambda: (torch._C._get_cublas_allow_tf32(),)))
 
 
