@@ -48,11 +48,12 @@ METHOD_LABELS = {  # set up in this order: past the deadline the last ones are s
     "plain": "plain SGD step, eager",
     "psg": "compiled_psg compile_step DP step",
     "psg_bounded": "compiled_psg compile_step DP step, memory_budget=0",
+    "psg_nocopy": "compiled_psg compile_step DP step, transactional=False",
     "plain_compile": "plain SGD step, torch.compile",
     "opacus_ghost": "Opacus 1.6 DP step, ghost clipping",
     "vmap_dp": "torch.compile(vmap(grad)) + clip DP step",
 }
-DP_METHODS = ("psg", "psg_bounded", "opacus_ghost", "vmap_dp")
+DP_METHODS = ("psg", "psg_bounded", "psg_nocopy", "opacus_ghost", "vmap_dp")
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -87,18 +88,24 @@ def plain_compile(model, criterion):
     return run
 
 
-def psg(model, criterion, memory_budget=None):
+def psg(model, criterion, memory_budget=None, transactional=True):
     import compiled_psg as psg_lib
 
     opt = torch.optim.SGD([p for _, p in _trainable(model)], lr=LR)
     return psg_lib.compile_step(lambda x, y: criterion(model(x), y), model, opt, max_grad_norm=MAX_NORM,
                                 noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=None,
-                                memory_budget=memory_budget)
+                                memory_budget=memory_budget, transactional=transactional)
 
 
 def psg_bounded(model, criterion):
     """The memory-bounded plan: no per-sample value held across the program."""
     return psg(model, criterion, memory_budget=0)
+
+
+def psg_nocopy(model, criterion):
+    """The DP step without its transaction: no copy of the parameters, optimizer state and buffers per step
+    (what ``transactional=True``, the default, costs is the difference to ``psg``)."""
+    return psg(model, criterion, transactional=False)
 
 
 def opacus_ghost(model, criterion, batch):
@@ -152,7 +159,7 @@ def _setup(method: str, model, criterion, batch) -> Callable:
     if method == "opacus_ghost":
         return opacus_ghost(model, criterion, batch)
     return {"plain": plain, "plain_compile": plain_compile, "psg": psg, "psg_bounded": psg_bounded,
-            "vmap_dp": vmap_dp}[method](model, criterion)
+            "psg_nocopy": psg_nocopy, "vmap_dp": vmap_dp}[method](model, criterion)
 
 
 # -- one model's process ---------------------------------------------------------------------------
@@ -266,7 +273,7 @@ def worker(name: str, methods: list[str], device: str, out: Path, reps: int, dea
                 rec["peak_error"] = short_error(e)
                 dev.release()
         if profile:
-            profiled = ("psg", "psg_bounded", "plain_compile", "plain")
+            profiled = ("psg", "psg_bounded", "psg_nocopy", "plain_compile", "plain")
             _profile(name, {m: runs[m] for m in profiled if m in runs}, batch, out, dev)
     for rec in records.values():
         emit(rec)
@@ -279,34 +286,90 @@ def _profile(name: str, runs: dict, batch: tuple, out: Path, dev: Device, steps:
     tables, kernels = [f"{dev.name()}, torch {torch.__version__}, {name}"], {}
     for method, run in runs.items():
         dev.sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])) as prof:
             for _ in range(steps):
                 run(*batch)
             dev.sync()
         averages = prof.key_averages()
         rows = []
-        for ev in averages:
-            us = getattr(ev, "self_device_time_total", 0) or 0
-            if us and ev.device_type == torch.autograd.DeviceType.CUDA:
+        for ev in averages:  # CUDA: the kernels; CPU: the ops' own time (an op's children not counted)
+            us = (getattr(ev, "self_device_time_total", 0) if dev.cuda else ev.self_cpu_time_total) or 0
+            kind = torch.autograd.DeviceType.CUDA if dev.cuda else torch.autograd.DeviceType.CPU
+            if us and ev.device_type == kind:
                 rows.append({"name": ev.key, "launches_per_step": ev.count / steps, "us_per_step": us / steps})
         kernels[method] = sorted(rows, key=lambda r: -r["us_per_step"])
         try:
-            table = averages.table(sort_by="self_cuda_time_total", row_limit=50, max_name_column_width=100)
+            table = averages.table(sort_by="self_cuda_time_total" if dev.cuda else "self_cpu_time_total",
+                                   row_limit=50, max_name_column_width=100)
         except Exception as e:
             table = f"(table: {e})"
         tables += [f"\n===== {method} ({steps} steps) =====", table]
     (out / f"profile_{name}.txt").write_text("\n".join(tables))
     (out / f"kernels_{name}.json").write_text(json.dumps({"device": dev.name(), "torch": torch.__version__,
                                                           "steps": kernels}, indent=1))
-    if dev.cuda:
-        peaks = {}
-        for method, run in runs.items():
-            try:
-                peaks[method] = memory_at_peak(run, batch)
-            except Exception as e:  # a breakdown is an extra: its failure must not lose the tables above
-                peaks[method] = {"error": short_error(e)}
-        (out / f"memory_{name}.json").write_text(json.dumps({"device": dev.name(), "torch": torch.__version__,
-                                                             "methods": peaks}, indent=1))
+    peaks = {}
+    for method, run in runs.items():
+        try:
+            peaks[method] = memory_at_peak(run, batch) if dev.cuda else cpu_memory_at_peak(run, batch)
+        except Exception as e:  # a breakdown is an extra: its failure must not lose the tables above
+            peaks[method] = {"error": short_error(e)}
+    (out / f"memory_{name}.json").write_text(json.dumps({"device": dev.name(), "torch": torch.__version__,
+                                                         "methods": peaks}, indent=1))
+
+
+def cpu_memory_at_peak(run: Callable, batch: tuple, top: int = 30) -> dict:
+    """What one CPU step holds at its peak: ``torch.profiler``'s allocation events over the step replayed (the
+    blocks allocated during the step only), and the blocks live when their total is largest, grouped by the op
+    that allocated them, their size and the nearest Python function."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+        run(*batch)
+    allocations = []
+
+    def walk(node) -> None:
+        if node.tag == _EventType.Allocation:
+            allocations.append(node)
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    allocations.sort(key=lambda n: n.start_time_ns)
+
+    def site(node) -> str:
+        op = python = None
+        parent = node.parent
+        while parent is not None and python is None:
+            if parent.tag == _EventType.TorchOp and op is None:
+                op = parent.name
+            elif parent.tag == _EventType.PyCall:
+                python = parent.name
+            parent = parent.parent
+        # Inductor's CPU code allocates its buffers without an op (``empty_strided_cpu``): the size tells them apart
+        return f"{op or '(no op)'}, {node.extra_fields.alloc_size / 2**20:.1f} MiB blocks, in {python or '?'}"
+
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for node in allocations:
+        fields = node.extra_fields
+        if fields.alloc_size > 0:
+            live[fields.ptr] = (fields.alloc_size, site(node))
+            total += fields.alloc_size
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif fields.ptr in live:
+            total -= live.pop(fields.ptr)[0]
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        entry = groups.setdefault(where, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"peak_bytes_allocated_in_step": peak, "live_blocks": len(at_peak),
+            "by_site": [{"bytes": b, "blocks": n, "site": where} for where, (b, n) in rows]}
 
 
 def memory_at_peak(run: Callable, batch: tuple, top: int = 30) -> dict:

@@ -274,3 +274,24 @@ def test_scale_ratios_take_the_faster_plain_step_and_the_lower_peak(tmp_path):
     assert r["opacus_ghost"] == pytest.approx(0.4) and r["vmap_dp"] is None
     text = report(tmp_path)
     assert "FAIL (1.50)" in text and "PASS (0.40)" in text and "unsupported: RuntimeError: x" in text
+
+
+def test_cpu_memory_at_peak_names_what_a_step_holds():
+    """``benchmarks.scale.cpu_memory_at_peak``: the blocks live at a CPU step's peak, grouped by the op that
+    allocated them. A step that holds a 4 MiB product while it allocates a 1 MiB sum peaks at both, and each is
+    named by its op."""
+    import torch
+
+    from benchmarks.scale import cpu_memory_at_peak
+
+    a = torch.randn(1024, 1024)
+
+    def step():
+        big = a * 2  # 4 MiB, live until the sum below is taken
+        return big.sum(0, keepdim=True).expand(256, 1024).contiguous().sum()  # 1 MiB while `big` lives
+
+    found = cpu_memory_at_peak(step, ())
+    by_op = {row["site"].split(", in ")[0]: row["bytes"] for row in found["by_site"]}
+    assert by_op.get("aten::mul, 4.0 MiB blocks") == 4 * 2**20, found
+    assert by_op.get("aten::empty, 1.0 MiB blocks") == 2**20, found
+    assert found["peak_bytes_allocated_in_step"] >= 5 * 2**20

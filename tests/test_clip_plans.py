@@ -155,3 +155,92 @@ def test_norms_alone_are_not_inflated():
     assert _choices(fn, x)["weight"]["sq_norm"] == "materialize"
     ref = reference_per_sample(lambda x: lin(x).square().sum(), dict(lin.named_parameters()), (x,))["weight"]
     torch.testing.assert_close(got, ref.flatten(1).norm(dim=1), rtol=1e-13, atol=0)
+
+
+CONVS = {  # (module, input shape without the batch)
+    "3x3": (lambda: nn.Conv2d(3, 4, 3), (3, 6, 6)),
+    "stride_pad_dilation": (lambda: nn.Conv2d(2, 5, (3, 2), stride=(2, 1), padding=(2, 1), dilation=(2, 1)),
+                            (2, 9, 7)),
+    "1x1_no_bias": (lambda: nn.Conv2d(4, 3, 1, bias=False), (4, 3, 5)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("plan", ["ghost", "materialize, bounded"])
+@pytest.mark.parametrize("conv", CONVS)
+def test_a_conv_weight_takes_the_ghost_and_bounded_plans_on_the_cpu(conv, plan, dtype):
+    """On the CPU a Conv2d weight's book-keeping sum rounds as a GEMM over the patches would, so its clip norm may
+    be the ghost norm (from the output gradient and the patches, never forming the per-sample gradients) or the
+    bounded norm (each per-sample gradient freed after its norm); both match the loop."""
+    make, shape = CONVS[conv]
+    torch.manual_seed(0)
+    net = nn.Sequential(make(), nn.Tanh(), nn.Flatten()).to(dtype)
+    x = torch.randn(5, *shape, dtype=dtype)
+
+    def loss(x):
+        return net(x).square().sum() * 3
+
+    with strategies.preferred("clip_sq_norm", plan):
+        fn = psg.per_sample(net, backend="eager", reduce=psg.clip_sum(0.5, return_norms=True))(loss)
+        got, norms = fn(x)
+        chosen = _choices(fn, x)["0.weight"]
+    assert chosen["sq_norm"] == plan and chosen["weighted_sum"].startswith("book-keeping"), chosen
+    want, want_norms = ref_clip_sum(reference_per_sample(loss, dict(net.named_parameters()), (x,)), 0.5,
+                                    return_norms=True)
+    assert (want_norms > 0.5).all(), "every sample is clipped: a wrong norm shows in the sums"
+    tol = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-6)
+    torch.testing.assert_close(norms, want_norms, **tol)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("conv", CONVS)
+def test_conv_token_norms_are_the_norms_of_the_patches(conv):
+    """``conv2d_token_norms`` (a convolution of the summed squares with a kernel of ones) equals the norms of the
+    unfolded patches and of the output gradient's columns, position by position."""
+    from compiled_psg._rewrite.rules.conv import conv2d_token_norms
+
+    make, shape = CONVS[conv]
+    c = make().double()
+    torch.manual_seed(1)
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    g = torch.randn_like(c(x))
+    a, xn = conv2d_token_norms(g.unsqueeze(1), x.unsqueeze(1), c.kernel_size, list(c.stride), list(c.padding),
+                               list(c.dilation))
+    patches = torch.nn.functional.unfold(x, c.kernel_size, c.dilation, c.padding, c.stride)  # [n, c*kh*kw, t]
+    torch.testing.assert_close(xn, patches.norm(dim=1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a, g.flatten(2).norm(dim=1), rtol=1e-12, atol=0)
+
+
+def test_a_conv_bounded_norm_bounds_the_book_keeping_sum_under_cancellation():
+    """The Linear cancellation case above as a 1x1 convolution: two positions with near-repeated inputs and
+    opposite output gradients, where the float32 book-keeping sum rounds the terms otherwise than the
+    materialized norm did; the bound covers both."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 4, 1, bias=False)
+    base = torch.randn(4, 8, 1, 1) * 1e7
+    x = torch.cat([base + torch.randn(4, 8, 1, 1), base], 3)  # [4, 8, 1, 2]
+    v1 = torch.randn(4, 4, 1, 1) * 1e3
+    v = torch.cat([v1, -v1], 3)
+    with strategies.preferred("clip_sq_norm", "materialize, bounded"):
+        fn = psg.per_sample(conv, backend="eager", reduce=psg.clip_sum(1.0))(lambda x, v: (conv(x) * v).sum())
+        worst = max(fn(x[k:k + 1].repeat(2, 1, 1, 1), v[k:k + 1].repeat(2, 1, 1, 1))["weight"].double().norm().item()
+                    / 2 for k in range(4))
+        assert _choices(fn, x, v)["weight"]["sq_norm"] == "materialize, bounded"
+    assert worst <= 1.0 + 1e-5
+
+
+def test_the_conv_ghost_norm_takes_the_samples_a_chunk_at_a_time(monkeypatch):
+    """``conv2d_ghost_sq_norms`` forms the patches and Grams for a chunk of samples at a time: one sample per chunk
+    gives the norms of the whole batch at once."""
+    from compiled_psg._rewrite.rules import conv as conv_rule
+
+    torch.manual_seed(2)
+    gs, xs = torch.randn(5, 1, 4, 3, 3, dtype=torch.float64), torch.randn(5, 1, 2, 5, 5, dtype=torch.float64)
+    args = (gs, xs, [4, 2, 3, 3], [1, 1], [0, 0], [1, 1])
+    whole = conv_rule.conv2d_ghost_sq_norms(*args)
+    monkeypatch.setattr(conv_rule, "GHOST_CHUNK_BYTES", 1)
+    torch.testing.assert_close(conv_rule.conv2d_ghost_sq_norms(*args), whole, rtol=1e-14, atol=0)
+    per_sample = torch.stack([torch.autograd.grad((torch.nn.functional.conv2d(xs[i], w := torch.zeros(
+        4, 2, 3, 3, dtype=torch.float64, requires_grad=True)) * gs[i]).sum(), w)[0] for i in range(5)])
+    torch.testing.assert_close(whole, per_sample.flatten(1).pow(2).sum(1), rtol=1e-10, atol=0)

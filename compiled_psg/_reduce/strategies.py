@@ -369,7 +369,8 @@ def _clip_sq_norm_materialize(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
 
 def _clip_bounded_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     c = ctx.single_isometric(p)
-    if c is None or c.factors is None or c.factor_shape is None or c.factor_shape[0] == 1:
+    if c is None or (c.factors is None and c.token_norms is None) or c.factor_shape is None \
+            or c.factor_shape[0] == 1:
         return None
     if c.node.meta["val"].dtype not in (torch.float32, torch.float64) or rounds_in_tf32(c):
         return None  # bfloat16/float16: (2t + 2) eps is several times the norm itself (ghost, in float32, fits)
@@ -388,7 +389,8 @@ def _clip_sq_norm_bounded(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
     and the clipped sum by book-keeping (``SUM_AFTER``)."""
     c = ctx.single_isometric(p)
     sq = _sq_norm_materialize(ctx, p)
-    return ctx.emit(lambda s, *v: bounded_materialized_sq_norms(s, *c.factors(*v)), [sq, *c.inputs],
+    eps = torch.finfo(c.node.meta["val"].dtype).eps
+    return ctx.emit(lambda s, *v: bounded_materialized_sq_norms(s, *c.row_norms(*v), eps), [sq, *c.inputs],
                     f"bounded_norm[{c.rule}]")
 
 

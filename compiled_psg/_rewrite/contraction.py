@@ -41,7 +41,18 @@ class Contraction:
     factors: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     factor_shape: tuple[int, int, int] | None = None  # (t, o, i) sizes of the factors, for the cost model
     sq_norms: Callable[..., torch.Tensor] | None = None  # (*inputs) -> [n], when cheaper than materializing
+    # (*inputs) -> ([n, t], [n, t]): the norms of the factors' rows ||A[n, t]||, ||X[n, t]||, where the factors
+    # are too big to form (a convolution's patches) but a book-keeping sum rounds as they would
+    token_norms: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     notes: dict = field(default_factory=dict)
+
+    def row_norms(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(||A[n, t]||, ||X[n, t]||)``, each ``[n, t]``: from ``token_norms``, else from the factors."""
+        if self.token_norms is not None:
+            return self.token_norms(*inputs)
+        a, x = self.factors(*inputs)
+        dtype = _norm_dtype(a.dtype)
+        return a.to(dtype).norm(dim=2), x.to(dtype).norm(dim=2)
 
     def linear_options(self) -> list[tuple[int, tuple[int, Layout]]]:
         """Every ``(arg, (dim, layout))`` that ``rebuild`` is linear in, ``linear_arg`` first."""
@@ -98,7 +109,8 @@ def certified_sq_norms(sq: torch.Tensor, scale: torch.Tensor, dot_length: int, t
     return norm.square().to(dtype)
 
 
-def bounded_materialized_sq_norms(sq: torch.Tensor, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def bounded_materialized_sq_norms(sq: torch.Tensor, a_norms: torch.Tensor, x_norms: torch.Tensor,
+                                  eps: float) -> torch.Tensor:
     """An upper bound of the squared norm of each sample's contribution to a book-keeping sum, from the squared
     norm ``sq`` of the materialized ``fl(A[n]^T X[n])`` (t > 1).
 
@@ -109,10 +121,12 @@ def bounded_materialized_sq_norms(sq: torch.Tensor, a: torch.Tensor, x: torch.Te
     ||x_t||``. So ``sqrt(sq) + (2 t + 2) eps sqrt(scale)`` bounds the contribution summed; the roundings of the
     norm itself are covered by the slack of ``eps = 2u`` over Higham's ``gamma_t`` and ``gamma_{t+2}``. On ordinary
     data that adds a relative ``~2 t eps sqrt(t)`` (float32: ~1e-4 at t = 64), as the ghost norm's bound does.
-    Like the ghost norm's certificate, it assumes matmuls round in the inputs' precision (no TF32)."""
-    t, dtype = a.shape[1], _norm_dtype(sq.dtype)
-    root_scale = (a.to(dtype).norm(dim=2) * x.to(dtype).norm(dim=2)).sum(1)
-    eps = torch.finfo(a.dtype).eps
+    Like the ghost norm's certificate, it assumes matmuls round in the inputs' precision (no TF32).
+
+    ``a_norms [n, t]`` and ``x_norms [n, t]`` are the norms of the factors' rows ``||a_t||`` and ``||x_t||``
+    (``Contraction.row_norms``), ``eps`` the machine epsilon of the factors' dtype."""
+    t, dtype = a_norms.shape[1], _norm_dtype(sq.dtype)
+    root_scale = (a_norms.to(dtype) * x_norms.to(dtype)).sum(1)
     return (sq.to(dtype).clamp_min(0).sqrt() + (2 * t + 2) * eps * root_scale).square()
 
 

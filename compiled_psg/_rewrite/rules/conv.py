@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
 from ..._capture import patches
-from ..contraction import Contraction
+from ..contraction import Contraction, factored_sq_norms
 from ..registry import contraction_rule
 
 ATEN = torch.ops.aten
@@ -93,6 +93,48 @@ def _(gs, xs, weight_shape, stride, padding, dilation):
     return gs.new_empty([gs.shape[0], *weight_shape])
 
 
+def _conv2d_factors(gs: torch.Tensor, xs: torch.Tensor, kernel: tuple[int, int], stride: list[int],
+                    padding: list[int], dilation: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors of per-sample Conv2d weight gradients ``ps[n] = A[n]^T X[n]``: the output gradient ``A [n, t, o]``
+    and the input's patches ``X [n, t, c*kh*kw]`` over the t = r*h'*w' output positions."""
+    n, r, o, c = gs.shape[0], gs.shape[1], gs.shape[2], xs.shape[2]
+    cols = F.unfold(xs.reshape(n * r, c, xs.shape[3], xs.shape[4]), kernel, dilation, padding, stride)
+    positions = cols.shape[-1]
+    a = gs.reshape(n, r, o, positions).permute(0, 1, 3, 2).reshape(n, r * positions, o)
+    x = cols.view(n, r, -1, positions).permute(0, 1, 3, 2).reshape(n, r * positions, -1)
+    return a, x
+
+
+# float64 bytes of one chunk's factors and Gram matrices in ``conv2d_ghost_sq_norms``: the samples are taken a
+# chunk at a time so that the patches (kh*kw times the input) and the t x t Grams never exist for the whole batch
+GHOST_CHUNK_BYTES = 64 * 2**20
+
+
+@torch.library.custom_op("compiled_psg::conv2d_ghost_sq_norms", mutates_args=())
+def conv2d_ghost_sq_norms(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], stride: list[int],
+                          padding: list[int], dilation: list[int]) -> torch.Tensor:
+    """Certified squared norms of per-sample Conv2d weight gradients (``groups = 1``, not transposed) from their
+    factors, without forming the gradients: ``<A A^T, X X^T>`` in float64 (``factored_sq_norms``), with A the
+    output gradient and X the input's patches at the t output positions. Cheaper than materializing where
+    ``t^2 (o + c*kh*kw) < t*o*c*kh*kw``: the late, small-spatial layers of a ResNet.
+
+    Opaque to the compiler, as ``conv2d_weight_gemm`` (``F.unfold`` fixes the batch size when traced), and it
+    takes the samples a chunk at a time (``GHOST_CHUNK_BYTES``)."""
+    n, r = gs.shape[0], gs.shape[1]
+    kernel = (weight_shape[2], weight_shape[3])
+    t = r * gs.shape[3] * gs.shape[4]
+    width = gs.shape[2] + weight_shape[1] * kernel[0] * kernel[1]
+    chunk = max(1, GHOST_CHUNK_BYTES // (8 * (2 * t * width + 2 * t * t)))
+    norms = [factored_sq_norms(*_conv2d_factors(gs[k:k + chunk], xs[k:k + chunk], kernel, stride, padding,
+                                                dilation)) for k in range(0, n, chunk)]
+    return torch.cat(norms) if norms else gs.new_empty([0], dtype=torch.promote_types(gs.dtype, torch.float32))
+
+
+@conv2d_ghost_sq_norms.register_fake
+def _(gs, xs, weight_shape, stride, padding, dilation):
+    return gs.new_empty([gs.shape[0]], dtype=torch.promote_types(gs.dtype, torch.float32))
+
+
 def gemm_form_on(device: torch.device) -> bool:
     """Whether per-sample Conv2d weight gradients take the GEMM form on ``device``: on CUDA, where cuDNN runs the
     batch-as-groups convolution group by group (``benchmarks/scale_notes.md``, resnet50_gn); elsewhere the one
@@ -155,21 +197,50 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
         return conv_weight_per_sample(gs, xs, w_shape, list(stride), list(padding), list(dilation), bool(transposed),
                                       list(output_padding), int(groups))
 
-    # (t, o, i) of the unfolded form, for the cost model. No factors, so the per-sample conv weight gradient is
-    # materialized for norms, sums of squares and Gram matrices, and a clipped sum reuses the values normed: a
-    # book-keeping sum would redo the convolution in cuDNN, which rounds in TF32 by default
-    # (torch.backends.cudnn.allow_tf32), past the float32 rounding bound of ``bounded_materialized_sq_norms``.
-    factor_shape = None
+    # (t, o, i) of the unfolded form, for the cost model. No traced factors (the patches are kh*kw times the input,
+    # and F.unfold fixes the batch size when traced), so sums of squares and Gram matrices materialize the
+    # per-sample conv weight gradient. Where a book-keeping sum rounds as a GEMM over the patches would (on the
+    # CPU, and in float64), a clip norm may instead be the ghost norm (``conv2d_ghost_sq_norms``) or free each
+    # gradient after its norm (the bounded plan, ``conv2d_token_norms``). On CUDA in float32 cuDNN rounds in TF32
+    # by default (torch.backends.cudnn.allow_tf32), past the float32 rounding bounds of both, so there a clipped
+    # sum reuses the values normed.
+    factor_shape = token_norms = sq_norms = None
     g_val = value_of(g)
     if not transposed and groups == 1 and len(w_shape) == 4 and not any(output_padding):
         positions = int(g_val.shape[2] * g_val.shape[3]) * layout[0] * layout[1]
         factor_shape = (positions, w_shape[0], w_shape[1] * w_shape[2] * w_shape[3])
+        if g_val.device.type == "cpu" or g_val.dtype == torch.float64:
+            kernel = (w_shape[2], w_shape[3])
+
+            def token_norms(g, x, w):
+                return conv2d_token_norms(split_batch(g, 0, layout), split_batch(x, 0, layout), kernel,
+                                          list(stride), list(padding), list(dilation))
+
+            def sq_norms(g, x, w):
+                return conv2d_ghost_sq_norms(split_batch(g, 0, layout), split_batch(x, 0, layout), w_shape,
+                                             list(stride), list(padding), list(dilation))
 
     return Contraction(
         rule="convolution_backward[weight]", node=node, inputs=[g, x, w], per_sample=per_sample_weight,
         linear_arg=0, linear_layout=(0, layout), rebuild=rebuild, factor_shape=factor_shape,
-        other_linear=((1, (0, layout)),),  # the weight gradient is linear in the input too
+        token_norms=token_norms, sq_norms=sq_norms, other_linear=((1, (0, layout)),),  # the weight gradient is linear in the input too
     )
+
+
+def conv2d_token_norms(gs: torch.Tensor, xs: torch.Tensor, kernel: tuple[int, int], stride: list[int],
+                       padding: list[int], dilation: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norms of the rows of a Conv2d weight gradient's factors, without forming the patches: ``[n, t]`` each,
+    t = r*h'*w' output positions, from ``gs [n, r, o, h', w']`` and ``xs [n, r, c, h, w]``.
+
+    ``||A[n, t]||`` is the output gradient's norm over channels at each position; ``||X[n, t]||``, the norm of the
+    input patch read at that position, is the square root of a convolution of the channels' summed squares with
+    a ``kh x kw`` kernel of ones (same stride, padding and dilation)."""
+    dtype = torch.promote_types(gs.dtype, torch.float32)
+    a = gs.to(dtype).pow(2).sum(2).sqrt().flatten(1)
+    squares = xs.to(dtype).pow(2).sum(2).flatten(0, 1).unsqueeze(1)  # [n*r, 1, h, w]
+    ones = squares.new_ones((1, 1, *kernel))
+    patches = F.conv2d(squares, ones, stride=stride, padding=padding, dilation=dilation)  # [n*r, 1, h', w']
+    return a, patches.clamp_min(0).sqrt().reshape(a.shape)
 
 
 @torch.library.custom_op("compiled_psg::conv_channel_batch_per_sample", mutates_args=())
