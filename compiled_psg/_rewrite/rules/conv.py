@@ -223,7 +223,8 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
     return Contraction(
         rule="convolution_backward[weight]", node=node, inputs=[g, x, w], per_sample=per_sample_weight,
         linear_arg=0, linear_layout=(0, layout), rebuild=rebuild, factor_shape=factor_shape,
-        token_norms=token_norms, sq_norms=sq_norms, other_linear=((1, (0, layout)),),  # the weight gradient is linear in the input too
+        token_norms=token_norms, sq_norms=sq_norms,
+        other_linear=((1, (0, layout)),),  # the weight gradient is linear in the input too
     )
 
 
