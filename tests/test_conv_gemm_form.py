@@ -17,7 +17,7 @@ CONV2D_CASES = ["simple_cnn", "conv2d_reflect", "conv2d_replicate", "conv2d_dept
 
 @pytest.fixture
 def gemm_form(monkeypatch):
-    monkeypatch.setattr(conv, "gemm_form_on", lambda device: True)
+    monkeypatch.setattr(conv, "gemm_form_on", lambda device, patchify=False: True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
@@ -76,3 +76,24 @@ def test_the_gemm_rounds_as_cudnn_and_restores_the_flag(monkeypatch):
     with pytest.raises(RuntimeError, match="GEMM failed"):
         conv.conv2d_weight_gemm(gs, xs, *args)
     assert seen == [True, True] and torch._C._get_cublas_allow_tf32() is before
+
+
+def test_a_patch_embedding_takes_the_gemm_form_on_the_cpu():
+    """A ViT's patch embedding (stride = kernel, no padding): its patches do not overlap, so the GEMM form takes it
+    on every device; an overlapping kernel on the CPU keeps the grouped convolution."""
+    torch.manual_seed(0)
+    for conv2d, form in ((torch.nn.Conv2d(3, 4, 4, stride=4), "conv2d_weight_gemm"),
+                         (torch.nn.Conv2d(3, 4, 4, stride=2), "conv_weight_per_sample")):
+        model = torch.nn.Sequential(conv2d, torch.nn.Flatten()).double()
+        x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+
+        def loss(x, model=model):
+            return model(x).tanh().square().sum()
+
+        fn = psg.per_sample(model, backend="eager")(loss)
+        got = fn(x)
+        for i in range(3):
+            model.zero_grad()
+            loss(x[i:i + 1]).backward()
+            torch.testing.assert_close(got["0.weight"][i], model[0].weight.grad, rtol=1e-10, atol=1e-12)
+        assert form in psg.explain(fn, x).after.code

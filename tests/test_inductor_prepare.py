@@ -75,3 +75,32 @@ def test_layout_optimization_off_only_where_per_sample_convolutions_read_nchw():
     assert settings["conv"]["layout_optimization"] is False
     assert settings["dense"]["layout_optimization"] is torch._inductor.config.layout_optimization is True
     assert settings["conv"]["emulate_precision_casts"] is settings["dense"]["emulate_precision_casts"] is False
+
+
+@pytest.mark.parametrize("reduce", ["per_sample", "clip_sum"])
+def test_a_tied_weights_scatter_adds_into_the_head_gradient(reduce):
+    """GPT-2's tied embedding and head: the per-sample gradient is the head's GEMM output plus the lookup's
+    scatter-add into zeros; for Inductor the scatter-add goes into the GEMM's output (one ``[n, v, d]`` buffer, not
+    two), and the values stay the loop's, in the graph and through Inductor."""
+    import sys
+
+    from compiled_psg._compile.prepare import for_inductor
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from zoo import BY_ID
+
+    built = BY_ID["tied_embedding_lm"].build(torch.float64)
+    (tokens,) = built.make_batch(4, torch.float64, torch.Generator().manual_seed(3))
+    reduction = None if reduce == "per_sample" else psg.clip_sum(1e-3)
+    want = reference_per_sample(built.loss, built.params(), (tokens,))
+    if reduction is not None:
+        from reference import ref_clip_sum
+        want = ref_clip_sum(want, 1e-3)
+    graph = psg.explain(psg.per_sample(built.model, reduce=reduction, backend="eager")(built.loss), tokens).after
+    folded = for_inductor(graph)
+    assert folded.meta["scatters_into_sums"] == 1
+    zeros = {torch.ops.aten.new_zeros.default, torch.ops.aten.zeros.default, torch.ops.aten.full.default}
+    assert sum(n.target in zeros for n in folded.graph.nodes) < sum(n.target in zeros for n in graph.graph.nodes)
+    got = psg.per_sample(built.model, reduce=reduction, backend="inductor")(built.loss)(tokens)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")

@@ -135,11 +135,13 @@ def _(gs, xs, weight_shape, stride, padding, dilation):
     return gs.new_empty([gs.shape[0]], dtype=torch.promote_types(gs.dtype, torch.float32))
 
 
-def gemm_form_on(device: torch.device) -> bool:
+def gemm_form_on(device: torch.device, patchify: bool = False) -> bool:
     """Whether per-sample Conv2d weight gradients take the GEMM form on ``device``: on CUDA, where cuDNN runs the
     batch-as-groups convolution group by group (``benchmarks/scale_notes.md``, resnet50_gn); elsewhere the one
-    grouped convolution."""
-    return device.type == "cuda"
+    grouped convolution, but for a ``patchify`` convolution (stride = kernel, no padding or dilation: a ViT's patch
+    embedding), whose patches do not overlap, so the unfold only moves the input, where oneDNN's grouped
+    convolution took a 73 MiB workspace for ViT's at B = 8 (``benchmarks/scale_notes.md``, vit)."""
+    return device.type == "cuda" or patchify
 
 
 @contraction_rule(ATEN.convolution_backward.default)
@@ -188,7 +190,8 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
         return Contraction(rule="convolution_backward[bias]", node=node, inputs=[g, x, w],
                            per_sample=per_sample_bias, linear_arg=0, linear_layout=(0, layout), rebuild=rebuild)
 
-    gemm = (not transposed and groups == 1 and len(w_shape) == 4 and gemm_form_on(value_of(g).device))
+    patchify = list(stride) == w_shape[2:] and not any(padding) and all(d == 1 for d in dilation)
+    gemm = (not transposed and groups == 1 and len(w_shape) == 4 and gemm_form_on(value_of(g).device, patchify))
 
     def per_sample_weight(g, x, w):
         gs, xs = split_batch(g, 0, layout), split_batch(x, 0, layout)  # [n, r, o, *s'], [n, r, c, *s]
