@@ -42,6 +42,9 @@ LOSSES = {
                                                                 upper=False).sum(),
     "pinv": lambda m: torch.linalg.pinv(m).pow(2).sum(),
     "pinv_hermitian": lambda m: torch.linalg.pinv(_spd(m), hermitian=True, rtol=0.1).pow(2).sum(),
+    # from torch 2.14
+    "matrix_sqrth": lambda m: torch.linalg.matrix_sqrth(_spd(m)).pow(2).sum(),
+    "polar": lambda m: sum(f.pow(2).sum() for f in torch.linalg.polar(m)),
     # checked: traced as the _ex twin and an assertion
     "inv": lambda m: torch.linalg.inv(m).pow(2).sum(),
     "inverse": lambda m: torch.inverse(m).pow(2).sum(),
@@ -55,6 +58,8 @@ LOSSES = {
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_matrix_stack_ops_are_exact(name):
+    if name in ("matrix_sqrth", "polar") and not hasattr(torch.linalg, name):
+        pytest.skip(f"torch.linalg.{name} is new in torch 2.14")
     p, x = _problem()
 
     def loss(x):

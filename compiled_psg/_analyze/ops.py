@@ -190,6 +190,7 @@ MATRIX_STACKS = _overloads(
     "cholesky_solve", "cholesky_inverse", "triangular_solve", "linalg_solve_triangular", "linalg_matrix_exp",
     "linalg_householder_product", "linalg_ldl_factor_ex", "linalg_ldl_solve", "linalg_eig", "_linalg_eigvals",
     "linalg_eigvals", "linalg_pinv.atol_rtol_tensor",
+    "linalg_matrix_sqrth", "linalg_polar",  # from torch 2.14
 )
 # MATRIX_STACKS ops' arguments that hold one value per matrix, shaped like the stack without its matrix dimensions
 # (the tolerances of ``pinv``, compared with each matrix's largest singular value)
