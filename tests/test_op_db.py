@@ -22,6 +22,7 @@ from torch.testing._internal import common_methods_invocations
 from torch.testing._internal.common_methods_invocations import op_db
 
 import compiled_psg as psg
+from compiled_psg._compat import item_of_a_constant_tensor_is_a_size
 
 B = 3
 # posable ops that must be exact, not refused: op facts added for this sweep (a regression to a refusal fails)
@@ -38,19 +39,21 @@ CORRECT_REFUSALS = {
     # loss sees other shapes than its part of the batch's (the sweep's weighted sum hides that; a loss reducing
     # over dimension 0 afterwards does not)
     "squeeze": "squeeze() without a dim",
-    # the sample's split points are a tensor: the output's shapes depend on its values, which a graph serving every
-    # batch cannot hold (vmap runs eagerly and reads them); split points as Python ints are exact
-    # (tests/test_refusal_causes.py)
-    "tensor_split": "computes a shape from a tensor's values",
 }
+if not item_of_a_constant_tensor_is_a_size():
+    # the sample's number of sections is a 0-d tensor: the output's shapes depend on its value, which torch 2.13's
+    # graph cannot hold (vmap runs eagerly and reads it); 2.14 and later read it as a size guarded on the value, and
+    # Python ints are exact everywhere (tests/test_refusal_causes.py)
+    CORRECT_REFUSALS["tensor_split"] = "computes a shape from a tensor's values"
 
 
 @pytest.fixture(autouse=True)
 def _unseeded(monkeypatch):
     """OpInfo wraps its random ops (dropout, rrelu, the low-rank SVDs, attention) in ``wrapper_set_seed``, whose
-    ``freeze_rng_state`` enters ``no_dispatch()``: a graph break in any traced loss, of the test's harness, not of
-    the op. The sweep calls the ops directly; the samples it poses draw nothing (``p=0``, eval mode) or give
-    values that do not depend on the draws, so the loop and the batch agree without a seed."""
+    ``freeze_rng_state`` enters C++ context managers (``torch._C._DisableFuncTorch()``): a graph break in any
+    traced loss, of the test's harness, not of the op. The sweep calls the ops directly; the samples it poses draw
+    nothing (``p=0``, eval mode) or give values that do not depend on the draws, so the loop and the batch agree
+    without a seed."""
     monkeypatch.setattr(common_methods_invocations, "wrapper_set_seed", lambda op, *args, **kwargs: op(*args, **kwargs))
 
 
