@@ -54,6 +54,15 @@ def embedding_bag_counts_each_id() -> bool:
     return torch_minor() >= (2, 14)
 
 
+def item_of_a_constant_tensor_is_a_size() -> bool:
+    """``.item()`` of a 0-d integer tensor the loss reads from a closure or global (``tensor_split`` at a number of
+    sections held in a tensor): from torch 2.14 Dynamo makes it a backed size guarded on the tensor's value
+    (``CallMethodItemSource``), and the capture is exact (``batch_size_branches`` does not take that size for the
+    batch's); torch 2.11 to 2.13 leave it unbacked, and the capture refuses the shape computed from a tensor's
+    values by name."""
+    return torch_minor() >= (2, 14)
+
+
 #: The committed FX graph dumps (``graphs/``) are generated on this torch version: later versions trace the same
 #: programs with other node names and decompositions (2.14 records ``detach`` as ``alias``, 2.15 numbers nodes
 #: differently), so ``tests/test_graphs.py`` compares the dumps on this version only.

@@ -261,6 +261,41 @@ def test_graph_break_in_library_code_names_the_library_and_the_call(tmp_path, mo
         sys.modules.pop("psg_fake_library", None)
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_graph_break_in_a_with_of_library_code_names_the_library_line(tmp_path, monkeypatch):
+    """A break on a C++ context manager that a library enters (OpInfo's ``freeze_rng_state``): Dynamo reports it
+    inside its own polyfill, reached through ``contextlib``; the message names the library's ``with`` line."""
+    lib = tmp_path / "site-packages"
+    lib.mkdir()
+    (lib / "psg_fake_rng_library.py").write_text(textwrap.dedent("""
+        import contextlib
+
+        import torch
+
+
+        @contextlib.contextmanager
+        def frozen():
+            with torch._C._DisableFuncTorch():
+                yield
+
+
+        def seeded_loss(h):
+            with frozen():
+                return h.pow(2).sum()
+    """))
+    monkeypatch.syspath_prepend(str(lib))
+    import psg_fake_rng_library
+
+    model = _mlp()
+    try:
+        message = _refuse(model, lambda x: psg_fake_rng_library.seeded_loss(model(x)), CaptureError,
+                          "inside library code", "psg_fake_rng_library.py:9 in frozen", "called from",
+                          "test_capture_modules.py")
+        assert "polyfills" not in message.split("Fix:")[0] and "contextlib.py" not in message.split("Fix:")[0]
+    finally:
+        sys.modules.pop("psg_fake_rng_library", None)
+
+
 def test_keyword_arguments_are_batch_input_error():
     model = _mlp()
     fn = psg.per_sample(model, backend="eager")(lambda x: model(x).sum())

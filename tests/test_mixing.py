@@ -145,6 +145,15 @@ def masked_scatter_rows(lin, x, y):
     return F.cross_entropy(placed, y)
 
 
+def rot90_over_batch(lin, x, y):
+    return F.cross_entropy(lin(torch.rot90(x, 2, (0, 1))), y)  # <rot90>
+
+
+def put_flat(lin, x, y):
+    h = lin(x).put(torch.tensor([0, 5]), torch.tensor([1.0, 2.0], dtype=x.dtype))  # <put>
+    return F.cross_entropy(h, y)
+
+
 def take_flat(lin, x, y):
     h = lin(x)
     return F.cross_entropy(h, y) + torch.take(h, torch.tensor([0, 5, 9])).sum()  # <take>
@@ -178,6 +187,8 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "batch_max_flows_back": (item_back, (), "item_max"),
     "masked_scatter_in_flat_order": (masked_scatter_rows, (), "masked_scatter"),
     "take_in_flat_order": (take_flat, (), "take"),
+    "put_in_flat_order": (put_flat, (), "put"),
+    "rot90_over_batch": (rot90_over_batch, (), "rot90"),
     "index_fill_of_batch_positions": (index_fill_first_position, (), "index_fill_first"),
 }
 
@@ -279,6 +290,22 @@ def batch_size_tensor(lin, x, y):
     return F.cross_entropy(lin(x * n), y)
 
 
+def roll_batch_by_zero(lin, x, y):
+    """A shift of 0 along the batch (with 2 along the features), and of 0 over the flattened tensor."""
+    return F.cross_entropy(lin(torch.roll(x, (0, 2), (0, 1)) + torch.roll(x, 0)), y)
+
+
+def rot90_whole_turns(lin, x, y):
+    """Four quarter turns either way over the batch and the features: the tensor as it was."""
+    return F.cross_entropy(lin(torch.rot90(x, 4, (0, 1)) + torch.rot90(x, -8, (1, 0))), y)
+
+
+def put_nothing(lin, x, y):
+    """``put`` with an empty index places nothing, in any order."""
+    none = torch.tensor([], dtype=torch.long)
+    return F.cross_entropy(lin(x).put(none, torch.tensor([], dtype=x.dtype), accumulate=True), y)
+
+
 ACCEPTED = {
     "logits_at_arange": pick_own_target,
     "gather_within_sample": gather_within_sample,
@@ -291,6 +318,9 @@ ACCEPTED = {
     "index_fill_own_positions": index_fill_own_positions,
     "batch_size_as_scalar": batch_size_scalar,
     "batch_size_as_tensor": batch_size_tensor,
+    "roll_over_batch_by_zero": roll_batch_by_zero,
+    "rot90_whole_turns_over_batch": rot90_whole_turns,
+    "put_with_an_empty_index": put_nothing,
 }
 
 

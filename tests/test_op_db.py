@@ -6,8 +6,10 @@ floating outputs with fixed weights ``W_k``. The op is posable when it keeps the
 ``op(X * P)[i] == op(X[i] * P)`` for every sample, each output shaped ``[B, ...]`` (the first sample input that
 is, else the op is skipped). Each posable op must be exact against the loop (autograd on the batch of sample
 ``i`` alone, NaN where the loop's is NaN) or refused with one of compiled_psg's errors that says why; an
-``InternalError``, a torch exception escaping, or a wrong value fails. The refusals (FFT, some linalg helpers,
-the ``*_copy`` view ops, ...) are the op facts still missing; ``vmap(grad)`` computes most of them.
+``InternalError``, a torch exception escaping, or a wrong value fails. A refusal fails too where
+``vmap(grad)`` over the samples matches the loop, unless ``CORRECT_REFUSALS`` names the op with the reason the
+refusal is right there; ops whose ``vmap(grad)`` fails (a random op under ``randomness="error"``, an op without a
+batching rule) may stay refused by name.
 """
 
 from __future__ import annotations
@@ -16,16 +18,43 @@ import warnings
 
 import pytest
 import torch
+from torch.testing._internal import common_methods_invocations
 from torch.testing._internal.common_methods_invocations import op_db
 
 import compiled_psg as psg
+from compiled_psg._compat import item_of_a_constant_tensor_is_a_size
 
 B = 3
 # posable ops that must be exact, not refused: op facts added for this sweep (a regression to a refusal fails)
 MUST_BE_EXACT = {"alias_copy", "diag_embed", "narrow_copy", "split_with_sizes_copy", "squeeze_copy",
                  "transpose_copy", "unbind_copy", "unsqueeze_copy", "zero_", "fft.hfft", "fft.hfft2", "fft.irfft",
                  "fft.irfftn", "stft", "nn.functional.hardswish", "rsub", "linalg.det", "linalg.slogdet",
-                 "linalg.eigh", "linalg.svdvals", "linalg.qr", "cdist"}
+                 "linalg.eigh", "linalg.svdvals", "linalg.qr", "cdist",
+                 # exact where vmap(grad) over the samples fails, so that the rule below does not witness them
+                 "linalg.solve", "nn.functional.rrelu", "svd_lowrank", "pca_lowrank"}
+
+# Refusals that are right although vmap(grad) over the samples matches the loop on the sweep's loss: op -> why.
+CORRECT_REFUSALS = {
+    # the batched loss depends on B: squeeze() also drops the batch dimension of a batch of one, so a sample's own
+    # loss sees other shapes than its part of the batch's (the sweep's weighted sum hides that; a loss reducing
+    # over dimension 0 afterwards does not)
+    "squeeze": "squeeze() without a dim",
+}
+if not item_of_a_constant_tensor_is_a_size():
+    # the sample's number of sections is a 0-d tensor: the output's shapes depend on its value, which torch 2.13's
+    # graph cannot hold (vmap runs eagerly and reads it); 2.14 and later read it as a size guarded on the value, and
+    # Python ints are exact everywhere (tests/test_refusal_causes.py)
+    CORRECT_REFUSALS["tensor_split"] = "computes a shape from a tensor's values"
+
+
+@pytest.fixture(autouse=True)
+def _unseeded(monkeypatch):
+    """OpInfo wraps its random ops (dropout, rrelu, the low-rank SVDs, attention) in ``wrapper_set_seed``, whose
+    ``freeze_rng_state`` enters C++ context managers (``torch._C._DisableFuncTorch()``): a graph break in any
+    traced loss, of the test's harness, not of the op. The sweep calls the ops directly; the samples it poses draw
+    nothing (``p=0``, eval mode) or give values that do not depend on the draws, so the loop and the batch agree
+    without a seed."""
+    monkeypatch.setattr(common_methods_invocations, "wrapper_set_seed", lambda op, *args, **kwargs: op(*args, **kwargs))
 
 
 def _key(op) -> str:
@@ -92,14 +121,36 @@ def test_op_is_exact_or_refused_by_name(op):
         except RuntimeError as e:
             pytest.skip(f"the loop reference fails: {e}")
     try:
-        got = psg.per_sample({"p": p}, backend="eager")(loss)(batch)["p"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the op's own warnings again (mse_loss's broadcast target)
+            got = psg.per_sample({"p": p}, backend="eager")(loss)(batch)["p"]
     except psg.InternalError:
         raise
     except psg.PerSampleError as e:
         assert _key(op) not in MUST_BE_EXACT, f"{_key(op)} is refused: {e}"
         if isinstance(e, psg.UnsupportedError | psg.SampleMixingError):  # names the op (or its aten form)
             assert "aten." in str(e) or op.name.split(".")[-1] in str(e), f"a refusal must name the op: {e}"
+        if _key(op) in CORRECT_REFUSALS:
+            assert CORRECT_REFUSALS[_key(op)] in str(e), f"{_key(op)} is refused for another reason: {e}"
+        else:
+            assert not _vmap_matches(loss, batch, p, want), f"{_key(op)} is refused, yet vmap(grad) is exact: {e}"
         return
+    assert _key(op) not in CORRECT_REFUSALS, f"{_key(op)} is exact: drop it from CORRECT_REFUSALS"
     scale = float(want.abs().nan_to_num().max().clamp_min(1))
     torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9 * scale, equal_nan=True)
+
+
+def _vmap_matches(loss, batch: torch.Tensor, p: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether ``vmap(grad)`` over the samples (``randomness="error"``) runs and matches the loop."""
+    def one(params, sample):
+        return loss(sample.unsqueeze(0), p=params)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(p.detach(), batch)
+    except Exception:  # noqa: BLE001 - no batching rule, a random op: vmap(grad) is no witness
+        return False
+    scale = float(want.abs().nan_to_num().max().clamp_min(1))
+    return torch.allclose(got, want, rtol=1e-7, atol=1e-9 * scale, equal_nan=True)
 

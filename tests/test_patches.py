@@ -45,7 +45,7 @@ def test_every_phase_has_entries_and_each_entry_says_how_it_is_undone():
     and never entered)."""
     by_phase = {phase: {n for n, p in patches.REGISTRY.items() if phase in p.when} for phase in patches.PHASES}
     assert {"Dynamo settings", "mkldnn off", "opt_einsum off", "stand-ins", "corrected decompositions",
-            "batch-size decisions", "membership on sizes"} <= by_phase["capture"]
+            "traceable decompositions", "batch-size decisions", "membership on sizes"} <= by_phase["capture"]
     assert by_phase["guard check"] == {"stand-ins"}
     assert {"index simplification", "Inductor settings"} <= by_phase["compile"]
     assert {"guard source", "guard finalizers", "memo caches released", "heap keeps freed memory"} <= by_phase[

@@ -11,6 +11,7 @@ from reference import reference_per_sample
 from torch.utils.data import DataLoader, Dataset
 
 import compiled_psg as psg
+from compiled_psg._compat import item_of_a_constant_tensor_is_a_size
 
 
 def _model_and_loss():
@@ -127,8 +128,72 @@ def test_a_batch_size_fixed_by_a_double_backward_is_named_as_such(layer):
     assert "x.view" not in str(info.value) and "dynamo.py" not in str(info.value)
 
 
-def test_torch_sgn_whose_backward_fixes_the_batch_size_names_torch_sign():
+def _exact(loss, p: torch.Tensor, x: torch.Tensor, tol: float = 1e-12, fn=None) -> None:
+    got = (fn or psg.per_sample({"p": p}, backend="eager")(loss))(x)["p"]
+    want = torch.stack([torch.autograd.grad(loss(x[i:i + 1]), p)[0] for i in range(x.shape[0])])
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("is_complex", [False, True], ids=["real", "complex"])
+def test_torch_sgn_whose_backward_fixes_the_batch_size_is_exact(is_complex):
+    """torch's backward of sgn on real tensors builds zeros from the input's concrete sizes, which fixes the batch
+    size; the capture traces it as torch.sign there, and as x / |x| (0 at 0) on complex tensors."""
+    torch.manual_seed(0)
     p = nn.Parameter(torch.randn(3, dtype=torch.float64))
-    with pytest.raises(psg.CaptureError, match="torch.sign for real tensors"):
-        psg.per_sample({"p": p}, backend="eager")(lambda x: (torch.sgn(x * p) * x * p).sum())(
-            torch.randn(4, 3, dtype=torch.float64))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    x[1, 2] = 0  # sgn(0) = 0, with a zero gradient
+
+    def real(x):
+        h = x * p
+        return torch.sgn(h).pow(3).sum() + (torch.sgn(h) * h).sum()
+
+    def complex_(x):  # the complex value from a view (aten.complex has no op fact)
+        h = x * p
+        z = torch.view_as_complex(torch.stack([h, h.flip(1)], -1))
+        return torch.view_as_real(torch.sgn(z)).pow(3).sum() + (torch.sgn(z) * h).real.sum()
+
+    loss = complex_ if is_complex else real
+    _exact(loss, p, x, tol=1e-10)
+
+
+@pytest.mark.parametrize("operands", ["batch_first", "batch_second", "vector"])
+def test_kron_whose_decomposition_fixes_the_batch_size_is_exact(operands):
+    """torch's C++ decomposition of kron reads sizes as integers; the capture traces a broadcast product."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(2, 3, dtype=torch.float64))
+    x = torch.randn(4, 2, 3, dtype=torch.float64)
+    other = torch.randn(2, 2, dtype=torch.float64)
+    kron = {"batch_first": lambda h: torch.kron(h, other), "batch_second": lambda h: torch.kron(other[:1], h),
+            "vector": lambda h: torch.kron(h, other[0])}[operands]
+    _exact(lambda x: kron(x * p).pow(2).sum(), p, x)
+
+
+@pytest.mark.parametrize("points", [[1, 3], 3], ids=["points", "sections"])
+def test_tensor_split_at_points_held_in_a_tensor_names_the_values_and_the_fix(points):
+    """The split points (or the number of sections) in a tensor: the output shapes depend on its values, which one
+    graph for every batch cannot hold. The message says so, whether torch stops while capturing (sections, torch
+    2.13) or a later pass does (points), rather than that the loss fixes the batch size (or, on torch 2.14, that
+    it branches on the batch size: the sections' value is a size there, guarded on the value, and exact even after
+    the tensor changes in place); as Python ints they are exact."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(6, dtype=torch.float64))
+    x = torch.randn(4, 6, dtype=torch.float64)
+    split = torch.tensor(points)
+
+    def loss(x):
+        parts = torch.tensor_split(x * p, split, 1)
+        return sum((k + 1) * t.pow(k + 1).sum() for k, t in enumerate(parts))
+
+    if isinstance(points, int) and item_of_a_constant_tensor_is_a_size():
+        fn = psg.per_sample({"p": p}, backend="eager")(loss)
+        _exact(loss, p, x, fn=fn)
+        with torch.no_grad():
+            split.fill_(2)
+        _exact(loss, p, x, fn=fn)  # the same function, captured again
+    else:
+        with pytest.raises(psg.CaptureError, match=r"computes a shape from a tensor's values in .* "
+                                                   r"at .*test_refusal_causes.py:\d+ in loss: .*tensor_split.*"
+                                                   r"Fix: .*Python ints or lists"):
+            psg.per_sample({"p": p}, backend="eager")(loss)(x)
+    split = points
+    _exact(loss, p, x)

@@ -469,6 +469,10 @@ def _positional_factory(an: Analysis, node: fx.Node) -> Fact:
 def _flat_order(an: Analysis, node: fx.Node) -> Fact:
     if all(isinstance(f, Shared) for f in _tensor_facts(an, node).values()):
         return SHARED
+    if node.target.overloadpacket.__name__ == "put":  # no index: nothing placed, the input as it is
+        kw = _kwargs(node)
+        if isinstance(an.fact(kw["index"]), Shared) and value_of(kw["index"]).numel() == 0:
+            return _first_input(an, node)[1]
     raise _mix("it places elements by their order in the whole flattened tensor, batch included (the k-th "
                "source element goes to the k-th selected position), so a sample's values can land in another "
                "sample's rows", "select or scatter within each sample: torch.where(mask, source, out) with a "
@@ -564,9 +568,13 @@ def _dim_op(an: Analysis, node: fx.Node) -> Fact:
     if name == "flip":
         dims = [_norm_dim(d, rank) for d in kw["dims"]]
         return _moved(fact, lambda d: None if d in dims else d, "reverses")
-    if name == "roll":
+    if name == "roll":  # a shift of 0 leaves its dimension as it is, the batch's included
         dims = [_norm_dim(d, rank) for d in kw.get("dims") or []]
-        return _moved(fact, lambda d: None if not dims or d in dims else d, "rolls")
+        still = [type(s) is int and s == 0 for s in _as_list(kw["shifts"])]  # a SymInt shift may be nonzero
+        if not dims and all(still):
+            return fact
+        kept = {d for d, s in zip(dims, still, strict=False) if s} | set(range(rank)) - set(dims)
+        return _moved(fact, lambda d: d if dims and d in kept else None, "rolls")
     if name in ("split", "split_with_sizes", "chunk", "unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk",
                 "tensor_split"):
         k = _norm_dim(kw.get("dim", 0), rank)
@@ -789,8 +797,10 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
     """Linear algebra on stacks of matrices (``linalg.inv_ex``, ``solve_ex``, ``cholesky_ex``, ``det``, ``eigh``,
     ``svd``, their helpers): every matrix is handled on its own, so a batch in dimension 0 of a stack
     ``[B, ..., n, m]`` stays apart; in a matrix dimension it mixes the rows and columns of different samples.
-    Shared matrices broadcast over the stack."""
+    Shared matrices broadcast over the stack; an argument of one value per matrix (``ops.PER_MATRIX_ARGS``,
+    ``[B, ...]``) holds the batch in its dimension 0 too."""
     tensors = [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]
+    per_matrix = {_kwargs(node).get(name) for name in ops.PER_MATRIX_ARGS.get(node.target, ())} - {None}
     facts = [an.fact(t) for t in tensors]
     _no_sample_index(facts)
     out = value_of(node)
@@ -802,7 +812,7 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
     if _pooled(facts) is not None:
         raise _mix("it combines per-sample matrices with a sum over the batch")
     for t, f in per:
-        if _rank(t) < 3 or _norm_dim(f.dim, _rank(t)) != 0:
+        if _rank(t) < (1 if t in per_matrix else 3) or _norm_dim(f.dim, _rank(t)) != 0:
             raise _mix("the batch sits in a matrix dimension, whose rows and columns this op combines",
                        "keep the batch as the leading dimension of a stack of matrices, [B, n, n]")
     layout = _merge_layouts([f.layout for _, f in per])
@@ -833,6 +843,8 @@ def _over_dims(an: Analysis, node: fx.Node) -> Fact:
         return fact
     rank = _rank(x)
     dims = {_norm_dim(d, rank) for d in _as_list(kw[ops.OVER_DIMS[node.target]])}
+    if node.target.overloadpacket.__name__ == "rot90" and kw.get("k", 1) % 4 == 0:
+        return fact  # a whole number of turns: the input as it is
     if _norm_dim(fact.dim, rank) in dims:
         raise _mix("it transforms along the dimension that holds the batch", _FIX_DIM)
     return fact

@@ -45,6 +45,7 @@ ELEMENTWISE = _overloads(
     "masked_fill.Tensor", "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward",
     "log_sigmoid_forward", "log_sigmoid_backward", "fill.Scalar", "fill.Tensor", "copy", "native_dropout",
     "bernoulli.p", "bernoulli", "hardsigmoid_backward", "hardswish_backward", "rrelu_with_noise",
+    "rrelu_with_noise_functional",
     "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "gelu_backward", "silu_backward",
     "native_dropout_backward", "threshold_backward", "mish_backward", "_conj", "lift_fresh_copy",
     "hardswish", "rsub.Tensor", "rsub.Scalar", "softshrink_backward", "hardshrink_backward", "zero",
@@ -188,8 +189,12 @@ MATRIX_STACKS = _overloads(
     "linalg_lu_solve", "_linalg_det", "_linalg_slogdet", "_linalg_eigh", "_linalg_svd", "linalg_qr", "cholesky",
     "cholesky_solve", "cholesky_inverse", "triangular_solve", "linalg_solve_triangular", "linalg_matrix_exp",
     "linalg_householder_product", "linalg_ldl_factor_ex", "linalg_ldl_solve", "linalg_eig", "_linalg_eigvals",
-    "linalg_eigvals",
+    "linalg_eigvals", "linalg_pinv.atol_rtol_tensor",
+    "linalg_matrix_sqrth", "linalg_polar",  # from torch 2.14
 )
+# MATRIX_STACKS ops' arguments that hold one value per matrix, shaped like the stack without its matrix dimensions
+# (the tolerances of ``pinv``, compared with each matrix's largest singular value)
+PER_MATRIX_ARGS = {op: ("atol", "rtol") for op in _overloads("linalg_pinv.atol_rtol_tensor")}
 
 # op -> names of (input, target) and the argument names of extra elementwise tensors; reduction in "reduction"
 LOSSES: dict = {}

@@ -64,7 +64,7 @@ def watched():
                       forcing_spec=False):
         value = before(self, orig_expr, hint, fx_node, size_oblivious, fallback_value, forcing_spec=forcing_spec)
         if threading.get_ident() == owner and not size_oblivious and fallback_value is None:
-            at_one = _at_batch_of_one(orig_expr)
+            at_one = _at_batch_of_one(orig_expr, self)
             if at_one is not None and at_one != value and _made_by_the_program():
                 found.append(f"{orig_expr} is {value} for this batch but {at_one} for a batch of one, at "
                              f"{_user_line()}")
@@ -138,14 +138,25 @@ patches.register(patches.Patch(
     "offers no removal; the file holds only our wrapper, which no user frame is"))
 
 
-def _at_batch_of_one(expr):
-    """``expr`` with every batch size 1 (every backed size of a capture is one), or None where it does not depend
-    on the batch size alone."""
-    sizes = {s for s in getattr(expr, "free_symbols", ()) if symbol_is_type(s, SymT.SIZE)}
+def _at_batch_of_one(expr, shape_env):
+    """``expr`` with every batch size 1 (every backed size of a tensor in a capture is one), or None where it does
+    not depend on the batch size alone. torch 2.14 also makes a backed size of ``.item()`` on a constant tensor
+    (split points held in a tensor), guarded on its value: that one is no batch size."""
+    sizes = {s for s in getattr(expr, "free_symbols", ()) if symbol_is_type(s, SymT.SIZE)
+             and not _read_from_a_value(shape_env, s)}
     if not sizes:
         return None
     at_one = expr.xreplace(dict.fromkeys(sizes, sympy.Integer(1)))
     return None if getattr(at_one, "free_symbols", None) else at_one
+
+
+def _read_from_a_value(shape_env, symbol) -> bool:
+    """Whether every source Dynamo recorded for ``symbol`` is other than a tensor's size (``.item()`` of a tensor)."""
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+
+    sources = getattr(shape_env, "var_to_sources", {}).get(symbol, ())
+    return bool(sources) and not any(isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE
+                                     for source in sources)
 
 
 def _made_by_the_program() -> bool:

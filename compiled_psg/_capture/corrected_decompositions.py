@@ -7,8 +7,15 @@ the op: no rule sees it, and a wrong decomposition gives wrong losses and gradie
 kernel (``tests/test_edge_cases.py`` and ``tests/test_traced_decompositions.py`` check each against it, and
 the per-sample gradients against the loop).
 
-``corrected()`` installs them for one capture, under the capture lock, and restores torch's own afterwards (the
-switch list in ``dynamo.py``). Another thread's trace of the op in that window gets the correct decomposition.
+``TRACEABLE`` holds the ops whose own trace would stop the capture, each replaced, the same way, by ops that
+compute the same values and trace with a symbolic batch size: the linear algebra that raises on a singular
+matrix (its check, ``aten._linalg_check_errors``, reaches the graph as an effect token that no per-sample program
+carries: the ``_ex`` twin and an assertion of our own instead, ``_assert_ok``), ``sgn`` (its backward on real
+tensors builds zeros from the input's concrete sizes, fixing the batch size) and ``kron`` (its C++ decomposition
+reads concrete sizes). ``tests/test_linalg_stacks.py`` and ``tests/test_op_db.py`` check them against the loop.
+
+``corrected()`` installs both tables for one capture, under the capture lock, and restores torch's own afterwards
+(the switch list in ``dynamo.py``). Another thread's trace of the op in that window gets the replacement.
 """
 
 from __future__ import annotations
@@ -92,23 +99,117 @@ CORRECTED: dict[torch._ops.OpOverload, Callable] = {
     aten._upsample_bicubic2d_aa.default: upsample_bicubic2d_aa,
 }
 
+#: How the message of a failed ``_assert_ok`` starts: ``_compile/run.py`` raises it as a ``BatchInputError``.
+FAILED_CHECK = "compiled_psg: the batch fails a check of the loss:"
+
+
+def _assert_ok(info: torch.Tensor, api: str, failure: str, fix: str) -> None:
+    """What eager ``api`` raises on a nonzero ``info`` (one per matrix), as an assertion in the graph: a plain op,
+    kept where the effect token of ``aten._linalg_check_errors`` would stop the capture."""
+    torch._assert_async((info == 0).all(), f"{FAILED_CHECK} {api} raises here, as it does on this batch in eager "
+                                           f"mode: the matrix of at least one sample {failure}. Fix: {fix}")
+
+
+_EX_FIX = "use the _ex twin ({}), which returns an info tensor instead of raising, and handle info in the loss"
+
+
+def linalg_inv(A: torch.Tensor) -> torch.Tensor:
+    """``torch.linalg.inv``: ``linalg.inv_ex`` and its check, as torch's own composite kernel."""
+    inverse, info = torch.linalg.inv_ex(A)
+    _assert_ok(info, "torch.linalg.inv", "is singular", "regularize it (A + eps * I), or "
+               + _EX_FIX.format("torch.linalg.inv_ex"))
+    return inverse
+
+
+def linalg_cholesky(A: torch.Tensor, *, upper: bool = False) -> torch.Tensor:
+    """``torch.linalg.cholesky``: ``linalg.cholesky_ex`` and its check."""
+    factor, info = torch.linalg.cholesky_ex(A, upper=upper)
+    _assert_ok(info, "torch.linalg.cholesky", "is not positive-definite", "add a multiple of the identity, or "
+               + _EX_FIX.format("torch.linalg.cholesky_ex"))
+    return factor
+
+
+def linalg_lu_factor(A: torch.Tensor, *, pivot: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.lu_factor``: ``linalg.lu_factor_ex`` and its check (a zero on ``U``'s diagonal)."""
+    lu, pivots, info = torch.linalg.lu_factor_ex(A, pivot=pivot)
+    _assert_ok(info, "torch.linalg.lu_factor", "is singular (a zero on U's diagonal)",
+               _EX_FIX.format("torch.linalg.lu_factor_ex"))
+    return lu, pivots
+
+
+def linalg_solve(A: torch.Tensor, B: torch.Tensor, *, left: bool = True) -> torch.Tensor:
+    """``torch.linalg.solve``: ``linalg.solve_ex`` and its check."""
+    result, info = torch.linalg.solve_ex(A, B, left=left)
+    _assert_ok(info, "torch.linalg.solve", "is singular", "regularize it (A + eps * I), or "
+               + _EX_FIX.format("torch.linalg.solve_ex"))
+    return result
+
+
+def sgn(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sgn``: on real tensors ``torch.sign`` (the same values; both gradients are zero), whose backward
+    traces with a symbolic batch size where sgn's builds its zeros from the input's concrete sizes. On complex
+    tensors ``x / |x|`` and 0 at 0, differentiated by autograd (sgn's backward there is the same formula)."""
+    if not x.is_complex():
+        return torch.sign(x)
+    magnitude = x.abs()
+    zero = magnitude == 0
+    return torch.where(zero, 0, x / torch.where(zero, 1, magnitude))
+
+
+def kron(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.kron``: ``out[i * m + j] = a[i] * b[j]`` along every dimension (the lower rank padded with leading
+    ones), as one broadcast product of ``a`` and ``b`` interleaved with size-1 dimensions, the eager kernel's
+    values. torch's own decomposition reads the sizes as integers, which fixes a symbolic batch size."""
+    rank = max(a.dim(), b.dim())
+    a = a.reshape((1,) * (rank - a.dim()) + tuple(a.shape))
+    b = b.reshape((1,) * (rank - b.dim()) + tuple(b.shape))
+    spread_a = a.reshape([s for d in a.shape for s in (d, 1)])  # [a0, 1, a1, 1, ...]
+    spread_b = b.reshape([s for d in b.shape for s in (1, d)])  # [1, b0, 1, b1, ...]
+    return (spread_a * spread_b).reshape([p * q for p, q in zip(a.shape, b.shape, strict=True)])
+
+
+#: op -> a decomposition that traces, with the same values, where torch's own stops the capture.
+TRACEABLE: dict[torch._ops.OpOverload, Callable] = {
+    aten.linalg_inv.default: linalg_inv,
+    aten.linalg_cholesky.default: linalg_cholesky,
+    aten.linalg_lu_factor.default: linalg_lu_factor,
+    aten.linalg_solve.default: linalg_solve,
+    aten.sgn.default: sgn,
+    aten.kron.default: kron,
+}
+
+
+def key_of(op: torch._ops.OpOverload) -> DispatchKey:
+    """The key whose Python kernel a trace takes for ``op``: ``CompositeImplicitAutograd`` for an op torch
+    decomposes in C++ (it comes before ``Autograd``), else ``Autograd``."""
+    implicit = DispatchKey.CompositeImplicitAutograd
+    return implicit if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), implicit) else DispatchKey.Autograd
+
 
 @contextlib.contextmanager
-def corrected() -> Iterator[None]:
-    """``CORRECTED`` as the ops' ``Autograd`` Python kernels, torch's own restored on exit."""
-    saved = [(op, op.py_kernels.get(DispatchKey.Autograd)) for op in CORRECTED]
+def installed(table: dict[torch._ops.OpOverload, Callable]) -> Iterator[None]:
+    """``table``'s decompositions as the ops' Python kernels (at ``key_of(op)``), torch's own restored on exit."""
+    saved = [(op, key_of(op), op.py_kernels.get(key_of(op))) for op in table]
     try:
-        for op, decomposition in CORRECTED.items():
-            op.py_kernels[DispatchKey.Autograd] = decomposition
+        for op, key, _ in saved:
+            op.py_kernels[key] = table[op]
             op._dispatch_cache.clear()  # the dispatcher caches the kernel it picked per key
         yield
     finally:
-        for op, before in saved:
+        for op, key, before in saved:
             if before is None:
-                op.py_kernels.pop(DispatchKey.Autograd, None)
+                op.py_kernels.pop(key, None)
             else:
-                op.py_kernels[DispatchKey.Autograd] = before
+                op.py_kernels[key] = before
             op._dispatch_cache.clear()
+
+
+def corrected() -> contextlib.AbstractContextManager:
+    return installed(CORRECTED)
+
+
+def traceable() -> contextlib.AbstractContextManager:
+    return installed(TRACEABLE)
 
 
 patches.register(patches.Patch(
@@ -117,4 +218,14 @@ patches.register(patches.Patch(
     "torch's decompositions of these ops trace to other values than the eager kernel (see each function)",
     ("capture",), "process-wide: another thread's trace of the op in that window gets the correct decomposition",
     "torch's kernel put back (or the entry removed) and the dispatch cache cleared, on exit", enter=corrected,
-    current=lambda: tuple(op.py_kernels.get(DispatchKey.Autograd) for op in CORRECTED)))
+    current=lambda: tuple(op.py_kernels.get(key_of(op)) for op in CORRECTED)))
+patches.register(patches.Patch(
+    "traceable decompositions", "OpOverload.py_kernels[CompositeImplicitAutograd or Autograd] of " + ", ".join(
+        str(op) for op in TRACEABLE),
+    "torch's trace of these ops stops the capture: the checked linear algebra records an effect token (its "
+    "_ex twin and an assertion instead), sgn's backward and kron's decomposition fix the batch size (see each "
+    "function)", ("capture",),
+    "process-wide: another thread's trace of the op in that window gets the replacement (the same values)",
+    "torch's kernel put back (or the entry removed) and the dispatch cache cleared, on exit", enter=traceable,
+    current=lambda: tuple(op.py_kernels.get(key_of(op)) for op in TRACEABLE),
+    checked_on=("2.13.0", "2.14.1", "2.15.0")))

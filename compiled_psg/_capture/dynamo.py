@@ -44,7 +44,9 @@ Settings the capture switches on, each restored when it returns, entered togethe
 - stand-ins (``_stand_ins``) for ``nn.modules.transformer._detect_is_causal_mask`` (a data-dependent guard) and
   ``F.linear_cross_entropy`` (its chunked path is opaque), also installed while a call checks the guards.
 - torch decompositions that trace to wrong values replaced by correct ones (``corrected_decompositions``:
-  ``multilabel_margin_loss_forward``, ``_upsample_bicubic2d_aa``).
+  ``multilabel_margin_loss_forward``, ``_upsample_bicubic2d_aa``), and those whose trace stops the capture by
+  ones that trace (``linalg.inv``, ``cholesky``, ``lu_factor`` and ``solve`` as their ``_ex`` twins and an
+  assertion, ``sgn``, ``kron``).
 
 docs/semantics.md ("Every change inside torch") carries the registry's table, checked by tests/test_patches.py.
 """
@@ -68,6 +70,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.comptime import comptime
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analyze.source import where
@@ -263,6 +266,7 @@ _aot_backend = aot_autograd(fw_compiler=_fw_compiler)
 
 
 def _backend(gm, example_inputs):
+    _pending["dynamo_graph"] = gm  # to name the user's line of a node AOT autograd fails on
     _pending["real"] = list(example_inputs)
     _pending["sources"] = [getattr(getattr(n.meta.get("grapharg"), "source", None), "name", None)
                            for n in gm.graph.nodes if n.op == "placeholder"]
@@ -672,15 +676,16 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
             f"{text}\nFix: use x.view(x.shape[0], -1) or x.flatten(1).") from None
     except Exception as e:  # ConstraintViolationError: the batch size got fixed
         text = str(e)
+        if "GuardOnDataDependentSymNode" in text:
+            raise _data_dependent_shape(text) from None
         if "ConstraintViolation" in type(e).__name__ or "marked dynamic" in text or "specialize" in text:
             if _fixed_in_our_backward(text):
                 raise CaptureError(
                     "tracing the gradients of the loss fixed the batch size: the loss's own code does not, but "
-                    "torch's backward formula of an op in it does (seen: torch.sgn, whose real-valued twin "
-                    "torch.sign does not; the double backward of a torch.autograd.grad(..., create_graph=True) "
-                    "through InstanceNorm or a grouped convolution). Fix: use an op with a traceable backward "
-                    "(torch.sign for real tensors), differentiate with respect to an activation after such a layer "
-                    "rather than through it, or compute that term outside the per-sample function"
+                    "torch's backward formula of an op in it does (seen: the double backward of a "
+                    "torch.autograd.grad(..., create_graph=True) through InstanceNorm or a grouped convolution). "
+                    "Fix: differentiate with respect to an activation after such a layer rather than through it, "
+                    "use an op with a traceable backward, or compute that term outside the per-sample function"
                     f"\n(torch: {text.strip().splitlines()[0]})") from None
             raise CaptureError(
                 "the loss function fixes the batch size (for example x.view(64, -1) or a Python int taken from "
@@ -714,6 +719,12 @@ def _is_library(path: str) -> bool:
     return "site-packages" in path or "dist-packages" in path or "/lib/python3" in path
 
 
+def _is_tracer(path: str) -> bool:
+    """Dynamo's own Python (its polyfills of builtins) and ``contextlib``, which a graph break inside a ``with`` of
+    library code passes through: never the construct to name."""
+    return "/torch/_dynamo/" in path or path.endswith("/contextlib.py")
+
+
 def _show(frame) -> str:
     return f"{frame[0]}:{frame[1]} in {frame[2]}: {frame[3].strip()}"
 
@@ -722,7 +733,7 @@ def _graph_break(e: Exception) -> CaptureError:
     """A graph break: where it is (the user's line, or a library's line and the user's call of it) and the fix."""
     text = str(e)
     reason = " ".join(text.strip().splitlines()[:2]).strip()
-    frames = _frames(text)
+    frames = [f for f in _frames(text) if not _is_tracer(f[0])]
     user = [f for f in frames if not _is_library(f[0])]
     if frames and _is_library(frames[-1][0]):
         where = f"inside library code at {_show(frames[-1])}" + (f", called from {_show(user[-1])}" if user else "")
@@ -743,6 +754,42 @@ def _graph_break(e: Exception) -> CaptureError:
             fix = "rewrite this line with torch operations (no Python control flow on tensor values)"
     return CaptureError(f"compiled_psg needs the loss function as one graph, and Dynamo cannot capture it "
                         f"(a graph break) {where}: {reason}\nFix: {fix}. Details from Dynamo:\n{text}")
+
+
+_EXECUTING = re.compile(r"While executing %(\S+) : .*?target=([^\]]+)\]")
+_CAUSED_BY = re.compile(r"Caused by: \((\S+) in (\S+)\)")
+
+
+def _data_dependent_shape(text: str) -> CaptureError:
+    """A shape that depends on a tensor's values (``tensor_split`` at split points held in a tensor), seen while
+    capturing: the fake tensors of the capture have none. Names the op, the torch code that read the value, and
+    the user's line."""
+    op = _EXECUTING.search(text)
+    cause = _CAUSED_BY.search(text)
+    graph = _pending.get("dynamo_graph")
+    node = next((n for n in graph.graph.nodes if n.name == op.group(1)), None) if op and graph is not None else None
+    return _shape_from_values(
+        [f"in {op.group(2)}" if op else "", f"(torch's {cause.group(2)} at {cause.group(1)})" if cause else "",
+         f"at {where(node)}" if node is not None else ""], text)
+
+
+def shape_from_values(graph: fx.Graph, error: Exception) -> CaptureError | None:
+    """The same, seen after the capture (a later pass guarded on a size read from a tensor): names the first value
+    of ``graph`` whose shape holds such a size; None when there is none."""
+    node = next((n for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                 and free_unbacked_symbols(n.meta["val"])), None)
+    if node is None:
+        return None
+    return _shape_from_values([f"in {node.target}", f"at {where(node)}"], f"{type(error).__name__}: {error}")
+
+
+def _shape_from_values(parts: list[str], text: str) -> CaptureError:
+    guard = next((line for line in text.splitlines() if "GuardOnDataDependentSymNode" in line), "")
+    return CaptureError(
+        "the loss computes a shape from a tensor's values " + " ".join(p for p in parts if p) + ": one graph for "
+        "every batch cannot hold sizes that are known only when it runs. Fix: give the sizes, split points or "
+        "indices that decide a shape as Python ints or lists, not tensors (x.tensor_split([2, 4], dim) rather than "
+        f"x.tensor_split(torch.tensor([2, 4]), dim))\n(torch: {guard.strip()})")
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -775,9 +822,9 @@ def _runtime_failure(e: Exception) -> PerSampleError:
 
 def _refuse_effects(gm: fx.GraphModule) -> None:
     """Ops with side effects reach the joint graph as ``with_effects`` threaded on a token, an input and an
-    output of their own that no per-sample program has. The one seen: ``linalg.inv``, ``cholesky``, ``solve`` and
-    ``lu_factor`` raising on a singular matrix (``aten._linalg_check_errors``), which their ``_ex`` twins report
-    in an ``info`` tensor instead."""
+    output of their own that no per-sample program has. The check of ``linalg.inv``, ``cholesky``, ``solve`` and
+    ``lu_factor`` (``aten._linalg_check_errors``) would, but the capture traces those ops as their ``_ex`` twins
+    and an assertion (``corrected_decompositions.TRACEABLE``); another caller of the check is refused here."""
     effects = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects]
     if not effects:
         return

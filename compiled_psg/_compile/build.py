@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
 from .._analyze.source import group_sites, source_line
-from .._capture.dynamo import Captured, Role, capture_joint
+from .._capture.dynamo import Captured, Role, capture_joint, shape_from_values
 from .._capture.retrace import forward_slice, retrace_joint
 from .._compat import reconnects_inner_gradients
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
@@ -71,6 +71,9 @@ def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dic
     except PerSampleError:
         raise
     except Exception as e:  # an op of the loss failed on one sample's slice (e.g. kthvalue(2) over the batch)
+        found = shape_from_values(forward.graph, e) if "GuardOnDataDependentSymNode" in type(e).__name__ else None
+        if found is not None:  # a size read from a tensor's values (tensor_split at points held in a tensor)
+            raise found from e
         raise BatchInputError(
             f"the loss could not be computed for one sample ({type(e).__name__}: "
             f"{(str(e).strip().splitlines() or [''])[0]}). A sample's own loss is the loss of a batch of one; if the "

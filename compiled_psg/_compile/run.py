@@ -19,6 +19,7 @@ from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
 from .._capture import patches, torch_caches
+from .._capture.corrected_decompositions import FAILED_CHECK
 from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import BatchInputError, CompileError, InternalError, PerSampleError
 from .._heap import opted_in_by_environment, retain_freed_memory
@@ -178,6 +179,9 @@ class CompiledGraph:
             except PerSampleError:
                 raise
             except Exception as e:  # the graph ran ops the capture only saw on fake tensors
+                failed = _failed_check(e)
+                if failed is not None:  # an assertion the capture put where eager torch raises
+                    raise BatchInputError(failed) from e
                 if _dtype_mismatch(e):
                     raise BatchInputError(
                         f"the loss failed on this batch's dtypes ({type(e).__name__}: "
@@ -219,6 +223,16 @@ class CompiledGraph:
     def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
         loss, per_sample_losses, *flat = self.run(params, args, batch_size)
         return loss, per_sample_losses, pytree.tree_unflatten(list(flat), self.rewritten.out_spec)
+
+
+def _failed_check(e: Exception) -> str | None:
+    """The message of a check the capture put in the graph (``corrected_decompositions._assert_ok``), from the
+    error that the eager op or Inductor's assertion raised with it; None for any other error."""
+    text = str(e)
+    start = text.find(FAILED_CHECK)
+    if start < 0:
+        return None
+    return text[start + len(FAILED_CHECK):].strip().splitlines()[0].strip().rstrip("\"'")
 
 
 def _dtype_mismatch(e: Exception) -> bool:
