@@ -582,7 +582,8 @@ def report(source: Path) -> str:
              "",
              "| model | B | parameters (trained) | " + " | ".join(METHOD_LABELS[m] + ", ms" for m in METHOD_LABELS)
              + " |", "|---|---|---|" + "---|" * len(METHOD_LABELS)]
-    memory = ["| model | peak extra MiB: plain eager / plain compiled / DP step / DP memory_budget=0 / Opacus / vmap | "
+    memory = ["| model | peak extra MiB: plain eager / plain compiled / DP step / DP memory_budget=0 / DP "
+              "transactional=False / Opacus / vmap | "
               "whole allocation at the peak, MiB: plain eager / compiled / DP | "
               "first call s: plain compiled / DP step / vmap |", "|---|---|---|---|"]
     targets = [f"| model | B | DP / faster plain time <= {TARGETS['time']} | DP / plain peak extra memory <= "
@@ -596,8 +597,8 @@ def report(source: Path) -> str:
         times = " | ".join(_ms(m.get(k)) for k in METHOD_LABELS)
         lines.append(f"| {name} | {head['batch']} | {size} | {times} |")
         memory.append(f"| {name} | " + " / ".join(_mib(m.get(k)) for k in ("plain", "plain_compile", "psg",
-                                                                          "psg_bounded", "opacus_ghost",
-                                                                          "vmap_dp"))
+                                                                          "psg_bounded", "psg_nocopy",
+                                                                          "opacus_ghost", "vmap_dp"))
                       + " | " + " / ".join(_mib(m.get(k), "peak_total_bytes")
                                            for k in ("plain", "plain_compile", "psg"))
                       + " | " + " / ".join(str(m.get(k, {}).get("first_call_s", "-"))
@@ -634,10 +635,11 @@ PAGE_SOURCES = (("GPU (H100), full configs: gpt2, llama_lora, resnet50_gn, vit w
                  "opacus_ghost --budget 280", "ddbc185: per-tensor noise draws, grouped-convolution per-sample "
                  "conv gradients, no memory_budget"),
                 ("CPU, scaled configs", "benchmarks-scale-cpu.json",
-                 "python -m benchmarks.scale --device cpu --threads 2 --out DIR --budget 2700` (resnet50_gn from "
-                 "`python -m benchmarks.scale --device cpu --threads 2 --out DIR --models resnet50_gn --budget 1200`, "
-                 "the same DIR", "d687fee (a DP step that keeps no copy of the parameters: `transactional=False` "
-                 "in this page's code)"))
+                 "python -m benchmarks.scale --device cpu --threads 2 --models gpt2 vit resnet50_gn bert_last "
+                 "--methods plain psg psg_bounded psg_nocopy plain_compile opacus_ghost vmap_dp --profile resnet50_gn "
+                 "vit gpt2 bert_last --reps 7 --budget 3000 --out DIR",
+                 "f2c33cf: Conv2d ghost and bounded norms on the CPU, a tied weight's per-sample gradient in one "
+                 "buffer, the transactional step (`psg`; `psg_nocopy` is `transactional=False`)"))
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
