@@ -350,18 +350,23 @@ def cpu_memory_at_peak(run: Callable, batch: tuple, top: int = 30) -> dict:
         # Inductor's CPU code allocates its buffers without an op (``empty_strided_cpu``): the size tells them apart
         return f"{op or '(no op)'}, {node.extra_fields.alloc_size / 2**20:.1f} MiB blocks, in {python or '?'}"
 
-    live: dict[int, tuple[int, str]] = {}
-    total = peak = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    for node in allocations:
-        fields = node.extra_fields
-        if fields.alloc_size > 0:
-            live[fields.ptr] = (fields.alloc_size, site(node))
-            total += fields.alloc_size
-            if total > peak:
-                peak, at_peak = total, dict(live)
-        elif fields.ptr in live:
-            total -= live.pop(fields.ptr)[0]
+    def replay(until: int | None) -> tuple[dict[int, tuple[int, object]], int, int]:
+        """The blocks live after the first ``until`` events (all: None), and the peak's total and position."""
+        live: dict[int, tuple[int, object]] = {}
+        total = peak = position = 0
+        for k, node in enumerate(allocations[:until]):
+            fields = node.extra_fields
+            if fields.alloc_size > 0:
+                live[fields.ptr] = (fields.alloc_size, node)
+                total += fields.alloc_size
+                if total > peak:
+                    peak, position = total, k + 1
+            elif fields.ptr in live:
+                total -= live.pop(fields.ptr)[0]
+        return live, peak, position
+
+    _, peak, position = replay(None)
+    at_peak = {ptr: (size, site(node)) for ptr, (size, node) in replay(position)[0].items()}
     groups: dict[str, list[int]] = {}
     for size, where in at_peak.values():
         entry = groups.setdefault(where, [0, 0])

@@ -244,3 +244,53 @@ def test_the_conv_ghost_norm_takes_the_samples_a_chunk_at_a_time(monkeypatch):
     per_sample = torch.stack([torch.autograd.grad((torch.nn.functional.conv2d(xs[i], w := torch.zeros(
         4, 2, 3, 3, dtype=torch.float64, requires_grad=True)) * gs[i]).sum(), w)[0] for i in range(5)])
     torch.testing.assert_close(whole, per_sample.flatten(1).pow(2).sum(1), rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("plan", ["ghost", "materialize, bounded"])
+def test_conv_plans_where_the_batch_folds_replicas(plan):
+    """Video-like input: ``n`` samples of ``r`` frames, each frame through the same Conv2d as one batch of
+    ``n * r`` (``x.flatten(0, 1)``): a sample's gradient sums its frames' positions, and both plans match the
+    loop."""
+    torch.manual_seed(3)
+    conv = nn.Conv2d(2, 3, 3, padding=1).double()
+
+    def loss(x):
+        n, r = x.shape[:2]
+        return conv(x.flatten(0, 1)).tanh().reshape(n, -1).square().sum() * 2
+
+    x = torch.randn(4, 3, 2, 5, 4, dtype=torch.float64)
+    with strategies.preferred("clip_sq_norm", plan):
+        fn = psg.per_sample(conv, backend="eager", reduce=psg.clip_sum(0.3, return_norms=True))(loss)
+        got, norms = fn(x)
+        assert _choices(fn, x)["weight"]["sq_norm"] == plan
+    want, want_norms = ref_clip_sum(reference_per_sample(loss, dict(conv.named_parameters()), (x,)), 0.3,
+                                    return_norms=True)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-9, atol=1e-12)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["conv", "matmul"])
+def test_no_certified_norm_where_onednn_rounds_below_float32(op):
+    """oneDNN set to round float32 convolutions or matmuls in bfloat16 (``torch.backends.mkldnn.<op>
+    .fp32_precision``): the ghost and bounded norms certify float32 rounding, so a float32 layer over several
+    positions takes neither, even where they are priced at nothing; float64 keeps them."""
+    torch.manual_seed(0)
+    if op == "conv":
+        layer, x = nn.Conv2d(2, 3, 3), torch.randn(3, 2, 6, 6)
+    else:
+        layer, x = nn.Linear(4, 3), torch.randn(3, 5, 4)
+    settings = getattr(torch.backends.mkldnn, op)
+    before = settings.fp32_precision
+    settings.fp32_precision = "bf16"
+    try:
+        for plan in ("ghost", "materialize, bounded"):
+            with strategies.preferred("clip_sq_norm", plan):
+                for dtype in (torch.float32, torch.float64):
+                    model = layer.to(dtype)
+                    fn = psg.per_sample(model, backend="eager", reduce=psg.clip_sum(1.0))(
+                        lambda x, model=model: model(x).square().sum())
+                    chosen = _choices(fn, x.to(dtype))["weight"]["sq_norm"]
+                    assert (chosen == plan) == (dtype == torch.float64), (plan, dtype, chosen)
+    finally:
+        settings.fp32_precision = before

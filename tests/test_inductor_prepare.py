@@ -104,3 +104,52 @@ def test_a_tied_weights_scatter_adds_into_the_head_gradient(reduce):
     got = psg.per_sample(built.model, reduce=reduction, backend="inductor")(built.loss)(tokens)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _scatter_graph(base_shape=(2, 3, 4), scattered_dtype=torch.float32, same_operand=False, extra_user=False,
+                   query_dim=None):
+    """``a + index_add(zeros(6, 4), 0, idx, src).view(2, 3, 4)``, by hand, with the variations the fold must
+    leave alone or handle."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    a, idx, src = g.placeholder("a"), g.placeholder("idx"), g.placeholder("src")
+    a.meta["val"] = torch.empty(base_shape)
+    zeros = g.call_function(aten.zeros.default, ([6, 4],), {"dtype": scattered_dtype})
+    zeros.meta["val"] = torch.empty(6, 4, dtype=scattered_dtype)
+    scattered = g.call_function(aten.index_add.default, (zeros, 0, idx, src))
+    scattered.meta["val"] = torch.empty(6, 4, dtype=scattered_dtype)
+    view = g.call_function(aten.view.default, (scattered, [2, 3, 4]))
+    view.meta["val"] = torch.empty(2, 3, 4, dtype=scattered_dtype)
+    outputs = []
+    if query_dim is not None:  # a size read from the view (the lift's shapes do this)
+        outputs.append(g.call_function(aten.sym_size.int, (view, query_dim)))
+    total = g.call_function(aten.add.Tensor, (view, view) if same_operand else (a, view))
+    total.meta["val"] = torch.empty(torch.broadcast_shapes(base_shape, (2, 3, 4)),
+                                    dtype=torch.promote_types(torch.float32, scattered_dtype))
+    outputs.append(total)
+    if extra_user:
+        outputs.append(g.call_function(aten.mul.Tensor, (view, 2)))
+    g.output(tuple(outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("case", ["fold", "size_query", "negative_size_query", "same_operand", "broadcast",
+                                  "promotion", "other_user"])
+def test_the_scatter_fold_takes_only_the_same_sum(case):
+    """``scatters_into_sums`` folds a scatter into the sum that takes it only where the result is the same tensor:
+    not ``s + s``, not a broadcast or a type promotion, not a scatter something else reads; a size read from the
+    scatter is answered from the size it was made with. Every variant computes what the original does."""
+    from compiled_psg._compile.prepare import for_inductor
+
+    kwargs = {"fold": {}, "size_query": dict(query_dim=1), "negative_size_query": dict(query_dim=-1),
+              "same_operand": dict(same_operand=True), "broadcast": dict(base_shape=(3, 4)),
+              "promotion": dict(scattered_dtype=torch.float64), "other_user": dict(extra_user=True)}[case]
+    before = _scatter_graph(**kwargs)
+    after = for_inductor(before)
+    assert after.meta["scatters_into_sums"] == (1 if case in ("fold", "size_query", "negative_size_query") else 0)
+    torch.manual_seed(0)
+    a = torch.randn(kwargs.get("base_shape", (2, 3, 4)))
+    idx = torch.tensor([0, 5, 5, 2])
+    src = torch.randn(4, 4, dtype=kwargs.get("scattered_dtype", torch.float32))
+    for got, want in zip(after(a, idx, src), before(a, idx, src), strict=True):
+        torch.testing.assert_close(got, want)

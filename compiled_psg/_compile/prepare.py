@@ -13,7 +13,8 @@ GEMM output plus the lookup's per-sample table, a scatter-add into ``[n*v, d]`` 
 CPU: 393 MiB fewer at the step's peak, ``benchmarks/scale_notes.md``).
 
 Pre-condition: ``gm`` is functional (no in-place op but a final ``copy_`` into inputs). Post-condition: no
-``aten.view.default`` node is left, no ``add`` of a scatter-add into zeros; the graph lints.
+``aten.view.default`` node is left, nor an ``add`` of a scatter-add into zeros that nothing else reads and
+whose shape and dtype are the sum's; the graph lints.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def scatters_into_sums(graph: fx.Graph) -> int:
             continue
         out = node.meta.get("val")
         for other, scattered in (node.args, node.args[::-1]):
+            if other is scattered:  # s + s: the scatter has two uses
+                continue
             found = _scatter_into_zeros(scattered) if isinstance(scattered, fx.Node) else None
             value = other.meta.get("val") if isinstance(other, fx.Node) else None
             if found is None or not all(isinstance(v, torch.Tensor) for v in (value, out, scattered.meta.get("val"))) \
@@ -139,6 +142,7 @@ def scatters_into_sums(graph: fx.Graph) -> int:
                     made.append((result, reshape))
             for new, old in made:  # the same values as the nodes they replace
                 new.meta.update(old.meta)
+            result.meta.update(node.meta)  # the sum's own tags
             node.replace_all_uses_with(result)
             for dead in (node, *reversed(chain), index_add, zeros):
                 graph.erase_node(dead)

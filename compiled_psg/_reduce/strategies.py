@@ -34,7 +34,14 @@ import torch.fx as fx
 from .._analyze.batch_dims import value_of
 from .._analyze.layout import scale_batch
 from .._heap import retains
-from .._rewrite.contraction import Contraction, bounded_materialized_sq_norms, factored_gram, factored_sum_squares
+from .._rewrite.contraction import (
+    Contraction,
+    bounded_materialized_sq_norms,
+    cpu_rounds_in_float32,
+    factored_gram,
+    factored_sum_squares,
+    float32_matmuls_highest,
+)
 from .._rewrite.per_sample_pass import LiftResult
 
 
@@ -223,21 +230,26 @@ def materialize_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
 # ----- squared norms -----
 
 
-def rounds_in_tf32(c: Contraction) -> bool:
-    """Whether the contraction's float32 matmuls may round in TF32 (CUDA, ``torch.backends.cuda.matmul
-    .allow_tf32`` or a float32 matmul precision below "highest"): the certified ghost norm and the bound of a
+def rounds_below_float32(c: Contraction) -> bool:
+    """Whether the contraction's float32 matmuls may round below float32: in TF32 on CUDA
+    (``torch.backends.cuda.matmul.allow_tf32``, or a float32 matmul precision below "highest"), in bfloat16 or TF32
+    in oneDNN on the CPU (``contraction.cpu_rounds_in_float32``). The certified ghost norm and the bound of a
     materialized norm over a book-keeping sum assume rounding in float32, so they do not apply."""
     value = c.node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.device.type != "cuda" or value.dtype != torch.float32:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
         return False
-    return torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    if value.device.type == "cpu":
+        return not cpu_rounds_in_float32("matmul")
+    if value.device.type != "cuda":
+        return False
+    return torch.backends.cuda.matmul.allow_tf32 or not float32_matmuls_highest()
 
 
 def _ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     c = ctx.single_isometric(p)
     if c is None or c.sq_norms is None:
         return None
-    if c.factor_shape is not None and c.factor_shape[0] > 1 and rounds_in_tf32(c):
+    if c.factor_shape is not None and c.factor_shape[0] > 1 and rounds_below_float32(c):
         return None
     if c.factor_shape is None:  # a rule's own norm without factors (embeddings): never writes the [n, P] gradient
         return Cost(flops=_size(p), bytes=_size(p) * ITEMSIZE)
@@ -372,7 +384,7 @@ def _clip_bounded_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     if c is None or (c.factors is None and c.token_norms is None) or c.factor_shape is None \
             or c.factor_shape[0] == 1:
         return None
-    if c.node.meta["val"].dtype not in (torch.float32, torch.float64) or rounds_in_tf32(c):
+    if c.node.meta["val"].dtype not in (torch.float32, torch.float64) or rounds_below_float32(c):
         return None  # bfloat16/float16: (2t + 2) eps is several times the norm itself (ghost, in float32, fits)
     book_keeping = _book_keeping_cost(ctx, p)
     if book_keeping is None:

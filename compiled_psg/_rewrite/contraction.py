@@ -130,6 +130,29 @@ def bounded_materialized_sq_norms(sq: torch.Tensor, a_norms: torch.Tensor, x_nor
     return (sq.to(dtype).clamp_min(0).sqrt() + (2 * t + 2) * eps * root_scale).square()
 
 
+def cpu_rounds_in_float32(op: str) -> bool:
+    """Whether oneDNN's float32 ``op`` ("conv" or "matmul") on the CPU rounds in float32: its ``fp32_precision``
+    (``torch.backends.mkldnn.<op>``, else the backend's, else torch's generic one; "none" defers to the next) is
+    "none" or "ieee", and for matmuls ``torch.get_float32_matmul_precision()`` is "highest". "bf16" or "tf32" there
+    round below float32, past the bounds the ghost and bounded norms certify."""
+    mkldnn = torch.backends.mkldnn
+    chain = [getattr(getattr(mkldnn, op, None), "fp32_precision", "none"), getattr(mkldnn, "fp32_precision", "none"),
+             getattr(torch.backends, "fp32_precision", "none")]
+    effective = next((p for p in chain if p != "none"), "none")
+    if op == "matmul" and not float32_matmuls_highest():
+        return False
+    return effective in ("none", "ieee")
+
+
+def float32_matmuls_highest() -> bool:
+    """``torch.get_float32_matmul_precision() == "highest"``; False where torch cannot say (it raises when the
+    legacy and the per-backend precision settings were both used)."""
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:
+        return False
+
+
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     """Norms of low-precision gradients are kept in float32 (they feed the float32 clip factors)."""
     return torch.promote_types(dtype, torch.float32)

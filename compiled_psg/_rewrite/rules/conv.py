@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
 from ..._capture import patches
-from ..contraction import Contraction, factored_sq_norms
+from ..contraction import Contraction, cpu_rounds_in_float32, factored_sq_norms
 from ..registry import contraction_rule
 
 ATEN = torch.ops.aten
@@ -124,10 +124,11 @@ def conv2d_ghost_sq_norms(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list
     kernel = (weight_shape[2], weight_shape[3])
     t = r * gs.shape[3] * gs.shape[4]
     width = gs.shape[2] + weight_shape[1] * kernel[0] * kernel[1]
-    chunk = max(1, GHOST_CHUNK_BYTES // (8 * (2 * t * width + 2 * t * t)))
+    chunk = max(1, GHOST_CHUNK_BYTES // (8 * (2 * t * width + 3 * t * t)))  # the factors, two Grams, their product
     norms = [factored_sq_norms(*_conv2d_factors(gs[k:k + chunk], xs[k:k + chunk], kernel, stride, padding,
                                                 dilation)) for k in range(0, n, chunk)]
-    return torch.cat(norms) if norms else gs.new_empty([0], dtype=torch.promote_types(gs.dtype, torch.float32))
+    dtype = torch.promote_types(gs.dtype, torch.float32)  # as the fake says, also where t = 1 keeps the input's
+    return torch.cat(norms).to(dtype) if norms else gs.new_empty([0], dtype=dtype)
 
 
 @conv2d_ghost_sq_norms.register_fake
@@ -139,8 +140,8 @@ def gemm_form_on(device: torch.device, patchify: bool = False) -> bool:
     """Whether per-sample Conv2d weight gradients take the GEMM form on ``device``: on CUDA, where cuDNN runs the
     batch-as-groups convolution group by group (``benchmarks/scale_notes.md``, resnet50_gn); elsewhere the one
     grouped convolution, but for a ``patchify`` convolution (stride = kernel, no padding or dilation: a ViT's patch
-    embedding), whose patches do not overlap, so the unfold only moves the input, where oneDNN's grouped
-    convolution took a 73 MiB workspace for ViT's at B = 8 (``benchmarks/scale_notes.md``, vit)."""
+    embedding, and every 1x1 convolution of stride 1), whose patches do not overlap, so the unfold only moves the
+    input, where oneDNN's grouped convolution took a 73 MiB workspace for ViT's at B = 8."""
     return device.type == "cuda" or patchify
 
 
@@ -202,17 +203,19 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
 
     # (t, o, i) of the unfolded form, for the cost model. No traced factors (the patches are kh*kw times the input,
     # and F.unfold fixes the batch size when traced), so sums of squares and Gram matrices materialize the
-    # per-sample conv weight gradient. Where a book-keeping sum rounds as a GEMM over the patches would (on the
-    # CPU, and in float64), a clip norm may instead be the ghost norm (``conv2d_ghost_sq_norms``) or free each
-    # gradient after its norm (the bounded plan, ``conv2d_token_norms``). On CUDA in float32 cuDNN rounds in TF32
-    # by default (torch.backends.cudnn.allow_tf32), past the float32 rounding bounds of both, so there a clipped
-    # sum reuses the values normed.
+    # per-sample conv weight gradient. Where a book-keeping sum rounds as a GEMM over the patches would in the
+    # inputs' precision (float64; float32 on the CPU while oneDNN's conv precision is float32), a clip norm may
+    # instead be the ghost norm (``conv2d_ghost_sq_norms``) or free each gradient after its norm (the bounded
+    # plan, ``conv2d_token_norms``). On CUDA in float32 cuDNN rounds in TF32 by default
+    # (torch.backends.cudnn.allow_tf32), past the float32 rounding bounds of both, so there a clipped sum reuses
+    # the values normed. The choice is made when the graph is captured.
     factor_shape = token_norms = sq_norms = None
     g_val = value_of(g)
     if not transposed and groups == 1 and len(w_shape) == 4 and not any(output_padding):
         positions = int(g_val.shape[2] * g_val.shape[3]) * layout[0] * layout[1]
         factor_shape = (positions, w_shape[0], w_shape[1] * w_shape[2] * w_shape[3])
-        if g_val.device.type == "cpu" or g_val.dtype == torch.float64:
+        if g_val.dtype == torch.float64 or (g_val.dtype == torch.float32 and g_val.device.type == "cpu"
+                                            and cpu_rounds_in_float32("conv")):
             kernel = (w_shape[2], w_shape[3])
 
             def token_norms(g, x, w):
