@@ -18,6 +18,8 @@ from compiled_psg._jobs.explain import report_for
     ("G['model'].conv1[1]", "conv1.1"),
     ("getattr(getattr(L['self'].layers, '0'), 'mlp')", "layers.0.mlp"),
     ("L['self']", ""),
+    ("L['self'].__dict__['_modules']['stem']._modules['1']", "stem.1"),
+    ("L['fn'].__closure__[0].cell_contents.__dict__['_modules']['layers'][2]", "layers.2"),
 ])
 def test_readable_module_path(path, name):
     assert readable_module_path(path) == name

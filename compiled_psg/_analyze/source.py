@@ -44,6 +44,9 @@ def readable_module_path(path: str) -> str:
     name = _HOPS.sub("", name)
     name = re.sub(r"\._modules\['([^']+)'\]", r".\1", name)
     name = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", name)
+    # a module Dynamo reached through the instance dict (``self.__dict__['_modules']['stem']``, as it does when
+    # nn.Module.__call__ is not torch's own) names its children the same way
+    name = re.sub(r"(?:^|\.)__dict__\._modules(?=\.|$)", "", name)
     return name.strip(".")
 
 
