@@ -21,6 +21,15 @@ def _choices(fn, *args) -> dict[str, dict[str, str]]:
     return {name: {c.quantity: c.method for c in cs} for name, cs in entry.rewritten.choices.items()}
 
 
+def _assert_matches(got, norms, want, want_norms, dtype) -> None:
+    """Clipped sums and norms against the loop's. In float32 the bounded and ghost norms are upper bounds, larger
+    by a relative ~(2t + 2) eps sqrt(t)."""
+    tol = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-6)
+    torch.testing.assert_close(norms, want_norms, **tol)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_the_plans_are_the_ones_documented():
     assert PLANS == ["ghost", "materialize", "materialize, bounded"]
 
@@ -39,11 +48,7 @@ def test_each_plan_matches_the_loop(case_id, plan, dtype):
     want, want_norms = ref_clip_sum(reference_per_sample(built.loss, built.params(), args, built.in_dims), 0.05,
                                     return_norms=True)
     assert (want_norms > 0.05).any(), "no sample is clipped: the test would not see a wrong norm"
-    # float32: the bounded and ghost norms are upper bounds, larger by a relative ~(2t + 2) eps sqrt(t)
-    tol = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-6)
-    torch.testing.assert_close(norms, want_norms, **tol)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    _assert_matches(got, norms, want, want_norms, dtype)
     # the plan was used (every plan applies to a Linear over tokens), and each sum is one its norm bounds
     assert any(c.get("sq_norm") == plan for c in choices.values()), choices
     for name, chosen in choices.items():
@@ -188,10 +193,7 @@ def test_a_conv_weight_takes_the_ghost_and_bounded_plans_on_the_cpu(conv, plan, 
     want, want_norms = ref_clip_sum(reference_per_sample(loss, dict(net.named_parameters()), (x,)), 0.5,
                                     return_norms=True)
     assert (want_norms > 0.5).all(), "every sample is clipped: a wrong norm shows in the sums"
-    tol = dict(rtol=1e-9, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-6)
-    torch.testing.assert_close(norms, want_norms, **tol)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    _assert_matches(got, norms, want, want_norms, dtype)
 
 
 @pytest.mark.parametrize("conv", CONVS)
@@ -265,9 +267,7 @@ def test_conv_plans_where_the_batch_folds_replicas(plan):
         assert _choices(fn, x)["weight"]["sq_norm"] == plan
     want, want_norms = ref_clip_sum(reference_per_sample(loss, dict(conv.named_parameters()), (x,)), 0.3,
                                     return_norms=True)
-    torch.testing.assert_close(norms, want_norms, rtol=1e-9, atol=1e-12)
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-12)
+    _assert_matches(got, norms, want, want_norms, torch.float64)
 
 
 @pytest.mark.parametrize("op", ["conv", "matmul"])
