@@ -294,3 +294,100 @@ def test_no_certified_norm_where_onednn_rounds_below_float32(op):
                     assert (chosen == plan) == (dtype == torch.float64), (plan, dtype, chosen)
     finally:
         settings.fp32_precision = before
+
+
+class _ThreeUses(nn.Module):
+    """One matrix as an embedding, a head and an input projection (three contractions summed)."""
+
+    def __init__(self, vocab: int = 11, width: int = 5, padding_idx: int | None = None):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width, padding_idx=padding_idx)
+
+    def forward(self, ids):
+        h = torch.softmax(nn.functional.linear(torch.tanh(self.emb(ids)), self.emb.weight), -1)
+        return nn.functional.linear(h, self.emb.weight.t())
+
+
+TIED = {  # id -> (model and loss from the zoo or built here, batch)
+    "zoo_tied_embedding_lm": lambda dtype: _zoo_tied(dtype),
+    "three_uses": lambda dtype: _three_uses(dtype, None),
+    "three_uses_padding_idx": lambda dtype: _three_uses(dtype, 2),
+}
+
+
+def _zoo_tied(dtype):
+    built = BY_ID["tied_embedding_lm"].build(dtype)
+    return built.model, built.loss, built.make_batch(4, dtype, torch.Generator().manual_seed(3))
+
+
+def _three_uses(dtype, padding_idx):
+    torch.manual_seed(4)
+    model = _ThreeUses(padding_idx=padding_idx).to(dtype)
+    ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(5))
+    ids[0, :3] = 2  # a padding token (where there is one), repeated
+    ids[1, 1] = ids[1, 4]
+
+    def loss(ids):
+        return model(ids).square().sum() * 4
+
+    return model, loss, (ids,)
+
+
+@pytest.mark.parametrize(("case", "dtype", "backend"), [
+    *[(case, dtype, "eager") for case in TIED for dtype in (torch.float64, torch.float32)],
+    ("three_uses_padding_idx", torch.float64, "inductor"),  # Inductor: one representative case
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_a_tied_weight_takes_the_ghost_plan(case, dtype, backend):
+    """A weight tied between an embedding and linear layers has one contraction per use, summed: its ghost norm
+    adds the blocks of every pair (the embedding's one-hot rows read as the columns they select), so neither the
+    per-sample table ``[n, vocab, width]`` nor any per-sample gradient of it is formed; sums and norms match the
+    loop."""
+    model, loss, args = TIED[case](dtype)
+    with strategies.preferred("clip_sq_norm", "ghost"):
+        fn = psg.per_sample(model, backend=backend, reduce=psg.clip_sum(0.5, return_norms=True))(loss)
+        got, norms = fn(*args)
+        chosen = _choices(fn, *args)["emb.weight"]
+    assert chosen["sq_norm"] == "ghost" and chosen["weighted_sum"].startswith("book-keeping"), chosen
+    want, want_norms = ref_clip_sum(reference_per_sample(loss, dict(model.named_parameters()), args), 0.5,
+                                    return_norms=True)
+    assert (want_norms > 0.5).all(), "every sample is clipped: a wrong norm shows in the sums"
+    _assert_matches(got, norms, want, want_norms, dtype)
+
+
+def test_a_tied_weights_ghost_norm_is_certified_where_its_uses_cancel():
+    """Two uses whose per-sample gradients nearly cancel (an embedding row and a head row with opposite
+    gradients): the exact norm is tiny, the float32 sum of the two contributions is not; the certified norm bounds
+    the float32 sum, where the float64 ghost form alone does not."""
+    from compiled_psg._rewrite.contraction import summed_factored_sq_norms
+
+    torch.manual_seed(0)
+    n, t, vocab, width = 3, 4, 7, 5
+    ids = torch.randint(0, vocab, (n, t))
+    x = torch.randn(n, t, width) * 1e4
+    one_hot = nn.functional.one_hot(ids, vocab).float()
+    a_dense = -one_hot + 1e-7 * torch.randn(n, t, vocab)  # the head's rows: the embedding's, negated, perturbed
+    parts = [((ids, torch.ones(n, t)), x), (a_dense, x)]
+    certified = summed_factored_sq_norms(parts, vocab + width, torch.float32)
+    summed32 = torch.bmm(one_hot.transpose(1, 2), x) + torch.bmm(a_dense.transpose(1, 2), x)
+    exact = torch.bmm((one_hot.double() + a_dense.double()).transpose(1, 2), x.double())
+    assert (certified.double() >= summed32.double().flatten(1).square().sum(1)).all()
+    assert (exact.flatten(1).square().sum(1) < summed32.double().flatten(1).square().sum(1)).any(), \
+        "the float32 sum does not exceed the exact norm: nothing for the certificate to cover"
+
+
+def test_the_ghost_grams_of_selecting_and_dense_rows(monkeypatch):
+    """``_rows_gram`` of rows that select columns equals the Gram of their one-hot rows, and a dense pair taken a
+    slice of columns at a time equals the whole product."""
+    from compiled_psg._rewrite import contraction
+
+    torch.manual_seed(1)
+    ids, weight = torch.randint(0, 9, (2, 5)), torch.rand(2, 5)
+    dense = torch.randn(2, 3, 9)
+    one_hot = nn.functional.one_hot(ids, 9).double() * weight.double().unsqueeze(2)
+    gram = contraction._rows_gram
+    torch.testing.assert_close(gram((ids, weight), (ids, weight)), one_hot @ one_hot.transpose(1, 2))
+    torch.testing.assert_close(gram((ids, weight), dense), one_hot @ dense.double().transpose(1, 2))
+    torch.testing.assert_close(gram(dense, (ids, weight)), dense.double() @ one_hot.transpose(1, 2))
+    whole = gram(dense, dense)
+    monkeypatch.setattr(contraction, "GHOST_WIDTH_BYTES", 8 * 3 * 2)  # two columns a slice
+    torch.testing.assert_close(gram(dense, dense), whole, rtol=1e-14, atol=0)

@@ -198,6 +198,38 @@ class ReduceContext:
         """The one contraction of ``p`` when the ops after it only rearrange elements (norms pass through)."""
         return self._single_isometric(p)
 
+    def summed_contractions(self, p: ParamGrad) -> list[tuple[Contraction, bool]] | None:
+        """The contractions of a matrix ``p`` whose gradient is their sum through ops that only rearrange
+        elements (a weight tied between an embedding and a head: ``t(t(mm)) + embedding_dense_backward``), each
+        with whether it reaches the gradient transposed; None for one contraction or any other tail."""
+        if len(p.contractions) < 2 or len(p.shape) != 2:
+            return None
+        reached = {c.node: {c.node: False} for c in p.contractions}  # node -> {contraction node: transposed}
+        for node in p.tail:
+            value, inputs = value_of(node), [a for a in node.all_input_nodes if a in reached]
+            if not isinstance(value, torch.Tensor) or value.dim() != 2:
+                return None
+            if node.target is ATEN.add.Tensor and len(inputs) == 2 and len(node.args) == 2 and not node.kwargs:
+                left, right = (reached[a] for a in node.args)
+                if left.keys() & right.keys() or value_of(node.args[0]).shape != value_of(node.args[1]).shape:
+                    return None
+                reached[node] = {**left, **right}
+            elif len(node.all_input_nodes) == 1 and inputs and _target(node) in _ISOMETRIC:
+                before = value_of(inputs[0]).shape
+                if _is_transpose(node):
+                    reached[node] = {c: not flipped for c, flipped in reached[inputs[0]].items()}
+                elif value.shape == before and node.target is not ATEN.permute.default:
+                    reached[node] = reached[inputs[0]]
+                else:
+                    return None
+            else:
+                return None
+        final = reached.get(p.grad, {})
+        if len(final) != len(p.contractions):
+            return None
+        by_node = {c.node: c for c in p.contractions}
+        return [(by_node[n], flipped) for n, flipped in final.items()]
+
     def replay_tail(self, p: ParamGrad, replaced: dict[fx.Node, fx.Node]) -> fx.Node:
         """Copy the tail from the contractions to ``p.grad`` with some contractions replaced."""
         env = dict(replaced)
@@ -209,6 +241,15 @@ class ReduceContext:
                 new.meta["psg"] = "tail_replay"
                 env[node] = new
         return env.get(p.grad, p.grad)
+
+
+def _is_transpose(node: fx.Node) -> bool:
+    """A 2-D transpose: ``t``, ``transpose(0, 1)`` or ``permute([1, 0])``."""
+    if node.target is ATEN.t.default:
+        return True
+    if node.target is ATEN.transpose.int:
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
+    return node.target is ATEN.permute.default and [d % 2 for d in node.args[1]] == [1, 0]
 
 
 def _target(node: fx.Node):

@@ -41,6 +41,7 @@ from .._rewrite.contraction import (
     factored_gram,
     factored_sum_squares,
     float32_matmuls_highest,
+    summed_factored_sq_norms,
 )
 from .._rewrite.per_sample_pass import LiftResult
 
@@ -70,6 +71,7 @@ class ReduceContext(Protocol):
     def single_isometric(self, p: ParamGrad) -> Contraction | None: ...
     def one_term_per_entry(self, p: ParamGrad) -> bool: ...
     def replay_tail(self, p: ParamGrad, replaced: dict[fx.Node, fx.Node]) -> fx.Node: ...
+    def summed_contractions(self, p: ParamGrad) -> list[tuple[Contraction, bool]] | None: ...
     def assign(self, quantity: str, strategies: dict[str, str]) -> None: ...
     def assigned(self, quantity: str, p: ParamGrad) -> str | None: ...
 
@@ -220,11 +222,29 @@ def materialize_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
     shape = _factor_shape(ctx, p)
     size = _size(p)
     if shape is None:
-        return Cost(flops=size, bytes=2 * size * ITEMSIZE)
+        return _summed_materialize_cost(ctx, p) or Cost(flops=size, bytes=2 * size * ITEMSIZE)
     t, o, i = shape
     if t == 1:
         return Cost(flops=2 * o * i, bytes=(o + i) * ITEMSIZE)
     return Cost(flops=2 * t * o * i, bytes=(2 * o * i + t * (o + i)) * ITEMSIZE)
+
+
+def _summed_materialize_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
+    """Each use of a tied weight written into the one per-sample table: a GEMM per dense contraction, a scatter
+    of its rows per embedding (None: not a sum of contractions whose sizes are known)."""
+    parts = ctx.summed_contractions(p)
+    if parts is None:
+        return None
+    cost = Cost(0, 2 * _size(p) * ITEMSIZE)
+    for c, _ in parts:
+        if c.factor_shape is not None:
+            t, o, i = c.factor_shape
+            cost += Cost(flops=2 * t * o * i, bytes=t * (o + i) * ITEMSIZE)
+        elif (t := c.notes.get("tokens")) is not None:
+            cost += Cost(flops=t * p.shape[1], bytes=2 * t * p.shape[1] * ITEMSIZE)
+        else:
+            return None
+    return cost
 
 
 # ----- squared norms -----
@@ -247,7 +267,9 @@ def rounds_below_float32(c: Contraction) -> bool:
 
 def _ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     c = ctx.single_isometric(p)
-    if c is None or c.sq_norms is None:
+    if c is None:
+        return _summed_ghost_cost(ctx, p)
+    if c.sq_norms is None:
         return None
     if c.factor_shape is not None and c.factor_shape[0] > 1 and rounds_below_float32(c):
         return None
@@ -261,10 +283,66 @@ def _ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     return Cost(flops=2 * (2 * t * t * (o + i) + t * t), bytes=(3 * t * (o + i) + 2 * t * t) * 2 * ITEMSIZE)
 
 
+def _summed_parts(ctx: ReduceContext, p: ParamGrad) -> list[tuple[Contraction, bool]] | None:
+    """The contractions summed into ``p``'s gradient when each has factors, dense or selecting rows, that round
+    in float32 (the certified ghost norm's assumption)."""
+    parts = ctx.summed_contractions(p)
+    if parts is None or any(c.factors is None and c.index_factors is None for c, _ in parts):
+        return None
+    if any(c.factors is not None and rounds_below_float32(c) for c, _ in parts):
+        return None
+    return parts
+
+
+def _tokens(c: Contraction) -> int | None:
+    return c.factor_shape[0] if c.factor_shape is not None else c.notes.get("tokens")
+
+
+def _summed_ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
+    """The blocks ``<A_k A_l^T, X_k X_l^T>`` of every pair: a dense factor's Gram costs its width per entry, a
+    selecting one's a comparison or a gather; in float64, as ``_ghost_cost``."""
+    parts = _summed_parts(ctx, p)
+    tokens = None if parts is None else [_tokens(c) for c, _ in parts]
+    if parts is None or None in tokens:
+        return None
+    o, i = p.shape
+
+    def widths(c: Contraction, flipped: bool) -> tuple[int, int]:  # a selecting side reads one entry per row
+        if c.factors is not None:
+            return o, i
+        return (i, 1) if flipped else (1, i)
+
+    sides = [widths(c, flipped) for c, flipped in parts]
+    flops = sum(2 * t * u * (min(a[0], b[0]) + min(a[1], b[1])) + t * u
+                for a, t in zip(sides, tokens, strict=True) for b, u in zip(sides, tokens, strict=True))
+    reads = sum(t * (a[0] + a[1]) for a, t in zip(sides, tokens, strict=True))
+    return Cost(flops=2 * flops, bytes=(3 * reads + 2 * sum(tokens) ** 2) * 2 * ITEMSIZE)
+
+
 @strategy("sq_norm", "ghost", _ghost_cost)
 def _sq_norm_ghost(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
     c = ctx.single_isometric(p)
-    return ctx.emit(c.sq_norms, c.inputs, f"ghost_norm[{c.rule}]")
+    if c is not None:
+        return ctx.emit(c.sq_norms, c.inputs, f"ghost_norm[{c.rule}]")
+    parts = _summed_parts(ctx, p)
+    sizes = [len(c.inputs) for c, _ in parts]
+    sum_dtype = value_of(p.grad).dtype
+    width = sum(p.shape)
+
+    def summed(*values):
+        factored = []
+        for (c, flipped), size in zip(parts, sizes, strict=True):
+            inputs, values = values[:size], values[size:]
+            if c.factors is not None:
+                a, x = c.factors(*inputs)
+            else:
+                ids, weight, x = c.index_factors(*inputs)
+                a = (ids, weight)
+            factored.append((x, a) if flipped else (a, x))
+        return summed_factored_sq_norms(factored, width, sum_dtype)
+
+    rules = "+".join(c.rule for c, _ in parts)
+    return ctx.emit(summed, [v for c, _ in parts for v in c.inputs], f"ghost_norm[{rules}]")
 
 
 def _materialize_and_reduce_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:

@@ -44,6 +44,9 @@ class Contraction:
     # (*inputs) -> ([n, t], [n, t]): the norms of the factors' rows ||A[n, t]||, ||X[n, t]||, where the factors
     # are too big to form (a convolution's patches) but a book-keeping sum rounds as they would
     token_norms: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # (*inputs) -> (ids [n, t], weight [n, t], X [n, t, i]): factors whose ``A`` selects rows, ``A[n, t] =
+    # weight[n, t] * one_hot(ids[n, t], o)`` (an embedding's gradient: ``o`` is the vocabulary, too wide to form)
+    index_factors: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     notes: dict = field(default_factory=dict)
 
     def row_norms(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +131,57 @@ def bounded_materialized_sq_norms(sq: torch.Tensor, a_norms: torch.Tensor, x_nor
     t, dtype = a_norms.shape[1], _norm_dtype(sq.dtype)
     root_scale = (a_norms.to(dtype) * x_norms.to(dtype)).sum(1)
     return (sq.to(dtype).clamp_min(0).sqrt() + (2 * t + 2) * eps * root_scale).square()
+
+
+# ----- a gradient that sums several contractions (a weight tied between an embedding and a head) -----
+
+# One factor of a contraction: dense rows ``[n, t, k]``, or rows that select a column, ``(ids [n, t], weight [n, t])``
+Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+GHOST_WIDTH_BYTES = 4 * 2**20  # per sample: the float64 slice of a dense factor converted at a time
+
+
+def _rows_gram(r: Rows, s: Rows) -> torch.Tensor:
+    """``R S^T`` per sample in float64, ``[n, t_r, t_s]``: a dense pair a slice of columns at a time (the float64
+    copy of a vocabulary-wide factor would be twice its size), a selecting row as the column it selects."""
+    if isinstance(r, tuple) and isinstance(s, tuple):
+        (ids_r, w_r), (ids_s, w_s) = r, s
+        same = (ids_r.unsqueeze(2) == ids_s.unsqueeze(1)).double()
+        return same * w_r.double().unsqueeze(2) * w_s.double().unsqueeze(1)
+    if isinstance(r, tuple):
+        return _rows_gram(s, r).transpose(1, 2)
+    if isinstance(s, tuple):
+        ids, w = s
+        picked = r.gather(2, ids.unsqueeze(1).expand(-1, r.shape[1], -1))  # [n, t_r, t_s]: r[n, t, ids[n, u]]
+        return picked.double() * w.double().unsqueeze(1)
+    width = r.shape[2]
+    step = width
+    if isinstance(r.shape[1], int) and isinstance(s.shape[1], int):
+        step = max(1, GHOST_WIDTH_BYTES // (8 * max(r.shape[1], s.shape[1])))
+    gram = None
+    for start in range(0, width, step):
+        part = torch.bmm(r[:, :, start:start + step].double(), s[:, :, start:start + step].double().transpose(1, 2))
+        gram = part if gram is None else gram + part
+    return gram
+
+
+def summed_factored_sq_norms(parts: list[tuple[Rows, Rows]], width: int, sum_dtype: torch.dtype) -> torch.Tensor:
+    """``||sum_k A_k[n]^T X_k[n]||_F^2`` for factors ``(A_k, X_k)`` of one gradient (``[n, t_k, o]``, ``[n, t_k,
+    i]``; ``width = o + i``), certified like ``factored_sq_norms``: the factors concatenated along the tokens are
+    one factored gradient, ``[A_1; A_2]^T [X_1; X_2]``, whose ghost norm is the sum of the blocks ``<A_k A_l^T, X_k
+    X_l^T>``. A tied embedding and LM head: ``A_1`` the one-hot rows of the token ids, ``A_2`` the logits'
+    gradient, so the cross block is the logits' gradient read at the ids and the embedding's table is never
+    formed."""
+    grams = {}
+    for k, (a_k, x_k) in enumerate(parts):
+        for m in range(k, len(parts)):
+            a_m, x_m = parts[m]
+            grams[k, m] = _rows_gram(a_k, a_m), _rows_gram(x_k, x_m)
+    sq = sum((a * x).sum((1, 2)) * (1 if k == m else 2) for (k, m), (a, x) in grams.items())
+    # the rows' norms from the Grams' diagonals (a float64 copy of a vocabulary-wide factor is not made twice)
+    scale = sum((grams[k, k][0].diagonal(dim1=1, dim2=2) * grams[k, k][1].diagonal(dim1=1, dim2=2)).sqrt().sum(1)
+                for k in range(len(parts)))
+    tokens = sum(x.shape[1] for _, x in parts) + len(parts) - 1  # the parts' sums are added: one rounding each
+    return certified_sq_norms(sq, scale.square(), width, tokens, _norm_dtype(sum_dtype), sum_dtype)
 
 
 def cpu_rounds_in_float32(op: str) -> bool:

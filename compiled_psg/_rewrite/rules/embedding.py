@@ -75,12 +75,25 @@ def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | N
         return certified_sq_norms((gg * same.to(gg.dtype)).sum((1, 2)), scale, 2 * grads.shape[2],
                                   grads.shape[1], torch.promote_types(grads.dtype, torch.float32), grads.dtype)
 
+    def index_factors(g, idx):  # A[n, t] = one_hot(ids[n, t]), zero for a padding token
+        grads, ids = tokens(g, idx)
+        weight = torch.ones_like(ids, dtype=grads.dtype)
+        if padding_idx is not None and padding_idx >= 0:
+            weight = (ids != padding_idx).to(grads.dtype)
+        return ids, weight, grads
+
     def rebuild(g, idx):
         return ATEN.embedding_dense_backward(g, idx, num_weights, padding_idx, scale_by_freq)
 
     linear = None if scale_by_freq else 0  # the frequency scale is per sample, not per batch
+    shape = value_of(idx).shape
+    tokens_per_sample = layout[0] * layout[1]
+    for d, size in enumerate(shape):
+        tokens_per_sample = tokens_per_sample * size if d != bdim else tokens_per_sample
+    notes = {"tokens": tokens_per_sample} if isinstance(tokens_per_sample, int) else {}
     return Contraction(rule="embedding_dense_backward", node=node, inputs=[g, idx], per_sample=per_sample,
-                       linear_arg=linear, linear_layout=(bdim, layout), rebuild=rebuild, sq_norms=sq_norms)
+                       linear_arg=linear, linear_layout=(bdim, layout), rebuild=rebuild, sq_norms=sq_norms,
+                       index_factors=None if scale_by_freq else index_factors, notes=notes)
 
 
 @lift_rule(ATEN.embedding_dense_backward.default, linear=True)
