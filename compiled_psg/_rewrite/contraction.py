@@ -153,15 +153,33 @@ def _rows_gram(r: Rows, s: Rows) -> torch.Tensor:
         ids, w = s
         picked = r.gather(2, ids.unsqueeze(1).expand(-1, r.shape[1], -1))  # [n, t_r, t_s]: r[n, t, ids[n, u]]
         return picked.double() * w.double().unsqueeze(1)
-    width = r.shape[2]
-    step = width
-    if isinstance(r.shape[1], int) and isinstance(s.shape[1], int):
-        step = max(1, GHOST_WIDTH_BYTES // (8 * max(r.shape[1], s.shape[1])))
     gram = None
-    for start in range(0, width, step):
-        part = torch.bmm(r[:, :, start:start + step].double(), s[:, :, start:start + step].double().transpose(1, 2))
+    step = _slice_width(r, s)
+    for r_part, s_part in zip(_column_slices(r, step), _column_slices(s, step), strict=True):
+        part = torch.bmm(r_part, s_part.transpose(1, 2))
         gram = part if gram is None else gram + part
     return gram
+
+
+def _slice_width(*rows: torch.Tensor) -> int:
+    """Columns per slice: ``GHOST_WIDTH_BYTES`` of float64 per sample for the longest rows (all at once where a
+    length is symbolic)."""
+    lengths = [r.shape[1] for r in rows]
+    if not all(isinstance(t, int) for t in lengths):
+        return rows[0].shape[2]
+    return max(1, GHOST_WIDTH_BYTES // (8 * max(lengths)))
+
+
+def _column_slices(r: torch.Tensor, step: int) -> list[torch.Tensor]:
+    """Dense rows ``[n, t, k]`` in float64, ``step`` columns at a time."""
+    return [r[:, :, start:start + step].double() for start in range(0, r.shape[2], step)]
+
+
+def _rows_sq_norms(r: Rows) -> torch.Tensor:
+    """``||r[n, t]||^2`` in float64, ``[n, t]``."""
+    if isinstance(r, tuple):
+        return r[1].double().square()
+    return sum(part.square().sum(2) for part in _column_slices(r, _slice_width(r)))
 
 
 def summed_factored_sq_norms(parts: list[tuple[Rows, Rows]], width: int, sum_dtype: torch.dtype) -> torch.Tensor:
@@ -177,9 +195,7 @@ def summed_factored_sq_norms(parts: list[tuple[Rows, Rows]], width: int, sum_dty
             a_m, x_m = parts[m]
             grams[k, m] = _rows_gram(a_k, a_m), _rows_gram(x_k, x_m)
     sq = sum((a * x).sum((1, 2)) * (1 if k == m else 2) for (k, m), (a, x) in grams.items())
-    # the rows' norms from the Grams' diagonals (a float64 copy of a vocabulary-wide factor is not made twice)
-    scale = sum((grams[k, k][0].diagonal(dim1=1, dim2=2) * grams[k, k][1].diagonal(dim1=1, dim2=2)).sqrt().sum(1)
-                for k in range(len(parts)))
+    scale = sum((_rows_sq_norms(a) * _rows_sq_norms(x)).sqrt().sum(1) for a, x in parts)
     tokens = sum(x.shape[1] for _, x in parts) + len(parts) - 1  # the parts' sums are added: one rounding each
     return certified_sq_norms(sq, scale.square(), width, tokens, _norm_dtype(sum_dtype), sum_dtype)
 
