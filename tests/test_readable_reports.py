@@ -75,6 +75,22 @@ def test_hardswish_and_rsub_have_batch_semantics():
             torch.testing.assert_close(got[name][i], w, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("build", ["complex", "polar"])
+def test_complex_construction_has_batch_semantics(build):
+    """``torch.complex`` and ``torch.polar`` build each element from the same elements of their inputs (torch tags
+    neither pointwise): exact, not refused."""
+    p = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    make = {"complex": lambda x: torch.complex(x * p, x.sin()), "polar": lambda x: torch.polar(x * p + 2, x)}[build]
+
+    def loss(x):
+        return make(x).abs().pow(3).sum() + make(x).angle().sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    got = psg.per_sample({"p": p}, backend="eager")(loss)(x)["p"]
+    want = torch.stack([torch.autograd.grad(loss(x[i:i + 1]), p)[0] for i in range(3)])
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_group_sites_keeps_distinct_sites():
     err = _refusal(depth=2)
     sites = err.report.mixing

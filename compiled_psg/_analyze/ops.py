@@ -48,7 +48,8 @@ ELEMENTWISE = _overloads(
     "rrelu_with_noise_functional",
     "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "gelu_backward", "silu_backward",
     "native_dropout_backward", "threshold_backward", "mish_backward", "_conj", "lift_fresh_copy",
-    "hardswish", "rsub.Tensor", "rsub.Scalar", "softshrink_backward", "hardshrink_backward", "zero",
+    "hardswish", "rsub.Tensor", "rsub.Scalar", "softshrink_backward", "hardshrink_backward", "zero", "complex",
+    "polar",
 )
 
 IDENTITY = _overloads("clone", "alias", "detach", "contiguous", "_to_copy", "lift_fresh_copy", "view_as",
