@@ -644,7 +644,13 @@ PAGE_SOURCES = (("GPU (H100), full configs: gpt2, llama_lora, resnet50_gn, vit w
                  "--methods plain psg psg_bounded psg_nocopy plain_compile opacus_ghost vmap_dp --profile resnet50_gn "
                  "vit gpt2 bert_last --reps 7 --budget 3000 --out DIR",
                  "f2c33cf: Conv2d ghost and bounded norms on the CPU, a tied weight's per-sample gradient in one "
-                 "buffer, the transactional step (`psg`; `psg_nocopy` is `transactional=False`)"))
+                 "buffer, the transactional step (`psg`; `psg_nocopy` is `transactional=False`)"),
+                ("CPU, scaled configs: gpt2 with a tied weight's ghost norm", "benchmarks-scale-cpu-gpt2.json",
+                 "python -m benchmarks.scale --device cpu --threads 2 --models gpt2 --methods plain psg psg_bounded "
+                 "psg_nocopy plain_compile vmap_dp --profile gpt2 --reps 7 --budget 1400 --out DIR",
+                 "938af05: the ghost norm of a weight used more than once (the embedding and LM head), taken by "
+                 "`memory_budget=0` and by the default plan where the heap does not keep freed memory (the benchmarks "
+                 "keep it: `benchmarks/__init__.py`)"))
 
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
