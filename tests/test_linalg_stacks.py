@@ -53,6 +53,10 @@ LOSSES = {
     "lu_factor": lambda m: torch.linalg.lu_factor(m).LU.pow(2).sum(),
     "solve": lambda m: torch.linalg.solve(m, m[..., :2]).pow(2).sum(),
     "solve_right": lambda m: torch.linalg.solve(m, m[..., :2, :], left=False).pow(2).sum(),
+    # a stack of vectors on the right (B.shape == A.shape[:-1]: one vector per matrix, torch's rule)
+    "solve_vector": lambda m: torch.linalg.solve(m, m[..., 0] + 1).pow(2).sum(),
+    "solve_vector_per_sample": lambda m: torch.linalg.solve(m.detach() + torch.eye(3, dtype=m.dtype), m[..., 1])
+    .pow(2).sum(),
 }
 
 

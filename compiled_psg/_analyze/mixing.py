@@ -801,6 +801,7 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
     ``[B, ...]``) holds the batch in its dimension 0 too."""
     tensors = [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]
     per_matrix = {_kwargs(node).get(name) for name in ops.PER_MATRIX_ARGS.get(node.target, ())} - {None}
+    vectors = _vector_right_hand_side(node)
     facts = [an.fact(t) for t in tensors]
     _no_sample_index(facts)
     out = value_of(node)
@@ -812,7 +813,7 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
     if _pooled(facts) is not None:
         raise _mix("it combines per-sample matrices with a sum over the batch")
     for t, f in per:
-        if _rank(t) < (1 if t in per_matrix else 3) or _norm_dim(f.dim, _rank(t)) != 0:
+        if _rank(t) < (1 if t in per_matrix else 2 if t in vectors else 3) or _norm_dim(f.dim, _rank(t)) != 0:
             raise _mix("the batch sits in a matrix dimension, whose rows and columns this op combines",
                        "keep the batch as the leading dimension of a stack of matrices, [B, n, n]")
     layout = _merge_layouts([f.layout for _, f in per])
@@ -823,6 +824,18 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
             raise _unknown(_op_name(node), " (an output with the batch outside its leading dimension)")
         found.append(PerSample(0, layout) if dims else SHARED)
     return tuple(found) if isinstance(out, (tuple, list)) else found[0]
+
+
+def _vector_right_hand_side(node: fx.Node) -> set[fx.Node]:
+    """``linalg.solve``'s right-hand side when torch reads it as a stack of vectors (``B.shape == A.shape[:-1]``):
+    ``[B, ..., n]`` holds one vector per matrix, its batch in dimension 0."""
+    if node.target is not torch.ops.aten._linalg_solve_ex.default:
+        return set()
+    a, b = node.args[:2]
+    matrices, rhs = value_of(a), value_of(b)
+    if rhs.dim() == matrices.dim() - 1 and tuple(rhs.shape) == tuple(matrices.shape[:-1]):
+        return {b}
+    return set()
 
 
 def _first_input(an: Analysis, node: fx.Node) -> tuple[fx.Node, Fact]:
