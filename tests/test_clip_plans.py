@@ -308,10 +308,24 @@ class _ThreeUses(nn.Module):
         return nn.functional.linear(h, self.emb.weight.t())
 
 
+class _FlippedEmbedding(nn.Module):
+    """A table stored ``[width, vocab]``, read as an embedding through its transpose and as a head: the embedding's
+    contraction reaches the gradient transposed, its selecting rows on the other side."""
+
+    def __init__(self, vocab: int = 11, width: int = 5):
+        super().__init__()
+        self.emb = nn.Module()
+        self.emb.weight = nn.Parameter(torch.randn(width, vocab))
+
+    def forward(self, ids):
+        return torch.tanh(nn.functional.embedding(ids, self.emb.weight.t())) @ self.emb.weight
+
+
 TIED = {  # id -> (model and loss from the zoo or built here, batch)
     "zoo_tied_embedding_lm": lambda dtype: _zoo_tied(dtype),
     "three_uses": lambda dtype: _three_uses(dtype, None),
     "three_uses_padding_idx": lambda dtype: _three_uses(dtype, 2),
+    "flipped_embedding": lambda dtype: _three_uses(dtype, None, _FlippedEmbedding),
 }
 
 
@@ -320,9 +334,9 @@ def _zoo_tied(dtype):
     return built.model, built.loss, built.make_batch(4, dtype, torch.Generator().manual_seed(3))
 
 
-def _three_uses(dtype, padding_idx):
+def _three_uses(dtype, padding_idx, build=_ThreeUses):
     torch.manual_seed(4)
-    model = _ThreeUses(padding_idx=padding_idx).to(dtype)
+    model = (build(padding_idx=padding_idx) if padding_idx is not None else build()).to(dtype)
     ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(5))
     ids[0, :3] = 2  # a padding token (where there is one), repeated
     ids[1, 1] = ids[1, 4]

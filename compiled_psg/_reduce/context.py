@@ -204,10 +204,13 @@ class ReduceContext:
         with whether it reaches the gradient transposed; None for one contraction or any other tail."""
         if len(p.contractions) < 2 or len(p.shape) != 2:
             return None
+        dtype = value_of(p.grad).dtype  # the certificate counts the rounding of one dtype
+        if any(value_of(c.node).dtype != dtype for c in p.contractions):
+            return None
         reached = {c.node: {c.node: False} for c in p.contractions}  # node -> {contraction node: transposed}
         for node in p.tail:
             value, inputs = value_of(node), [a for a in node.all_input_nodes if a in reached]
-            if not isinstance(value, torch.Tensor) or value.dim() != 2:
+            if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.dtype != dtype:
                 return None
             if node.target is ATEN.add.Tensor and len(inputs) == 2 and len(node.args) == 2 and not node.kwargs:
                 left, right = (reached[a] for a in node.args)

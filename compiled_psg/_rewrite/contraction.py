@@ -196,7 +196,8 @@ def summed_factored_sq_norms(parts: list[tuple[Rows, Rows]], width: int, sum_dty
             grams[k, m] = _rows_gram(a_k, a_m), _rows_gram(x_k, x_m)
     sq = sum((a * x).sum((1, 2)) * (1 if k == m else 2) for (k, m), (a, x) in grams.items())
     scale = sum((_rows_sq_norms(a) * _rows_sq_norms(x)).sqrt().sum(1) for a, x in parts)
-    tokens = sum(x.shape[1] for _, x in parts) + len(parts) - 1  # the parts' sums are added: one rounding each
+    # a selecting side may be either factor (a flipped embedding): count its rows from the ids
+    tokens = sum((x[0] if isinstance(x, tuple) else x).shape[1] for _, x in parts) + len(parts) - 1
     return certified_sq_norms(sq, scale.square(), width, tokens, _norm_dtype(sum_dtype), sum_dtype)
 
 
