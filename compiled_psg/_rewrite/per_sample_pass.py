@@ -136,10 +136,60 @@ def substitute_batch_values(graph: fx.Graph, node: fx.Node, batch: BatchDims) ->
     return twin
 
 
+def _view_root(node):
+    """The tensor a chain of views reads (``as_strided(new_zeros(...))`` -> ``new_zeros``)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        alias = returns[0].alias_info if len(returns) == 1 else None
+        if alias is None or alias.is_write or not node.args or not isinstance(node.args[0], fx.Node):
+            return node
+        node = node.args[0]
+    return node
+
+
+def refuse_hidden_writes(graph: fx.Graph, targets: list[fx.Node]) -> None:
+    """Pre-condition of the per-sample pass: every value a target reads flows along the graph's edges. An in-place
+    write into a view (``as_strided``'s backward: ``copy_(as_strided(buf), grad)``, then a second view of ``buf``
+    returned as the gradient) carries a value to later readers of ``buf`` that no edge shows: the pass would take
+    the gradient for independent of the batch and give every sample the whole batch's. Refused by name."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writes = []  # (position, written root, node)
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for argument, value in zip(node.target._schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
+                writes.append((order[node], _view_root(value), node))
+    if not writes:
+        return
+    def user_line(writer: fx.Node, read: fx.Node) -> str:
+        """A backward's nodes carry no source line: the user's line of a forward op of the kind that reads the
+        written tensor (as_strided's backward reads its buffer through as_strided)."""
+        line = source_line(writer)
+        forward = [n for n in graph.nodes if n.target is read.target and n.meta.get("stack_trace")]
+        return source_line(forward[0]) if "unknown" in line and forward else line
+
+    seen, stack = set(), list(targets)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for position, root, writer in writes:
+            if order[n] > position and _view_root(n) is root:
+                raise UnsupportedError(
+                    f"the backward of {n.target} at {user_line(writer, n)} writes in place ({writer.target}) into "
+                    "a buffer that a parameter's gradient then reads through a view: compiled_psg follows values "
+                    "along the graph's edges and cannot give that write its per-sample form. Fix: use an op whose "
+                    "backward is functional (for as_strided on a parameter: t(), transpose, permute or view)")
+        stack.extend(n.all_input_nodes)
+
+
 def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims) -> LiftResult:
     for t in targets:
         if batch.is_batched(t):
             raise InternalError(f"pre-condition: target {t.name} must not carry the batch")
+    refuse_hidden_writes(graph, targets)
     result = LiftResult(region=find_region(graph, targets, batch))
     ps = result.per_sample
     for node in result.region:
