@@ -197,3 +197,28 @@ def test_tensor_split_at_points_held_in_a_tensor_names_the_values_and_the_fix(po
             psg.per_sample({"p": p}, backend="eager")(loss)(x)
     split = points
     _exact(loss, p, x)
+
+
+@pytest.mark.parametrize("uses", ["one", "two"])
+def test_a_gradient_written_in_place_through_a_view_is_refused(uses):
+    """``W.as_strided(...)``: its backward copies the gradient into a view of a fresh buffer and returns another
+    view of that buffer, so no edge carries the batch to the parameter's gradient. It was taken for independent of
+    the batch (every sample got the batch's gradient: norms of the batch's, not the loop's); refused, naming the
+    user's line."""
+    torch.manual_seed(1)
+    weight = nn.Parameter(torch.randn(6, 6, dtype=torch.float64) / 2)
+    model = nn.Module()
+    model.W = weight
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+
+    def strided(w):
+        return w.as_strided((6, 6), (1, 6))  # W.T, written the hard way
+
+    def loss(x):
+        h = torch.tanh(F.linear(x, weight)) if uses == "two" else x
+        return F.linear(h, strided(weight)).square().sum()
+
+    want = reference_per_sample(loss, {"W": weight}, (x,))["W"]
+    assert want.flatten(1).norm(dim=1).std() > 0, "the samples' norms differ: a shared gradient would show"
+    with pytest.raises(psg.UnsupportedError, match=r"as_strided.*test_refusal_causes.py:\d+.*copy_.*Fix: "):
+        psg.per_sample(model, backend="eager", reduce=psg.clip_sum(1.0))(loss)(x)

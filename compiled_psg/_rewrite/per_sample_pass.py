@@ -147,19 +147,28 @@ def _view_root(node):
     return node
 
 
-def refuse_hidden_writes(graph: fx.Graph, targets: list[fx.Node]) -> None:
-    """Pre-condition of the per-sample pass: every value a target reads flows along the graph's edges. An in-place
-    write into a view (``as_strided``'s backward: ``copy_(as_strided(buf), grad)``, then a second view of ``buf``
-    returned as the gradient) carries a value to later readers of ``buf`` that no edge shows: the pass would take
-    the gradient for independent of the batch and give every sample the whole batch's. Refused by name."""
+def refuse_hidden_writes(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims) -> None:
+    """Pre-condition of the per-sample pass: no value that depends on the batch reaches a target along no edge.
+    An in-place write of such a value into a view of a buffer that does not (``as_strided``'s backward:
+    ``copy_(as_strided(new_zeros(...)), grad)``, then a second view of the buffer returned as the gradient) is seen
+    by the buffer's later readers, but the pass would take them for independent of the batch and give every sample
+    the whole batch's gradient. Refused by name. (A write into a buffer computed from the batch is lifted with it.)"""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    depends = None
     writes = []  # (position, written root, node)
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        for argument, value in zip(node.target._schema.arguments, node.args):
-            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, fx.Node):
-                writes.append((order[node], _view_root(value), node))
+        arguments = node.target._schema.arguments  # positional first (fewer than the schema's), then by name
+        given = [*zip(arguments, node.args, strict=False),
+                 *((a, node.kwargs[a.name]) for a in arguments if a.name in node.kwargs)]
+        for argument, value in given:
+            if argument.alias_info is None or not argument.alias_info.is_write or not isinstance(value, fx.Node):
+                continue
+            depends = depends or _depends_on_batch(graph, batch)
+            root = _view_root(value)
+            if not depends[root] and any(depends[a] for a in node.all_input_nodes):
+                writes.append((order[node], root, node))
     if not writes:
         return
     def user_line(writer: fx.Node, read: fx.Node) -> str:
@@ -189,7 +198,7 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
     for t in targets:
         if batch.is_batched(t):
             raise InternalError(f"pre-condition: target {t.name} must not carry the batch")
-    refuse_hidden_writes(graph, targets)
+    refuse_hidden_writes(graph, targets, batch)
     result = LiftResult(region=find_region(graph, targets, batch))
     ps = result.per_sample
     for node in result.region:
