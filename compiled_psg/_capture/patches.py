@@ -91,6 +91,17 @@ def applied(phase: str, **arguments) -> Iterator[dict[str, object]]:
         yield entered
 
 
+@contextlib.contextmanager
+def serialized() -> Iterator[None]:
+    """Dynamo's compile lock across a whole rewrite, not only its capture: the rewrite's own ``make_fx`` traces
+    patch ``nn.Module.__call__`` for the whole process (torch.fx's tracer), and two tracers in two threads restore
+    each other's patches (another thread's ``torch.compile`` beside a first call left it patched)."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    with compile_lock:
+        yield
+
+
 def current() -> dict[str, tuple]:
     """What each reversible entry replaces, read now: compare two readings by identity (``is``)."""
     return {name: p.current() for name, p in REGISTRY.items() if p.current is not None}

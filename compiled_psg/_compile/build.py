@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
 from .._analyze.source import group_sites, source_line
+from .._capture import patches
 from .._capture.dynamo import Captured, Role, capture_joint, shape_from_values
 from .._capture.retrace import forward_slice, retrace_joint
 from .._compat import reconnects_inner_gradients
@@ -51,6 +52,12 @@ class Rewritten:
 
 def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int],
           reduction: Reduction) -> Rewritten:
+    with patches.serialized():  # no other thread's compile traces beside the rewrite's traces
+        return _build(loss_fn, params, args, batch_dims, reduction)
+
+
+def _build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int],
+           reduction: Reduction) -> Rewritten:
     captured = capture_joint(loss_fn, params, args, batch_dims)
     roles = captured.roles
     batched_fakes = [f for f, r in zip(captured.fake_inputs, roles, strict=True) if r.batched]
