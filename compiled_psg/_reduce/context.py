@@ -46,6 +46,7 @@ class ReduceContext:
         self._materialized: dict[str, fx.Node] = {}
         self._norm_strategy: dict[str, str] = {}
         self._assigned: dict[str, dict[str, str]] = {}  # quantity -> {parameter: strategy} (fit_memory)
+        self._summed: dict[str, list | None] = {}  # summed_contractions, by parameter
         self.memory_plan: dict | None = None  # what fit_memory planned, for psg.explain
 
     def batch_size_hint(self) -> int:
@@ -201,7 +202,13 @@ class ReduceContext:
     def summed_contractions(self, p: ParamGrad) -> list[tuple[Contraction, bool]] | None:
         """The contractions of a matrix ``p`` whose gradient is their sum through ops that only rearrange
         elements (a weight tied between an embedding and a head: ``t(t(mm)) + embedding_dense_backward``), each
-        with whether it reaches the gradient transposed; None for one contraction or any other tail."""
+        with whether it reaches the gradient transposed; None for one contraction or any other tail. Read once per
+        parameter (every strategy's price asks)."""
+        if p.name not in self._summed:
+            self._summed[p.name] = self._read_summed(p)
+        return self._summed[p.name]
+
+    def _read_summed(self, p: ParamGrad) -> list[tuple[Contraction, bool]] | None:
         if len(p.contractions) < 2 or len(p.shape) != 2:
             return None
         dtype = value_of(p.grad).dtype  # the certificate counts the rounding of one dtype

@@ -175,11 +175,15 @@ def _column_slices(r: torch.Tensor, step: int) -> list[torch.Tensor]:
     return [r[:, :, start:start + step].double() for start in range(0, r.shape[2], step)]
 
 
-def _rows_sq_norms(r: Rows) -> torch.Tensor:
-    """``||r[n, t]||^2`` in float64, ``[n, t]``."""
+def _self_gram(r: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """``R R^T`` and the rows' squared norms ``||r[n, t]||^2``, in float64, from one set of slices."""
     if isinstance(r, tuple):
-        return r[1].double().square()
-    return sum(part.square().sum(2) for part in _column_slices(r, _slice_width(r)))
+        return _rows_gram(r, r), r[1].double().square()
+    gram = sq = None
+    for part in _column_slices(r, _slice_width(r)):
+        g, q = torch.bmm(part, part.transpose(1, 2)), part.square().sum(2)
+        gram, sq = (g, q) if gram is None else (gram + g, sq + q)
+    return gram, sq
 
 
 def summed_factored_sq_norms(parts: list[tuple[Rows, Rows]], width: int, sum_dtype: torch.dtype) -> torch.Tensor:
@@ -189,13 +193,13 @@ def summed_factored_sq_norms(parts: list[tuple[Rows, Rows]], width: int, sum_dty
     X_l^T>``. A tied embedding and LM head: ``A_1`` the one-hot rows of the token ids, ``A_2`` the logits'
     gradient, so the cross block is the logits' gradient read at the ids and the embedding's table is never
     formed."""
-    grams = {}
+    sq = scale = 0
     for k, (a_k, x_k) in enumerate(parts):
-        for m in range(k, len(parts)):
-            a_m, x_m = parts[m]
-            grams[k, m] = _rows_gram(a_k, a_m), _rows_gram(x_k, x_m)
-    sq = sum((a * x).sum((1, 2)) * (1 if k == m else 2) for (k, m), (a, x) in grams.items())
-    scale = sum((_rows_sq_norms(a) * _rows_sq_norms(x)).sqrt().sum(1) for a, x in parts)
+        (aa, a_sq), (xx, x_sq) = _self_gram(a_k), _self_gram(x_k)
+        sq = sq + (aa * xx).sum((1, 2))
+        scale = scale + (a_sq * x_sq).sqrt().sum(1)
+        for a_m, x_m in parts[k + 1:]:
+            sq = sq + 2 * (_rows_gram(a_k, a_m) * _rows_gram(x_k, x_m)).sum((1, 2))
     # a selecting side may be either factor (a flipped embedding): count its rows from the ids
     tokens = sum((x[0] if isinstance(x, tuple) else x).shape[1] for _, x in parts) + len(parts) - 1
     return certified_sq_norms(sq, scale.square(), width, tokens, _norm_dtype(sum_dtype), sum_dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -86,10 +88,7 @@ def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | N
         return ATEN.embedding_dense_backward(g, idx, num_weights, padding_idx, scale_by_freq)
 
     linear = None if scale_by_freq else 0  # the frequency scale is per sample, not per batch
-    shape = value_of(idx).shape
-    tokens_per_sample = layout[0] * layout[1]
-    for d, size in enumerate(shape):
-        tokens_per_sample = tokens_per_sample * size if d != bdim else tokens_per_sample
+    tokens_per_sample = math.prod(s for d, s in enumerate(value_of(idx).shape) if d != bdim) * layout[0] * layout[1]
     notes = {"tokens": tokens_per_sample} if isinstance(tokens_per_sample, int) else {}
     return Contraction(rule="embedding_dense_backward", node=node, inputs=[g, idx], per_sample=per_sample,
                        linear_arg=linear, linear_layout=(bdim, layout), rebuild=rebuild, sq_norms=sq_norms,
