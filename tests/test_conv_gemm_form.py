@@ -97,3 +97,21 @@ def test_a_patch_embedding_takes_the_gemm_form_on_the_cpu():
             loss(x[i:i + 1]).backward()
             torch.testing.assert_close(got["0.weight"][i], model[0].weight.grad, rtol=1e-10, atol=1e-12)
         assert form in psg.explain(fn, x).after.code
+
+
+@pytest.mark.parametrize("kernel, dilation, padding, stride", [
+    ((3, 3), [1, 1], [1, 1], [1, 1]), ((1, 1), [1, 1], [0, 0], [1, 1]), ((1, 1), [1, 1], [0, 0], [2, 2]),
+    ((3, 2), [2, 1], [1, 2], [2, 1]), ((7, 7), [1, 1], [3, 3], [2, 2]), ((4, 4), [1, 1], [0, 0], [4, 4]),
+    ((2, 3), [1, 3], [0, 1], [3, 2])], ids=["3x3", "1x1", "1x1_stride2", "3x2_mixed", "7x7_stem", "patchify", "odd"])
+def test_the_patches_are_unfold_in_one_gather(kernel, dilation, padding, stride):
+    """``conv2d_patches`` is ``F.unfold`` (which launches one kernel per sample on CUDA), also for a strided input;
+    a 1x1 convolution of stride 1 reads the input itself."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 13, 11, dtype=torch.float64)
+    for source in (x, x.transpose(2, 3).contiguous().transpose(2, 3)):
+        got = conv.conv2d_patches(source, kernel, dilation, padding, stride)
+        want = torch.nn.functional.unfold(source, kernel, dilation, padding, stride)
+        assert got.shape == want.shape
+        assert torch.equal(got, want)
+    if kernel == (1, 1) and stride == [1, 1]:
+        assert conv.conv2d_patches(x, kernel, dilation, padding, stride).data_ptr() == x.data_ptr()

@@ -11,13 +11,17 @@ from reference import ref_clip_sum, reference_per_sample
 
 import compiled_psg as psg
 
-TOKENS = 64  # enough positions that the cheapest plan materializes (and holds) the weights' gradients
+# enough positions that the cheapest plan materializes (and holds) the weights' gradients, fewer than the layers'
+# inputs, so that a book-keeping sum holds less (each layer's [TOKENS, out] output gradient)
+TOKENS = 32
+WIDTHS = (64, 96, 80, 3)
 
 
 def token_mlp(dtype=torch.float64):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 24), nn.GELU(), nn.Linear(24, 3)).to(dtype)
-    x = torch.randn(6, TOKENS, 16, dtype=dtype)
+    a, b, c, d = WIDTHS
+    model = nn.Sequential(nn.Linear(a, b), nn.GELU(), nn.Linear(b, c), nn.GELU(), nn.Linear(c, d)).to(dtype)
+    x = torch.randn(6, TOKENS, a, dtype=dtype)
     y = torch.randint(0, 3, (6,))
 
     def loss(x, y):
@@ -51,10 +55,12 @@ def test_a_zero_budget_holds_no_weight_gradient_and_matches_the_loop(dtype):
     assert fastest.memory_plan is None and held_weights(fastest) == ["0.weight", "2.weight", "4.weight"]
     plan = bounded.memory_plan
     assert held_weights(bounded) == [] and plan["budget"] == 0 and plan["batch_size"] == 6
-    # what is left is the biases' [6, o] values, which no other strategy computes without holding them
-    itemsize = dtype.itemsize
-    assert plan["held"] == 6 * (32 + 24 + 3) * itemsize and not plan["fits"]
-    assert plan["held_by_cheapest"] == 6 * (32 * 16 + 24 * 32 + 3 * 24 + 32 + 24 + 3) * itemsize
+    # what is left: the output gradients [6, TOKENS, o] the book-keeping sums read, and the biases' [6, o] values,
+    # which no other strategy computes without holding them
+    itemsize, outs = dtype.itemsize, sum(WIDTHS[1:])
+    weights = sum(i * o for i, o in zip(WIDTHS[:-1], WIDTHS[1:], strict=True))
+    assert plan["held"] == 6 * (TOKENS * outs + outs) * itemsize and not plan["fits"]
+    assert plan["held_by_cheapest"] == 6 * (weights + outs) * itemsize
     assert "memory budget: 0 bytes" in str(bounded) and "over budget" in str(bounded)
     moved = [c for r in bounded.rewrites for c in r.choices if c.cost.get("for") == "memory_budget"]
     assert len(moved) == 3
@@ -63,7 +69,7 @@ def test_a_zero_budget_holds_no_weight_gradient_and_matches_the_loop(dtype):
 def test_a_partial_budget_frees_the_cheapest_bytes_first_and_fits():
     """Between none and all: the plan fits the budget and holds some weight's gradient."""
     full = plan_of(None)
-    weights = 6 * 8 * (32 * 16 + 24 * 32 + 3 * 24)
+    weights = 6 * 8 * sum(i * o for i, o in zip(WIDTHS[:-1], WIDTHS[1:], strict=True))
     report = plan_of(weights / 2)
     plan = report.memory_plan
     assert plan["fits"] and plan["held"] <= weights / 2 < plan["held_by_cheapest"]

@@ -48,11 +48,23 @@ class ReduceContext:
         self._assigned: dict[str, dict[str, str]] = {}  # quantity -> {parameter: strategy} (fit_memory)
         self._summed: dict[str, list | None] = {}  # summed_contractions, by parameter
         self.memory_plan: dict | None = None  # what fit_memory planned, for psg.explain
+        self._forward: set[fx.Node] | None = None  # the per-sample losses and every node they depend on
 
     def batch_size_hint(self) -> int:
         """The batch size of the capture's example inputs (the batch is symbolic; this is its hint)."""
         size = value_of(self._batch_ref).shape[0]
         return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+    def in_forward(self, node: fx.Node) -> bool:
+        """Whether the per-sample losses depend on ``node``: an activation, not a value of the backward."""
+        if self._forward is None:
+            self._forward, stack = set(), [self._batch_ref]
+            while stack:
+                n = stack.pop()
+                if n not in self._forward:
+                    self._forward.add(n)
+                    stack.extend(n.all_input_nodes)
+        return node in self._forward
 
     def assign(self, quantity: str, strategies: dict[str, str]) -> None:
         self._assigned[quantity] = strategies

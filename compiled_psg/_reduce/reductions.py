@@ -173,8 +173,8 @@ def check_memory_budget(budget, error: type[Exception]) -> float | None:
     if budget is None:
         return None
     if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget >= 0:
-        raise error(f"memory_budget must be None or a number of bytes >= 0 (0: hold no per-sample gradient "
-                    f"across the program), got {budget!r}")
+        raise error(f"memory_budget must be None or a number of bytes >= 0 (0: hold as little per sample as "
+                    f"the strategies allow), got {budget!r}")
     return float(budget)
 
 
@@ -222,10 +222,10 @@ class DPClip(Reduction):
     the bound holds in float32 arithmetic, not only up to the low precision's rounding.
 
     ``memory_budget`` (bytes; None: the fastest plan): the per-sample values the plan may hold across the
-    program, at the batch size of the capture's example. The cheapest plan holds a layer's materialized
-    per-sample gradients until the clip factors are known; within a budget, layers move to strategies that hold
-    nothing (ghost norms, or a materialized norm freed at once and a book-keeping sum), cheapest per byte freed
-    first (``strategies.fit_memory``). ``psg.explain`` shows the plan and its held bytes. What it bounds is the
+    program, at the batch size of the capture's example: until the clip factors are known a plan holds a
+    layer's materialized per-sample gradients, or for a book-keeping sum the layer's output gradient, which the
+    plain step frees at the layer; within a budget, layers move to strategies that hold less, cheapest per byte
+    freed first (``strategies.fit_memory``). ``psg.explain`` shows the plan and its held bytes. What it bounds is the
     held memory, not the transient memory of one layer's per-sample gradient, and not the low-precision path
     (bfloat16/float16 graphs materialize every parameter's gradient to upcast it).
     """

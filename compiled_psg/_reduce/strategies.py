@@ -74,6 +74,7 @@ class ReduceContext(Protocol):
     def summed_contractions(self, p: ParamGrad) -> list[tuple[Contraction, bool]] | None: ...
     def assign(self, quantity: str, strategies: dict[str, str]) -> None: ...
     def assigned(self, quantity: str, p: ParamGrad) -> str | None: ...
+    def in_forward(self, node: fx.Node) -> bool: ...
 
 ITEMSIZE = 4  # bytes per element in the estimates; only the ratios between strategies matter
 FLOPS_PER_BYTE = 4.0  # machine balance: a byte moved costs about this many FLOPs (2-core CPU: ~100 GF/s, 25 GB/s)
@@ -390,11 +391,26 @@ def _book_keeping_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
         return None
     shape = _factor_shape(ctx, p)
     scaling = [scaled_operand(c)[1] for c in p.contractions]
+    held = sum(_backward_operands(ctx, c) for c in p.contractions) * ITEMSIZE
     if shape is None or any(cost is None for cost in scaling):
-        return Cost(flops=_size(p), bytes=_size(p) * ITEMSIZE)
+        return Cost(flops=_size(p), bytes=_size(p) * ITEMSIZE, held=held)
     t, o, i = shape
     # scale the cheaper operand, redo the GEMM
-    return Cost(flops=2 * t * o * i + sum(c.flops for c in scaling), bytes=sum(c.bytes for c in scaling))
+    return Cost(flops=2 * t * o * i + sum(c.flops for c in scaling), bytes=sum(c.bytes for c in scaling), held=held)
+
+
+def _backward_operands(ctx: ReduceContext, c: Contraction) -> int:
+    """Values per sample of the operands of ``c`` that the backward computed (a layer's output gradient), which a
+    book-keeping sum keeps until the clip factors are known where the plain step frees them at the layer. At
+    GPT-2's T = 1024 they outweigh a per-sample weight gradient (the LM head's ``[T, 50257]`` against ``[50257,
+    768]``), so a memory budget materializes there; at T = 128 the book-keeping sum holds less. The operands the
+    loss depends on are activations, held across the backward by the plain step too."""
+    held = 0
+    for arg, (dim, layout) in c.linear_options():
+        if not ctx.in_forward(c.inputs[arg]):
+            size = scale_cost(c, arg, dim, layout)
+            held += 0 if size is None else int(size.flops)
+    return held
 
 
 @strategy("weighted_sum", "book-keeping", _book_keeping_cost)
@@ -415,7 +431,13 @@ def _scaled_rebuild(c: Contraction, arg: int, dim: int, layout):
     return scaled
 
 
-@strategy("weighted_sum", "materialize", _materialize_and_reduce_cost)
+def _materialize_sum_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
+    """The per-sample values are computed where the backward reaches the parameter and summed once the weights
+    (clip factors) are known: held until then, as ``_reuse_cost``'s."""
+    return _materialize_and_reduce_cost(ctx, p) + Cost(flops=0, bytes=0, held=_size(p) * ITEMSIZE)
+
+
+@strategy("weighted_sum", "materialize", _materialize_sum_cost)
 def _weighted_sum_materialize(ctx: ReduceContext, p: ParamGrad, weights: fx.Node) -> fx.Node:
     return ctx.emit(lambda g, w: torch.tensordot(w.to(g.dtype), g, dims=1), [ctx.per_sample(p), weights],
                     "weighted_sum")

@@ -141,8 +141,8 @@ GHOST_WIDTH_BYTES = 4 * 2**20  # per sample: the float64 slice of a dense factor
 
 
 def _rows_gram(r: Rows, s: Rows) -> torch.Tensor:
-    """``R S^T`` per sample in float64, ``[n, t_r, t_s]``: a dense pair a slice of columns at a time (the float64
-    copy of a vocabulary-wide factor would be twice its size), a selecting row as the column it selects."""
+    """``R S^T`` per sample in float64, ``[n, t_r, t_s]``: a dense pair a slice of columns at a time
+    (``dense_gram``), a selecting row as the column it selects."""
     if isinstance(r, tuple) and isinstance(s, tuple):
         (ids_r, w_r), (ids_s, w_s) = r, s
         same = (ids_r.unsqueeze(2) == ids_s.unsqueeze(1)).double()
@@ -153,37 +153,59 @@ def _rows_gram(r: Rows, s: Rows) -> torch.Tensor:
         ids, w = s
         picked = r.gather(2, ids.unsqueeze(1).expand(-1, r.shape[1], -1))  # [n, t_r, t_s]: r[n, t, ids[n, u]]
         return picked.double() * w.double().unsqueeze(1)
-    gram = None
-    step = _slice_width(r, s)
-    for r_part, s_part in zip(_column_slices(r, step), _column_slices(s, step), strict=True):
-        part = torch.bmm(r_part, s_part.transpose(1, 2))
-        gram = part if gram is None else gram + part
-    return gram
+    return dense_gram(r, s)
 
 
 def _slice_width(*rows: torch.Tensor) -> int:
-    """Columns per slice: ``GHOST_WIDTH_BYTES`` of float64 per sample for the longest rows (all at once where a
-    length is symbolic)."""
-    lengths = [r.shape[1] for r in rows]
-    if not all(isinstance(t, int) for t in lengths):
-        return rows[0].shape[2]
-    return max(1, GHOST_WIDTH_BYTES // (8 * max(lengths)))
+    """Columns per slice: ``GHOST_WIDTH_BYTES`` of float64 per sample for the longest rows."""
+    return max(1, GHOST_WIDTH_BYTES // (8 * max(r.shape[1] for r in rows)))
 
 
-def _column_slices(r: torch.Tensor, step: int) -> list[torch.Tensor]:
-    """Dense rows ``[n, t, k]`` in float64, ``step`` columns at a time."""
-    return [r[:, :, start:start + step].double() for start in range(0, r.shape[2], step)]
+# One op each, opaque to the compiler: traced, the slices' partial Grams were separate buffers that Inductor added
+# up in one kernel at the end, so all of them were live at once (99 Grams [B, T, T] for GPT-2's LM head at T = 1024:
+# 1.68 GiB at B = 2 on the CPU, benchmarks/scale_notes.md); here one slice and the running Gram exist at a time.
+@torch.library.custom_op("compiled_psg::dense_gram", mutates_args=())
+def dense_gram(r: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``R S^T`` per sample in float64, ``[n, t_r, t_s]``, from dense rows ``[n, t_r, k]`` and ``[n, t_s, k]``, a
+    slice of ``GHOST_WIDTH_BYTES`` of float64 per sample at a time (the float64 copy of a vocabulary-wide factor
+    would be twice its size)."""
+    gram = r.new_zeros((r.shape[0], r.shape[1], s.shape[1]), dtype=torch.float64)
+    step = _slice_width(r, s)
+    for start in range(0, r.shape[2], step):
+        gram.baddbmm_(r[:, :, start:start + step].double(), s[:, :, start:start + step].double().transpose(1, 2))
+    return gram
+
+
+@dense_gram.register_fake
+def _(r, s):
+    return r.new_empty((r.shape[0], r.shape[1], s.shape[1]), dtype=torch.float64)
+
+
+@torch.library.custom_op("compiled_psg::dense_self_gram", mutates_args=())
+def dense_self_gram(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``R R^T`` and the rows' squared norms ``||r[n, t]||^2`` in float64, from one set of slices (as
+    ``dense_gram``)."""
+    gram = r.new_zeros((r.shape[0], r.shape[1], r.shape[1]), dtype=torch.float64)
+    sq = r.new_zeros((r.shape[0], r.shape[1]), dtype=torch.float64)
+    step = _slice_width(r)
+    for start in range(0, r.shape[2], step):
+        part = r[:, :, start:start + step].double()
+        gram.baddbmm_(part, part.transpose(1, 2))
+        sq += part.square().sum(2)
+    return gram, sq
+
+
+@dense_self_gram.register_fake
+def _(r):
+    return (r.new_empty((r.shape[0], r.shape[1], r.shape[1]), dtype=torch.float64),
+            r.new_empty((r.shape[0], r.shape[1]), dtype=torch.float64))
 
 
 def _self_gram(r: Rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """``R R^T`` and the rows' squared norms ``||r[n, t]||^2``, in float64, from one set of slices."""
+    """``R R^T`` and the rows' squared norms ``||r[n, t]||^2``, in float64."""
     if isinstance(r, tuple):
         return _rows_gram(r, r), r[1].double().square()
-    gram = sq = None
-    for part in _column_slices(r, _slice_width(r)):
-        g, q = torch.bmm(part, part.transpose(1, 2)), part.square().sum(2)
-        gram, sq = (g, q) if gram is None else (gram + g, sq + q)
-    return gram, sq
+    return dense_self_gram(r)
 
 
 def summed_factored_sq_norms(parts: list[tuple[Rows, Rows]], width: int, sum_dtype: torch.dtype) -> torch.Tensor:

@@ -82,8 +82,9 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     parameters stay as the failure left them.
 
     ``memory_budget``: bytes of per-sample values the program may hold beyond what the plain step holds (None:
-    the fastest plan, which keeps each layer's materialized per-sample gradients until the clip factors are
-    known; 0: holds none). Layers move to strategies that hold nothing, the cheapest per byte freed first, at
+    the fastest plan; 0: the least the strategies hold): a layer's materialized per-sample gradients or, for a
+    book-keeping sum, its output gradient, kept until the clip factors are known. Layers move to strategies that
+    hold less, the cheapest per byte freed first, at
     the batch size of the first call (``max_physical_batch_size``'s micro-batches: theirs); ``psg.explain(step,
     *batch)`` shows the plan. docs/training.md, "Memory budget", says what it does not bound.
     """

@@ -58,16 +58,34 @@ def rounds_as_cudnn(x: torch.Tensor) -> bool:
             and not torch._C._get_cublas_allow_tf32())
 
 
+def conv2d_patches(x: torch.Tensor, kernel: tuple[int, int], dilation: list[int], padding: list[int],
+                   stride: list[int]) -> torch.Tensor:
+    """``F.unfold(x, kernel, dilation, padding, stride)``: the patches ``[N, c*kh*kw, h'*w']`` of ``x [N, c, h, w]``
+    as one strided view of the padded input and at most one copy. On CUDA ``F.unfold`` (``aten::im2col``) launches
+    one kernel per sample: 64 per convolution of ResNet-50 at B = 64, which bound its DP step by launches
+    (``benchmarks/scale_notes.md``, resnet50_gn). Where the patches do not overlap and need no padding (a 1x1
+    convolution of stride 1) the view is the input itself, and nothing is copied."""
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel, dilation, padding, stride
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph))
+    x = x.contiguous()
+    n, c, h, w = x.shape
+    out_h, out_w = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+    s_n, s_c, s_h, s_w = x.stride()
+    view = x.as_strided((n, c, kh, kw, out_h, out_w), (s_n, s_c, dh * s_h, dw * s_w, sh * s_h, sw * s_w))
+    return view.reshape(n, c * kh * kw, out_h * out_w)
+
+
 @torch.library.custom_op("compiled_psg::conv2d_weight_gemm", mutates_args=())
 def conv2d_weight_gemm(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[int], stride: list[int],
                        padding: list[int], dilation: list[int]) -> torch.Tensor:
     """The same per-sample Conv2d weight gradients as ``conv_weight_per_sample`` (``groups = 1``, not
     transposed), as one batched GEMM: ``ps[n] = G[n] U[n]^T`` with ``G [n, o, r*h'*w']`` the output gradient and
-    ``U [n, c*kh*kw, r*h'*w']`` the input's patches (``F.unfold``).
+    ``U [n, c*kh*kw, r*h'*w']`` the input's patches (``conv2d_patches``).
 
-    An op of its own, opaque to the compiler, for three reasons: ``F.unfold`` and padding fix the batch size
-    when traced; the patches (kh*kw times the input) must live only while the GEMM runs, where a traced gather
-    depends on forward activations alone and Inductor computes it early and holds it across the backward
+    An op of its own, opaque to the compiler, for three reasons: the patches' strided view and padding fix the
+    batch size when traced; the patches (kh*kw times the input) must live only while the GEMM runs, where a traced
+    gather depends on forward activations alone and Inductor computes it early and holds it across the backward
     (``benchmarks/scale_notes.md``, resnet50_gn); and the GEMM must round as the cuDNN convolution it replaces
     does: in TF32 while ``torch.backends.cudnn.allow_tf32`` is on (the default, and the plain step's weight
     gradient with it), where Inductor would emit a bare ``bmm`` under cuBLAS's own flag (off by default). The
@@ -75,7 +93,7 @@ def conv2d_weight_gemm(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list[in
     """
     n, r, o = gs.shape[0], gs.shape[1], gs.shape[2]
     c, kh, kw = weight_shape[1], weight_shape[2], weight_shape[3]
-    cols = F.unfold(xs.reshape(n * r, c, xs.shape[3], xs.shape[4]), (kh, kw), dilation, padding, stride)
+    cols = conv2d_patches(xs.reshape(n * r, c, xs.shape[3], xs.shape[4]), (kh, kw), dilation, padding, stride)
     positions = cols.shape[-1]
     if r == 1:
         cols, grads = cols.view(n, c * kh * kw, positions), gs.reshape(n, o, positions)
@@ -98,7 +116,7 @@ def _conv2d_factors(gs: torch.Tensor, xs: torch.Tensor, kernel: tuple[int, int],
     """The factors of per-sample Conv2d weight gradients ``ps[n] = A[n]^T X[n]``: the output gradient ``A [n, t, o]``
     and the input's patches ``X [n, t, c*kh*kw]`` over the t = r*h'*w' output positions."""
     n, r, o, c = gs.shape[0], gs.shape[1], gs.shape[2], xs.shape[2]
-    cols = F.unfold(xs.reshape(n * r, c, xs.shape[3], xs.shape[4]), kernel, dilation, padding, stride)
+    cols = conv2d_patches(xs.reshape(n * r, c, xs.shape[3], xs.shape[4]), kernel, dilation, padding, stride)
     positions = cols.shape[-1]
     a = gs.reshape(n, r, o, positions).permute(0, 1, 3, 2).reshape(n, r * positions, o)
     x = cols.view(n, r, -1, positions).permute(0, 1, 3, 2).reshape(n, r * positions, -1)
@@ -118,7 +136,7 @@ def conv2d_ghost_sq_norms(gs: torch.Tensor, xs: torch.Tensor, weight_shape: list
     output gradient and X the input's patches at the t output positions. Cheaper than materializing where
     ``t^2 (o + c*kh*kw) < t*o*c*kh*kw``: the late, small-spatial layers of a ResNet.
 
-    Opaque to the compiler, as ``conv2d_weight_gemm`` (``F.unfold`` fixes the batch size when traced), and it
+    Opaque to the compiler, as ``conv2d_weight_gemm`` (the patches must not be hoisted and held), and it
     takes the samples a chunk at a time (``GHOST_CHUNK_BYTES``)."""
     n, r = gs.shape[0], gs.shape[1]
     kernel = (weight_shape[2], weight_shape[3])
@@ -140,7 +158,7 @@ def gemm_form_on(device: torch.device, patchify: bool = False) -> bool:
     """Whether per-sample Conv2d weight gradients take the GEMM form on ``device``: on CUDA, where cuDNN runs the
     batch-as-groups convolution group by group (``benchmarks/scale_notes.md``, resnet50_gn); elsewhere the one
     grouped convolution, but for a ``patchify`` convolution (stride = kernel, no padding or dilation: a ViT's patch
-    embedding, and every 1x1 convolution of stride 1), whose patches do not overlap, so the unfold only moves the
+    embedding, and every 1x1 convolution of stride 1), whose patches do not overlap, so the gather only moves the
     input, where oneDNN's grouped convolution took a 73 MiB workspace for ViT's at B = 8."""
     return device.type == "cuda" or patchify
 
@@ -202,7 +220,7 @@ def convolution_backward(node: fx.Node, batch: BatchDims) -> Contraction | None:
                                       list(output_padding), int(groups))
 
     # (t, o, i) of the unfolded form, for the cost model. No traced factors (the patches are kh*kw times the input,
-    # and F.unfold fixes the batch size when traced), so sums of squares and Gram matrices materialize the
+    # and a traced gather is hoisted and held), so sums of squares and Gram matrices materialize the
     # per-sample conv weight gradient. Where a book-keeping sum rounds as a GEMM over the patches would in the
     # inputs' precision (float64; float32 on the CPU while oneDNN's conv precision is float32), a clip norm may
     # instead be the ghost norm (``conv2d_ghost_sq_norms``) or free each gradient after its norm (the bounded
