@@ -620,7 +620,17 @@ def report(source: Path) -> str:
 
 
 # (title, records, command, the commit of compiled_psg measured: the code of each table)
-PAGE_SOURCES = (("GPU (H100), full configs: gpt2, llama_lora, resnet50_gn, vit with memory_budget=0",
+PAGE_SOURCES = (("GPU (H100), full configs: gpt2, resnet50_gn, vit, the transactional step and memory_budget=0",
+                 "benchmarks-scale-gpu-h100-bounded.json",
+                 'MODELS="gpt2 vit resnet50_gn" METHODS="plain plain_compile psg psg_bounded" PROFILE="gpt2 vit" '
+                 'CHECK_S=50 bash benchmarks/gpu_scale.sh 410 290`; resnet50_gn profiled by a second call, '
+                 '`MODELS="resnet50_gn" METHODS="plain_compile psg" PROFILE="resnet50_gn" bash benchmarks/gpu_scale.sh '
+                 '270 200`; the `memory_budget=0` rows of gpt2 and vit, with the compiled plain step beside them, from '
+                 'a third, `MODELS="gpt2 vit" METHODS="plain_compile psg_bounded" PROFILE="none" bash '
+                 'benchmarks/gpu_scale.sh 235 190`, merged with `python -m benchmarks.merge_records',
+                 "21927c9: the transactional step (a copy of the parameters per step), a tied weight's ghost norm "
+                 "with its Grams traced slice by slice, the per-sample Conv2d GEMM with `F.unfold` inside"),
+                ("GPU (H100), full configs: gpt2, llama_lora, resnet50_gn, vit with memory_budget=0",
                  "benchmarks-scale-gpu-h100-tf32.json",
                  'MODELS="resnet50_gn vit gpt2 llama_lora" METHODS="plain plain_compile psg psg_bounded" '
                  'PROFILE="resnet50_gn llama_lora gpt2" bash benchmarks/gpu_scale.sh 450 330',
