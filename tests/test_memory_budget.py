@@ -112,3 +112,20 @@ def test_a_budget_given_through_clip_sum_reaches_the_step_and_a_contradiction_is
     with pytest.raises(psg.DPConfigError, match="give the budget once"):
         psg.compile_step(loss, model, opt, reduce=psg.clip_sum(0.05, memory_budget=0), memory_budget=10,
                          backend="eager")
+
+
+def test_a_held_output_gradient_is_counted_for_x_at_w_as_for_a_linear():
+    """``x @ W`` (a row-major weight, as Hugging Face's Conv1D) has its weight gradient read ``x.t()``, a view the
+    backward takes of an activation: held is the output gradient alone, as for ``nn.Linear``."""
+    torch.manual_seed(0)
+    t, i, o = 32, 40, 24
+    weight = nn.Parameter(torch.randn(i, o, dtype=torch.float64) * 0.1)
+    linear = nn.Linear(i, o, bias=False, dtype=torch.float64)
+    x = torch.randn(3, t, i, dtype=torch.float64)
+    for module, forward in ((nn.ParameterList([weight]), lambda x: x @ weight), (linear, linear)):
+        fn = psg.per_sample(module, reduce=psg.clip_sum(0.5, memory_budget=0), backend="eager")(
+            lambda x, forward=forward: forward(x).square().mean())
+        fn(x)
+        (rewrite,) = psg.explain(fn, x).rewrites
+        norm = next(c for c in rewrite.choices if c.quantity == "sq_norm")
+        assert norm.method == "materialize, bounded" and norm.cost["held"] == t * o * 4, norm

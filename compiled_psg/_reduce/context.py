@@ -35,6 +35,11 @@ class Choice:
     cost: dict[str, float] = field(default_factory=dict)
 
 
+# ops whose result is a view of their first argument's values, taken apart by ``in_forward``
+_VIEWS_OF_ONE = ops.IDENTITY | ops.VIEWS | ops._overloads(
+    "t", "transpose.int", "permute", "unsqueeze", "squeeze.dim", "squeeze.dims", "squeeze", "expand")
+
+
 class ReduceContext:
     """Emits reductions of per-sample gradients into ``graph``; one instance per rewrite."""
 
@@ -56,7 +61,8 @@ class ReduceContext:
         return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 
     def in_forward(self, node: fx.Node) -> bool:
-        """Whether the per-sample losses depend on ``node``: an activation, not a value of the backward."""
+        """Whether ``node`` is an activation, not a value of the backward: the per-sample losses depend on it, or it
+        is a view of such a value that the backward took (``mm``'s weight gradient reads ``x.t()``)."""
         if self._forward is None:
             self._forward, stack = set(), [self._batch_ref]
             while stack:
@@ -64,6 +70,9 @@ class ReduceContext:
                 if n not in self._forward:
                     self._forward.add(n)
                     stack.extend(n.all_input_nodes)
+        while node not in self._forward and node.op == "call_function" and node.target in _VIEWS_OF_ONE \
+                and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
         return node in self._forward
 
     def assign(self, quantity: str, strategies: dict[str, str]) -> None:

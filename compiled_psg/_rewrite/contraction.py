@@ -158,7 +158,7 @@ def _rows_gram(r: Rows, s: Rows) -> torch.Tensor:
 
 def _slice_width(*rows: torch.Tensor) -> int:
     """Columns per slice: ``GHOST_WIDTH_BYTES`` of float64 per sample for the longest rows."""
-    return max(1, GHOST_WIDTH_BYTES // (8 * max(r.shape[1] for r in rows)))
+    return max(1, GHOST_WIDTH_BYTES // (8 * max(1, *(r.shape[1] for r in rows))))
 
 
 # One op each, opaque to the compiler: traced, the slices' partial Grams were separate buffers that Inductor added

@@ -61,10 +61,11 @@ def rounds_as_cudnn(x: torch.Tensor) -> bool:
 def conv2d_patches(x: torch.Tensor, kernel: tuple[int, int], dilation: list[int], padding: list[int],
                    stride: list[int]) -> torch.Tensor:
     """``F.unfold(x, kernel, dilation, padding, stride)``: the patches ``[N, c*kh*kw, h'*w']`` of ``x [N, c, h, w]``
-    as one strided view of the padded input and at most one copy. On CUDA ``F.unfold`` (``aten::im2col``) launches
-    one kernel per sample: 64 per convolution of ResNet-50 at B = 64, which bound its DP step by launches
-    (``benchmarks/scale_notes.md``, resnet50_gn). Where the patches do not overlap and need no padding (a 1x1
-    convolution of stride 1) the view is the input itself, and nothing is copied."""
+    as one strided view of the padded input and one gather (after the padding's copy, if any). On CUDA
+    ``F.unfold`` (``aten::im2col``) launches one kernel per sample: 64 per convolution of ResNet-50 at B = 64,
+    which bound its DP step by launches (``benchmarks/scale_notes.md``, resnet50_gn). Where the patches do not
+    overlap and need no padding (a 1x1 convolution of stride 1) the view is the input itself, and nothing is
+    copied."""
     (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel, dilation, padding, stride
     if ph or pw:
         x = F.pad(x, (pw, pw, ph, ph))
