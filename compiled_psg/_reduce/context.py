@@ -35,11 +35,6 @@ class Choice:
     cost: dict[str, float] = field(default_factory=dict)
 
 
-# ops whose result is a view of their first argument's values, taken apart by ``in_forward``
-_VIEWS_OF_ONE = ops.IDENTITY | ops.VIEWS | ops._overloads(
-    "t", "transpose.int", "permute", "unsqueeze", "squeeze.dim", "squeeze.dims", "squeeze", "expand")
-
-
 class ReduceContext:
     """Emits reductions of per-sample gradients into ``graph``; one instance per rewrite."""
 
@@ -70,8 +65,7 @@ class ReduceContext:
                 if n not in self._forward:
                     self._forward.add(n)
                     stack.extend(n.all_input_nodes)
-        while node not in self._forward and node.op == "call_function" and node.target in _VIEWS_OF_ONE \
-                and isinstance(node.args[0], fx.Node):
+        while node not in self._forward and _target(node) in _ISOMETRIC and isinstance(node.args[0], fx.Node):
             node = node.args[0]
         return node in self._forward
 
