@@ -1,7 +1,8 @@
 """A stateful property test of the DP training API (hypothesis ``RuleBasedStateMachine``).
 
 The machine interleaves steps (empty batches included), steps refused before they start (autocast), steps that
-fail after their update reached the parameters (in the eager first step or the fused program), changes of the
+fail after their update was computed (the eager first step's ``optimizer.step()``, or the fused program run whole
+but not committed), steps interrupted after the fused program's commit (counted, kept), changes of the
 noise multiplier and the clipping bound, and saving and loading into a fresh ``PrivateTraining``, on runs with
 and without micro-batches. After every rule:
 
@@ -27,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch.utils.data import DataLoader, TensorDataset
 
 from compiled_psg import DPConfigError, make_private
-from compiled_psg._train import step as step_module
+from compiled_psg._train import paths
 from compiled_psg._train.accounting import _quiet_absl
 from compiled_psg._train.eager import NoiseSource
 
@@ -89,6 +90,7 @@ class DPTraining(RuleBasedStateMachine):
             return drawn
 
         self._real_draw = real
+        self._real_commit = paths.commit
         NoiseSource.draw_many = recording
 
     def teardown(self):
@@ -126,26 +128,46 @@ class DPTraining(RuleBasedStateMachine):
 
     @rule(index=st.lists(st.integers(0, N - 1), min_size=0, max_size=BATCH))
     def step_failing_after_its_update(self, index):
-        """The update completes (the fused program's run, or the eager ``optimizer.step()`` on a first step or an
-        empty batch), then the step raises: nothing of it may remain."""
+        """The update is computed (the eager ``optimizer.step()`` on a first step or an empty batch has written
+        it; the fused program has run whole), then the step raises before committing it: nothing may remain."""
         optimizer = self.private.dp_step.optimizer
-        real_update, real_fused = optimizer.step, step_module.fused_path
+        real_update = optimizer.step
 
         def update(*args, **kwargs):
             real_update(*args, **kwargs)
             raise _Injected("optimizer.step")
 
-        def fused(*args, **kwargs):
-            real_fused(*args, **kwargs)
-            raise _Injected("the fused program")
+        def commit(*args, **kwargs):
+            raise _Injected("the fused program's commit")
 
-        optimizer.step, step_module.fused_path = update, fused
+        optimizer.step, paths.commit = update, commit
         try:
             with pytest.raises(_Injected):
                 self.private.step(X[index], Y[index])
         finally:
             del optimizer.step
-            step_module.fused_path = real_fused
+            paths.commit = self._real_commit
+
+    @rule(index=st.lists(st.integers(0, N - 1), min_size=0, max_size=BATCH))
+    def step_interrupted_after_its_commit(self, index):
+        """An interrupt just after the fused program's commit: the update is in the parameters, so the step
+        counts (and its noise is not drawn again). On the eager path, which has no commit, the step completes."""
+        real = self._real_commit
+
+        def commit(*args, **kwargs):
+            real(*args, **kwargs)
+            raise _Injected("after the commit")
+
+        self.noises.clear()
+        paths.commit = commit
+        try:
+            self.private.step(X[index], Y[index])
+        except _Injected:
+            pass
+        finally:
+            paths.commit = real
+        self._reference_step(index, self.noises[-1] if self.noises else None)
+        self.sigmas.append(self.sigma)
 
     @rule(index=st.lists(st.integers(0, N - 1), min_size=1, max_size=BATCH))
     def step_refused(self, index):
@@ -205,14 +227,16 @@ def test_every_rule_in_one_fixed_run(micro_batches):
     try:
         for rule_, args in [(machine.step_failing_after_its_update, ([0, 1],)), (machine.step, ([0, 1, 2],)),
                             (machine.step_failing_after_its_update, ([3, 4, 5],)), (machine.step, ([3, 4, 5],)),
+                            (machine.step_interrupted_after_its_commit, ([4, 5],)),
                             (machine.step_refused, ([6],)), (machine.set_noise, (2.5,)), (machine.step, ([],)),
                             (machine.step_failing_after_its_update, ([],)), (machine.set_bound, (0.05,)),
                             (machine.step, ([7, 8, 9, 9],)), (machine.save_and_load, ()),
+                            (machine.step_interrupted_after_its_commit, ([9],)),
                             (machine.step_failing_after_its_update, ([10],)), (machine.step, ([10, 11],))]:
             rule_(*args)
             for check in checks:
                 check()
-        assert machine.private.dp_step.steps_taken == 5
+        assert machine.private.dp_step.steps_taken == 7
     finally:
         machine.teardown()
 

@@ -153,3 +153,72 @@ def test_the_scatter_fold_takes_only_the_same_sum(case):
     src = torch.randn(4, 4, dtype=kwargs.get("scattered_dtype", torch.float32))
     for got, want in zip(after(a, idx, src), before(a, idx, src), strict=True):
         torch.testing.assert_close(got, want)
+
+
+class _TokenHead(nn.Module):
+    """Embedding and a linear head over a vocabulary of 1000: the logits are the step's largest tensor."""
+
+    def __init__(self, vocab=1000, width=16):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+def _token_loss(model):
+    """Each sequence's mean token loss, averaged (``benchmarks.models.TokenCrossEntropy``)."""
+    def loss(tokens):
+        logits = model(tokens[:, :-1])
+        per_token = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        return per_token.view(tokens.shape[0], -1).mean(1).mean()
+    return loss
+
+
+@pytest.mark.inductor
+def test_the_logits_gradient_is_written_over_the_logits():
+    """A per-sequence mean token loss: the backward's seed reads the total loss (``seeds_after_losses``), so the
+    kernel that computes the losses runs first and Inductor writes the log-softmax gradient over the logits: one
+    ``[tokens, 1000]`` buffer in the generated code, not two. The values stay the loop's."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from compiled_psg._compile.prepare import for_inductor
+
+    torch.manual_seed(0)
+    model = _TokenHead().double()
+    tokens = torch.randint(0, 1000, (3, 9), generator=torch.Generator().manual_seed(1))
+    loss = _token_loss(model)
+    graph = psg.explain(psg.per_sample(model, reduce=psg.clip_sum(1e-2), backend="eager")(loss), tokens).after
+    assert for_inductor(graph).meta["seeds_after_losses"] == 1
+    fn = psg.per_sample(model, reduce=psg.clip_sum(1e-2), backend="inductor")(loss)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got, codes = run_and_get_code(fn, tokens)
+    vocab_rows = re.findall(r"empty_strided_cpu\(\(\d+\*s\d+, 1000\)", "\n".join(codes))  # [tokens, vocabulary]
+    assert len(vocab_rows) == 1, vocab_rows
+    from reference import ref_clip_sum
+    want = ref_clip_sum(reference_per_sample(loss, dict(model.named_parameters()), (tokens,)), 1e-2)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("total", [2.5, float("inf"), float("-inf"), float("nan"), -0.0])
+def test_the_seed_reads_the_total_and_stays_one(total):
+    """``ones_like(t) + nan_to_num(t * 0)`` is exactly one for every ``t``, and now reads ``t``."""
+    from compiled_psg._compile.prepare import seeds_after_losses
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    t = g.placeholder("t")
+    t.meta["val"] = torch.empty(())
+    seed = g.call_function(aten.ones_like.default, (t,))
+    seed.meta["val"] = torch.empty(())
+    g.output((g.call_function(aten.mul.Tensor, (seed, 3.0)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert seeds_after_losses(gm.graph) == 1
+    gm.recompile()
+    (out,) = gm(torch.tensor(total))
+    assert torch.equal(out, torch.tensor(3.0))
+    added = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
+    assert len(added) == 1 and t in added[0].args[1].args[0].args

@@ -222,3 +222,28 @@ def test_a_gradient_written_in_place_through_a_view_is_refused(uses):
     assert want.flatten(1).norm(dim=1).std() > 0, "the samples' norms differ: a shared gradient would show"
     with pytest.raises(psg.UnsupportedError, match=r"as_strided.*test_refusal_causes.py:\d+.*copy_.*Fix: "):
         psg.per_sample(model, backend="eager", reduce=psg.clip_sum(1.0))(loss)(x)
+
+
+def test_a_loss_function_that_cannot_take_the_batch_names_its_signature_not_a_graph_break():
+    """A loss written ``(model, x, y)`` for a step that calls ``loss_fn(x, y)``: Dynamo reports an argument
+    mismatch as a graph break ("rewrite this line with torch operations"); the error names the signature."""
+    model, _ = _model_and_loss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = psg.compile_step(lambda model, x, y: F.cross_entropy(model(x), y), model, opt, max_grad_norm=1.0,
+                            backend="eager")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(psg.BatchInputError, match=r"<lambda>\(model, x, y\) cannot take the 2 argument.*closure"):
+        step(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    assert step.steps_taken == 0 and all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_a_call_inside_the_loss_with_the_wrong_arguments_names_the_call():
+    model, _ = _model_and_loss()
+
+    def head(logits, y):
+        return F.cross_entropy(logits, y)
+
+    fn = psg.per_sample(model, backend="eager")(lambda x, y: head(model(x)))
+    with pytest.raises(psg.CaptureError, match="with the arguments it takes") as info:
+        fn(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    assert "torch operations" not in str(info.value).split("Details from Dynamo")[0]

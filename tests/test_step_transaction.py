@@ -209,25 +209,27 @@ def _state(model, step, generator):
     order = {p: i for i, p in enumerate(model.parameters())}
     opt = {order[p]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
            for p, s in step.optimizer.state.items()}
-    return ([t.detach().clone() for t in [*model.parameters(), *model.buffers()]], opt,
+    grads = [torch.full((1,), float("nan")) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return ([t.detach().clone() for t in [*model.parameters(), *model.buffers(), *grads]], opt,
             generator.get_state().clone(), step.steps_taken)
 
 
 def _same_state(a, b) -> bool:
+    """Parameters, buffers, ``.grad`` (None as one NaN), optimizer state, generator and count all equal."""
     (ta, oa, ga, na), (tb, ob, gb, nb) = a, b
     same_opt = oa.keys() == ob.keys() and all(
         oa[k].keys() == ob[k].keys() and all(torch.equal(torch.as_tensor(oa[k][j]), torch.as_tensor(ob[k][j]))
                                              for j in oa[k]) for k in oa)
-    return all(torch.equal(p, q) for p, q in zip(ta, tb, strict=True)) and same_opt and torch.equal(ga, gb) \
-        and na == nb
+    return all(torch.equal(p, q) or (p.isnan().all() and q.isnan().all() and p.shape == q.shape)
+               for p, q in zip(ta, tb, strict=True)) and same_opt and torch.equal(ga, gb) and na == nb
 
 
 @pytest.mark.parametrize("when", ["first step", "later step"])
 def test_a_step_failing_after_its_update_restores_everything_and_counts_nothing(monkeypatch, when):
-    """Adam's update has reached the parameters (on the first step eagerly, creating its state; later in the
-    fused program, writing the state the program holds) when the step fails:
-    parameters, optimizer state, buffers, the generator and the count are as before the call, and the run
-    that goes on equals one in which the failure never happened, bit for bit."""
+    """The step fails after Adam's update has run: on the first step eagerly (the parameters written, the state
+    created), later in the fused program (the new values computed, not yet committed). Parameters, optimizer
+    state, buffers, the generator and the count are as before the call, and the run that goes on equals one in
+    which the failure never happened, bit for bit."""
     x, y = _data(24)
     gen = torch.Generator().manual_seed(5)
     model, step = _stepper(gen)
@@ -266,17 +268,64 @@ def test_an_accounted_run_counts_no_failed_step(monkeypatch):
 
 
 def test_without_the_transaction_a_failure_after_the_noise_is_counted(monkeypatch):
-    """transactional=False: no copy; the noise may have reached the parameters, so the step is counted."""
+    """transactional=False: no copy; the noise may have reached the parameters (here the eager update of the
+    first step has written them), so the step is counted."""
     x, y = _data(24)
     gen = torch.Generator().manual_seed(5)
     model, step = _stepper(gen, transactional=False)
-    step(x[:8], y[:8])
     before = [p.detach().clone() for p in model.parameters()]
-    _fail_after_update(monkeypatch, CompiledGraph, "run")
+    _fail_after_update(monkeypatch, step.optimizer, "step")
+    with pytest.raises(_Failing):
+        step(x[:8], y[:8])
+    assert step.steps_taken == 1 and step.released_config is not None
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_the_fused_program_writes_nothing_of_the_users_until_it_has_run_whole(monkeypatch):
+    """The program returns the new parameters, Adam's state and ``.grad``; they are written after it returns
+    (``fuse.commit``). So the parameters and state are those of before the step while the program runs and
+    after it fails, without a copy of them: the snapshot holds buffers and generators only."""
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen)
+    step(x[:8], y[:8])
+    assert step.fused and step.program_cache.current.commits
+    real_run, seen = CompiledGraph.run, []
+
+    def run(self, *args, **kwargs):
+        before = _state(model, step, gen)
+        out = real_run(self, *args, **kwargs)
+        seen.append(_same_state(before, _state(model, step, gen)))
+        seen.append(step.snapshot.params is None and step.snapshot.optimizer_state is None)
+        return out
+
+    monkeypatch.setattr(CompiledGraph, "run", run)
+    before = _state(model, step, gen)
+    step(x[8:16], y[8:16])
+    assert seen == [True, True]
+    assert not _same_state(before, _state(model, step, gen))  # committed after the program
+    assert step.snapshot is None  # no copy outlives the call
+
+
+def test_a_failure_after_the_commit_counts_the_completed_step(monkeypatch):
+    """Past ``fuse.commit`` the update is in the parameters: a failure there (an interrupt, say) counts the step,
+    keeps the update and leaves the generator advanced, so the next step draws fresh noise. The parameters are
+    those of an uninterrupted run."""
+    import compiled_psg._train.paths as paths
+
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen)
+    step(x[:8], y[:8])
+    _fail_after_update(monkeypatch, paths, "commit")
     with pytest.raises(_Failing):
         step(x[8:16], y[8:16])
-    assert step.steps_taken == 2 and step.released_config is not None
-    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert step.steps_taken == 2
+    gen_clean = torch.Generator().manual_seed(5)
+    clean_model, clean = _stepper(gen_clean)
+    clean(x[:8], y[:8])
+    clean(x[8:16], y[8:16])
+    assert _same_state(_state(model, step, gen), _state(clean_model, clean, gen_clean))
 
 
 @pytest.mark.inductor

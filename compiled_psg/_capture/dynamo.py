@@ -636,7 +636,25 @@ def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_d
             _pending.clear()
 
 
+def _check_arguments(loss_fn, args: tuple) -> None:
+    """The loss function takes the call's arguments, as Python would check; else a ``BatchInputError`` saying so
+    (Dynamo would report it as a graph break)."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin or an object without a signature: the call itself will tell
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as e:
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+        raise BatchInputError(
+            f"the loss function {name}{signature} cannot take the {len(args)} argument(s) it is called with ({e}). "
+            "Fix: make its parameters the batch's parts, in order: the step calls loss_fn(*batch), and the model "
+            "and parameters reach it as a closure, not as arguments") from None
+
+
 def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int]) -> Captured:
+    _check_arguments(loss_fn, args)
     names = list(params)
     tensors = [params[n] for n in names]
     batched = sorted(batch_dims.items())
@@ -746,6 +764,9 @@ def _graph_break(e: Exception) -> CaptureError:
         if "print" in lowered and "builtin" in lowered:
             fix = ("print outside the loss function: compiled_psg runs the captured graph, not the function's "
                    "Python code, so a print in the loss would not run on later calls anyway")
+        elif "failed to bind arguments" in lowered or "argument mismatch" in lowered:
+            fix = ("call the function at this line with the arguments it takes: the call would raise TypeError "
+                   "without compiled_psg too")
         elif any(k in lowered for k in (".item()", "item()", "tolist", "data-dependent", "data dependent",
                                         "numpy")):
             fix = ("keep tensor values as tensors: no .item(), .tolist(), float(t) or bool(t) in the loss; use "

@@ -12,9 +12,18 @@ GEMM output plus the lookup's per-sample table, a scatter-add into ``[n*v, d]`` 
 (``scatters_into_sums``) is the same sum with one table: Inductor then adds in place (GPT-2 small at B = 8 on the
 CPU: 393 MiB fewer at the step's peak, ``benchmarks/scale_notes.md``).
 
+The backward's seed, ``ones_like(total loss)``, reads only the loss's shape, so for Inductor no backward kernel
+depends on the losses. A kernel that computes the losses (the per-sample and the reported loss: a gather of the
+log-probabilities at the targets) then stays a reader of the logits until the end, and the log-softmax backward,
+fused with it, cannot write the logits' gradient over the logits: two ``[tokens, vocabulary]`` buffers where
+the plain compiled step holds one (GPT-2 on the CPU: 196 MiB). ``seeds_after_losses`` makes the seed read the
+total's value, adding an exact zero (``nan_to_num(total * 0)``), so the losses are computed first, as in eager
+``loss.backward()``, and Inductor can reuse the logits' buffer.
+
 Pre-condition: ``gm`` is functional (no in-place op but a final ``copy_`` into inputs). Post-condition: no
 ``aten.view.default`` node is left, nor an ``add`` of a scatter-add into zeros that nothing else reads and
-whose shape and dtype are the sum's; the graph lints.
+whose shape and dtype are the sum's, nor a ``ones_like`` of a 0-d floating tensor that does not read its
+value; the graph lints.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ def for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
     ``gm.meta["scatters_into_sums"]``."""
     gm = copy.deepcopy(gm)
     gm.meta["scatters_into_sums"] = scatters_into_sums(gm.graph)
+    gm.meta["seeds_after_losses"] = seeds_after_losses(gm.graph)
     count = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is ATEN.view.default:
@@ -42,6 +52,31 @@ def for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
     gm.recompile()
     gm.meta["views_as_reshapes"] = count
     return gm
+
+
+def seeds_after_losses(graph: fx.Graph) -> int:
+    """Replace each ``ones_like(t)`` of a 0-d floating ``t`` (the backward's seed) by
+    ``ones_like(t) + nan_to_num(t * 0, 0, 0, 0)``: the same ones (the added zero is exact for every ``t``,
+    inf and NaN included), now reading ``t``; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        total = node.args[0] if node.op == "call_function" and node.target is ATEN.ones_like.default else None
+        value = total.meta.get("val") if isinstance(total, fx.Node) else None
+        if not isinstance(value, torch.Tensor) or value.dim() != 0 or not value.dtype.is_floating_point:
+            continue
+        with graph.inserting_after(node):
+            times_zero = graph.call_function(ATEN.mul.Tensor, (total, 0.0))
+            with graph.inserting_after(times_zero):
+                zero = graph.call_function(ATEN.nan_to_num.default, (times_zero, 0.0, 0.0, 0.0))
+            with graph.inserting_after(zero):
+                seed = graph.call_function(ATEN.add.Tensor, (node, zero))
+        node.replace_all_uses_with(seed, delete_user_cb=lambda user, seed=seed: user is not seed)
+        times_zero.meta["val"] = zero.meta["val"] = value * 0
+        seed.meta["val"] = node.meta["val"]
+        count += 1
+    if count:
+        graph.lint()
+    return count
 
 
 _RESHAPES = (ATEN.view.default, ATEN.reshape.default, ATEN._unsafe_view.default, ATEN.alias.default)

@@ -15,11 +15,18 @@ After, one graph::
         G, count = all_reduce(cat(G_j, count))  # one collective, only under torch.distributed
         scale = 1 / max(count, 1)               # in the graph only when dividing by the global batch size
         G_j = G_j.to(param_j.dtype)             # the sums are float32 for bfloat16 parameters (mixed precision)
-        <update graph on G_j and scale>
+        <update graph on G_j and scale>           # its copy_ into the user's tensors become outputs
+
+The program writes nothing of the user's: the update graph's closing ``copy_`` into parameters, ``.grad`` and
+optimizer state become outputs (``commit_k``), and ``commit`` writes them after the program returns, in one
+``torch._foreach_copy_``. A step that raises inside the program has changed nothing, so the transaction needs no
+copy of the parameters and state (``transaction.py``), and the new values are allocated at the program's end,
+after the backward has freed its activations, not across the step's peak.
 
 Pre-conditions: the per-sample graph's result is ``{name: tensor}`` or ``({name: tensor}, norms)`` with an entry
 for every parameter the optimizer updates; the update graph comes from ``capture_update``. Post-conditions: the
-graph lints, and ``StepProgram.inputs`` describes every placeholder after the per-sample graph's own.
+graph lints, mutates none of its inputs, ``StepProgram.inputs`` describes every placeholder after the
+per-sample graph's own, and ``StepProgram.commits`` names the tensor each ``commit_k`` output is written into.
 """
 
 from __future__ import annotations
@@ -44,11 +51,13 @@ c10d = torch.ops._c10d_functional
 @dataclass
 class StepProgram:
     """The fused graph. ``inputs``: one ``(InputKind, key)`` per placeholder after the per-sample graph's own
-    (``inputs.InputKind`` says what feeds each); ``outputs``: names of the flat outputs."""
+    (``inputs.InputKind`` says what feeds each); ``outputs``: names of the flat outputs; ``commits[k]``: what
+    output ``commit_k`` is written into, ``("param", name)`` or an ``inputs`` entry (``.grad``, optimizer state)."""
 
     gm: fx.GraphModule
     inputs: list[tuple[str, object]]
     outputs: list[str]
+    commits: list[tuple[str, object]]
 
 
 def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tensor], names: list[str], *,
@@ -74,10 +83,13 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     inputs: list[tuple[str, object]] = [(InputKind.REDUCE_INPUT, k)
                                         for k in range(len(own) - len(rewritten.roles))]
 
+    feeds: dict[fx.Node, tuple[str, object]] = {node: ("param", key) for key, node in param_placeholder.items()}
+
     def placeholder(kind: InputKind, key: object, name: str) -> fx.Node:
         with graph.inserting_before(first_compute):  # after the per-sample graph's own, in order
             node = graph.placeholder(f"step_{len(inputs)}_{name}")  # the target is the argument's name
         inputs.append((kind, key))
+        feeds[node] = (kind, key)
         return node
 
     call = graph.call_function
@@ -119,6 +131,10 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
         else:
             update_env[node] = placeholder(kind, key, node.name)
     graph.graph_copy(update.gm.graph, update_env)
+    commits = _writes_as_outputs(graph, [update_env[n] for n in update.gm.graph.nodes
+                                         if n.target is aten.copy_.default], feeds)
+    outputs.extend(value for _, value in commits)
+    output_names.extend(f"commit_{k}" for k in range(len(commits)))
     graph.output(tuple(outputs))
 
     unrolled = unroll_foreach(graph)
@@ -128,7 +144,46 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     graph.lint()
     gm = fx.GraphModule(root, graph)
     gm.meta["foreach_unrolled"] = unrolled
-    return StepProgram(gm, inputs, output_names)
+    return StepProgram(gm, inputs, output_names, [target for target, _ in commits])
+
+
+def _writes_as_outputs(graph: fx.Graph, writes: list[fx.Node],
+                       feeds: dict[fx.Node, tuple[str, object]]) -> list[tuple[tuple[str, object], fx.Node]]:
+    """Remove the update's ``copy_(placeholder, value)`` nodes; ``(what feeds the placeholder, value)`` for each.
+
+    Pre: each write's destination is a placeholder with an entry in ``feeds``, written once, and nothing reads the
+    write (AOT's functional graph ends with them). Post: a value that is, or is a view of, an input is cloned, so
+    that writing one output cannot change another before it is written."""
+    commits, seen = [], set()
+    for write in writes:
+        target, value = write.args[0], write.args[1]
+        if write.users or target not in feeds or target in seen:
+            raise InternalError(f"the optimizer update writes {target} in a form the step cannot commit")
+        seen.add(target)
+        if _views_an_input(value):
+            with graph.inserting_before(write):
+                value = graph.call_function(aten.clone.default, (value,))
+                value.meta["val"] = value.args[0].meta.get("val")
+        graph.erase_node(write)
+        commits.append((feeds[target], value))
+    return commits
+
+
+def _views_an_input(node: fx.Node) -> bool:
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def commit(targets: list[torch.Tensor], values: list[torch.Tensor], snapshot=None) -> None:
+    """Write a step program's ``commit_k`` outputs into the user's tensors. One ``_foreach_copy_``: a single C++
+    call that allocates nothing (each value has its target's shape), so Python cannot interrupt it halfway.
+    ``snapshot`` (the step's ``transaction.Snapshot``) is marked unrestorable just before: from there on, a
+    failure counts the step."""
+    with torch.no_grad():
+        if snapshot is not None:
+            snapshot.restorable = False
+        torch._foreach_copy_(targets, values)
 
 
 # ----- the optimizer's foreach ops, one op per parameter -----

@@ -2,7 +2,7 @@
 
 - ``fused_path``: the earlier micro-batches through the compiled per-sample graph, their clipped sums added here,
   and the last micro-batch through the step program (forward, rewritten backward, clipping, noise, all-reduce and
-  the optimizer's update in one program).
+  the optimizer's update in one program), whose new parameters and state are then committed in one call.
 - ``eager_path``: the first step (optimizers create their state lazily, and the program reads it), an empty
   batch (a step of noise alone) and an update that could not be captured: the per-sample graph on every
   micro-batch, then ``eager.eager_update`` (noise, all-reduce, ``optimizer.step()`` in Python). At its end the
@@ -20,8 +20,8 @@ from torch.utils import _pytree as pytree
 from .._compile.run import CompiledGraph
 from .config import DPConfig
 from .eager import eager_update
-from .fuse import StepProgram
-from .inputs import StepInputs
+from .fuse import StepProgram, commit
+from .inputs import InputKind, StepInputs
 from .results import add_into, combine_losses, split_result
 
 
@@ -55,6 +55,9 @@ def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph],
     extra = step.inputs.for_program(config, program.inputs, batch_size, partial=partial)
     step.released_config = config
     outputs = dict(zip(program.outputs, compiled.run(last.params, last.args, last.batch_size, extra), strict=True))
+    # the update, written into the user's tensors only now that the program has run whole (``fuse.commit``)
+    commit([_target(step, last.params, kind, key) for kind, key in program.commits],
+           [outputs[f"commit_{k}"] for k in range(len(program.commits))], step.snapshot)
     count = outputs.get("global_count")
     step.last_batch_size = batch_size if count is None else int(round(count.item()))
     piece_norms = outputs.get("norms")
@@ -62,7 +65,18 @@ def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph],
     return combine_losses([*losses, outputs["loss"]], [c.batch_size for c in pieces], config.loss_reduction)
 
 
+def _target(step, params: dict, kind: str, key: object) -> torch.Tensor:
+    """The user's tensor behind a program's commit target (``fuse.StepProgram.commits``)."""
+    if kind == "param":
+        return params[key]
+    if kind == InputKind.DOT_GRAD:
+        return step.binding.dot_grads[key]
+    return key  # InputKind.TENSOR: the optimizer's state tensor itself
+
+
 def eager_update_of(step, config: DPConfig, grads: list[torch.Tensor], batch_size: int) -> None:
+    if step.snapshot is not None:  # the update in Python writes parameters and state one by one
+        step.snapshot.cover_update(step.binding.params)
     step.released_config = config
     step.last_batch_size = eager_update(config, grads, batch_size, step.binding, step.noise, step.distributed)
     step.state_ready = True

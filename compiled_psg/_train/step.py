@@ -139,6 +139,7 @@ class DPStep(StepSettings):
         # transactional=False a call that fails after it released a noisy update, which the accountant must count
         # (``PrivateTraining.step``); a transactional step restores everything and releases nothing
         self.released_config: DPConfig | None = None
+        self.snapshot: Snapshot | None = None  # the current call's transaction (``transaction.py``)
         self.last_unclipped: float | None = None  # adaptive clipping: samples with norm <= C in the last step
         self.last_count_noise: float | None = None  # and the noise added to their (centred) count
 
@@ -258,15 +259,18 @@ class DPStep(StepSettings):
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
-        snapshot = Snapshot.of_step(self)  # after the checks above: what a failed step restores
+        # after the checks above: what a failed step restores (the eager update adds the parameters to it)
+        snapshot = self.snapshot = Snapshot.of_step(self)
         try:
             loss = self._step(config, batch)
         except BaseException:
-            if snapshot is not None:  # nothing of the step happened: nothing released, nothing counted
+            if snapshot is not None and snapshot.restorable:  # nothing happened: nothing released or counted
                 snapshot.restore_step(self)
             elif self.released_config is not None:  # the noise may have reached the parameters: counted
                 self.steps_taken += 1
             raise
+        finally:
+            self.snapshot = None  # its copies must not outlive the call (they would sit across the next peak)
         self.last_config = config
         self.steps_taken += 1  # the update is applied: counted before anything else can fail
         if config.clipping == "adaptive":

@@ -1,18 +1,25 @@
 """A DP step as a transaction: its update, its accounting and its noise generator's advance happen together, or
 nothing of the step happens.
 
-``Snapshot.take`` runs after the step's checks and before anything changes. It copies what a step may write:
-the trained parameters, the optimizer's state (tensors copied, other values kept), the model's buffers and the
-state of every generator the noise may draw from (the step's ``generator=``, else torch's global CPU generator
-and the parameters' CUDA generators). If the step then raises anywhere (an out-of-memory error in the middle of
-the update, the compile at the end of the first step, an interrupt), ``Snapshot.restore`` writes all of it back
-in place, since the compiled program holds the very tensors, and drops optimizer state the step created. The
-step counts nothing: the accountant records only the noise of completed steps, which is the noise that reached
-the parameters.
+``Snapshot.of_step`` runs after the step's checks and before anything changes. It copies the model's buffers (the
+loss may write them), the state of every generator the noise may draw from (the step's ``generator=``, else
+torch's global CPU generator and the parameters' CUDA generators) and the step's own fields. The parameters, their
+``.grad`` (a failed step's noisy gradient must not stay readable while its noise is drawn again) and the
+optimizer's state are copied only where a step writes them in Python: the eager update (the first step, an
+empty batch, an update that could not be captured) calls ``cover_update`` just before ``optimizer.step()``, after
+the per-sample graph has freed its activations. The fused program writes nothing of the user's: it returns the
+new values, and ``fuse.commit`` writes them in one call after it has run whole, so a failure inside it leaves
+parameters and state as they were and no copy of them is needed, at the step's peak or anywhere. The commit is
+the point of no return: from just before its one call, a failure (an interrupt after it) counts the step and
+restores nothing, so its noise is never drawn again.
 
-The copy costs the memory of the parameters, the optimizer state and the buffers, and one pass over them per
-step; ``transactional=False`` skips it, and then a step that fails after its noise was drawn is counted (the
-noise may have reached some parameters) and leaves the parameters as the failure left them. Noise from
+If the step raises anywhere (a refused batch, an out-of-memory error in the program, the compile at the end of
+the first step, an interrupt), ``Snapshot.restore`` writes back what it holds, in place, since the compiled
+program holds the very tensors, and drops optimizer state the step created. The step counts nothing: the
+accountant records only the noise of completed steps, which is the noise that reached the parameters.
+
+``transactional=False`` skips the copies: a step that fails after its noise was drawn is then counted (the noise
+may have reached some parameters) and leaves the parameters as the failure left them. Noise from
 ``secure_rng=True`` (``os.urandom``) is not restored: a failed step's draw was never released, and the next
 step draws fresh noise. Under ``torch.distributed`` the transaction is each rank's own: a failure on one rank
 leaves the others to time out in their collective.
@@ -39,22 +46,38 @@ def _generator_states(generator: torch.Generator | None, params: list[torch.Tens
 
 @dataclass
 class Snapshot:
-    params: list[tuple[torch.Tensor, torch.Tensor]]  # (live, copy)
-    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (live, copy)
     optimizer: torch.optim.Optimizer
-    optimizer_state: dict  # param -> {key: copy or value}
     generators: list[tuple]
+    had_state: frozenset[int]  # ids of the parameters that had optimizer state: a failed step drops the others'
+    params: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (live, copy), from ``cover_update``
+    # (param, its .grad then, a copy of that .grad's values), from ``cover_update``: a failed step's noisy
+    # gradient must not stay readable once its noise may be drawn again
+    grads: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] | None = None
+    optimizer_state: dict | None = None  # param -> {key: copy or value}, from ``cover_update``
     step_fields: tuple = ()  # the step's own fields a failed step must not change (``of_step``)
+    # False from the fused program's commit on: the update may be in the parameters, with no copy to undo it
+    restorable: bool = True
 
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
              generator: torch.Generator | None) -> Snapshot:
+        """What a step may change before its update: buffers and generators (``cover_update`` adds the rest)."""
         with torch.no_grad():
-            copies = [(p, p.detach().clone()) for p in params]
             buffers = [(b, b.clone()) for b in model.buffers()]
-            state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                     for p, s in optimizer.state.items()}
-        return cls(copies, buffers, optimizer, state, _generator_states(generator, params))
+        return cls(buffers, optimizer, _generator_states(generator, params),
+                   frozenset(id(p) for p in optimizer.state))
+
+    def cover_update(self, params: list[torch.Tensor]) -> None:
+        """Copy the parameters, their ``.grad`` and the optimizer's state, just before an update in Python
+        writes them."""
+        if self.params is not None:
+            return
+        with torch.no_grad():
+            self.params = [(p, p.detach().clone()) for p in params]
+            self.grads = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in params]
+            self.optimizer_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                                    for p, s in self.optimizer.state.items()}
 
     @classmethod
     def of_step(cls, step) -> Snapshot | None:
@@ -72,14 +95,18 @@ class Snapshot:
         step.released_config = None
 
     def restore(self) -> None:
-        """Everything as ``take`` found it, in place."""
+        """Everything as ``take`` (and ``cover_update``) found it, in place."""
         with torch.no_grad():
-            for live, copy in self.params + self.buffers:
+            for live, copy in self.buffers + (self.params or []):
                 live.copy_(copy)
+            for p, grad, values in self.grads or []:
+                if grad is not None:
+                    grad.copy_(values)
+                p.grad = grad
             for p in list(self.optimizer.state):
-                if p not in self.optimizer_state:  # created by the failed step (the first step's lazy state)
+                if id(p) not in self.had_state:  # created by the failed step (the first step's lazy state)
                     del self.optimizer.state[p]
-            for p, saved in self.optimizer_state.items():
+            for p, saved in (self.optimizer_state or {}).items():
                 live = self.optimizer.state[p]
                 for key in list(live):
                     if key not in saved:
