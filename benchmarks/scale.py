@@ -103,8 +103,9 @@ def psg_bounded(model, criterion):
 
 
 def psg_nocopy(model, criterion):
-    """The DP step without its transaction: no copy of the parameters, optimizer state and buffers per step
-    (what ``transactional=True``, the default, costs is the difference to ``psg``)."""
+    """The DP step without its transaction: no copy of the buffers per step, nor of the parameters, ``.grad`` and
+    optimizer state on an eager update (what ``transactional=True``, the default, costs is the difference to
+    ``psg``)."""
     return psg(model, criterion, transactional=False)
 
 

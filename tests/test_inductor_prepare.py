@@ -222,3 +222,18 @@ def test_the_seed_reads_the_total_and_stays_one(total):
     assert torch.equal(out, torch.tensor(3.0))
     added = [n for n in gm.graph.nodes if n.target is aten.add.Tensor]
     assert len(added) == 1 and t in added[0].args[1].args[0].args
+
+
+def test_a_ones_like_of_another_dtype_is_not_a_seed():
+    """``ones_like(t, dtype=torch.bfloat16)`` (the user's, not the backward's seed) is left as it is: adding a
+    float32 zero would promote it."""
+    from compiled_psg._compile.prepare import seeds_after_losses
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    t = g.placeholder("t")
+    t.meta["val"] = torch.empty(())
+    ones = g.call_function(aten.ones_like.default, (t,), {"dtype": torch.bfloat16})
+    ones.meta["val"] = torch.empty((), dtype=torch.bfloat16)
+    g.output((ones,))
+    assert seeds_after_losses(g) == 0

@@ -150,3 +150,23 @@ def test_a_buffer_written_from_a_weight_reads_the_pre_update_weight_on_every_ste
         assert not torch.equal(model.lin.weight, before)
         assert torch.equal(model.snapshot, before), f"step {i}: the snapshot is not the pre-update weight"
     assert step.fused and model.calls.item() == 3
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_loss_that_writes_a_trained_parameter_is_refused_before_anything_changes(backend):
+    """``weight.clamp_()`` under ``no_grad`` inside the loss: the step's update, committed after the program from
+    the values before the write, would overwrite it. Refused, naming the parameter; nothing changes."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+
+    def loss(x, y):
+        with torch.no_grad():
+            model.weight.clamp_(-0.1, 0.1)
+        return F.cross_entropy(model(x), y)
+
+    step = psg.compile_step(loss, model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                            noise_multiplier=1.0, backend=backend)
+    before = _state(model)
+    with pytest.raises(psg.DPConfigError, match=r"trained parameters in place: 'weight', written at .*clamp_"):
+        step(*_batch())
+    assert step.steps_taken == 0 and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

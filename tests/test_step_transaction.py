@@ -359,3 +359,20 @@ def test_the_compiled_program_failing_after_its_update_is_undone(monkeypatch):
         clean(x[i:i + 8], y[i:i + 8])
     assert step.compiles == clean.compiles == 1
     assert _same_state(_state(model, step, gen), _state(clean_model, clean, gen_clean))
+
+
+def test_a_failed_eager_update_leaves_no_noisy_gradient_in_the_steps_grad_buffers(monkeypatch):
+    """After ``zero_grad()`` (``.grad`` None), an eager update that fails has written its noisy gradient into the
+    step's ``.grad`` buffers, which the next step installs: they are restored with the parameters."""
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen, optimizer=torch.optim.SGD)
+    step(x[:8], y[:8])
+    buffers = [b.clone() for b in step.binding.dot_grads]
+    step.optimizer.zero_grad()
+    step.state_ready = False  # the next step's update runs eagerly (as on an empty batch)
+    _fail_after_update(monkeypatch, step.optimizer, "step")
+    with pytest.raises(_Failing):
+        step(x[8:16], y[8:16])
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(step.binding.dot_grads, buffers, strict=True))

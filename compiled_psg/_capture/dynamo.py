@@ -640,7 +640,8 @@ def _check_arguments(loss_fn, args: tuple) -> None:
     """The loss function takes the call's arguments, as Python would check; else a ``BatchInputError`` saying so
     (Dynamo would report it as a graph break)."""
     try:
-        signature = inspect.signature(loss_fn)
+        # not through functools.wraps: a wrapper may pass its callee arguments of its own (the model)
+        signature = inspect.signature(loss_fn, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin or an object without a signature: the call itself will tell
         return
     try:

@@ -55,15 +55,17 @@ def for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def seeds_after_losses(graph: fx.Graph) -> int:
-    """Replace each ``ones_like(t)`` of a 0-d floating ``t`` (the backward's seed) by
+    """Replace each ``ones_like(t)`` of a 0-d floating ``t``, of ``t``'s dtype and device (the backward's seed), by
     ``ones_like(t) + nan_to_num(t * 0, 0, 0, 0)``: the same ones (the added zero is exact for every ``t``,
     inf and NaN included), now reading ``t``; returns how many."""
     count = 0
     for node in list(graph.nodes):
         total = node.args[0] if node.op == "call_function" and node.target is ATEN.ones_like.default else None
         value = total.meta.get("val") if isinstance(total, fx.Node) else None
-        if not isinstance(value, torch.Tensor) or value.dim() != 0 or not value.dtype.is_floating_point:
-            continue
+        ones = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() != 0 or not value.dtype.is_floating_point \
+                or not isinstance(ones, torch.Tensor) or (ones.dtype, ones.device) != (value.dtype, value.device):
+            continue  # the seed is ones like the total itself; a ones_like(t, dtype=...) of the user's is left
         with graph.inserting_after(node):
             times_zero = graph.call_function(ATEN.mul.Tensor, (total, 0.0))
             with graph.inserting_after(times_zero):

@@ -74,12 +74,15 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     with ``DPConfigError`` before the step runs. ``public_buffers``: names of buffers whose writes you declare
     public (released as they are, outside the DP guarantee).
 
-    A step is a transaction (``transactional=True``): if it raises, at any point (a refused batch, an
-    out-of-memory error in the middle of the update, the compile at the end of the first step, an interrupt),
-    the parameters, the optimizer's state, the buffers and the noise generator are as before the call, and
-    nothing is counted. It costs a copy of the parameters, the optimizer state and the buffers per step.
-    ``transactional=False`` skips the copy: a step that fails after its noise was drawn is then counted, and the
-    parameters stay as the failure left them.
+    A step is a transaction (``transactional=True``): if it raises before its update is committed (a refused
+    batch, an out-of-memory error in the program, the compile at the end of the first step, an interrupt), the
+    parameters, their ``.grad``, the optimizer's state, the buffers and the noise generator are as before the
+    call, and nothing is counted. The compiled program writes nothing of yours: it returns the new values, and
+    ``torch._foreach_copy_`` commits them; a failure from the commit on counts the step. Per step it costs a
+    copy of the buffers, and on an eager update (the first step) one of the parameters, ``.grad`` and state; the
+    commit itself costs a pass over the new values, allocated at the program's end.
+    ``transactional=False`` skips the copies: a step that fails after its noise was drawn is then counted, and
+    the parameters stay as the failure left them.
 
     ``memory_budget``: bytes of per-sample values the program may hold beyond what the plain step holds (None:
     the fastest plan; 0: the least the strategies hold): a layer's materialized per-sample gradients or, for a

@@ -18,7 +18,7 @@ After, one graph::
         <update graph on G_j and scale>           # its copy_ into the user's tensors become outputs
 
 The program writes nothing of the user's: the update graph's closing ``copy_`` into parameters, ``.grad`` and
-optimizer state become outputs (``commit_k``), and ``commit`` writes them after the program returns, in one
+optimizer state become outputs (``commit_k``), and ``commit`` writes them after the program returns, with
 ``torch._foreach_copy_``. A step that raises inside the program has changed nothing, so the transaction needs no
 copy of the parameters and state (``transaction.py``), and the new values are allocated at the program's end,
 after the backward has freed its activations, not across the step's peak.
@@ -169,21 +169,35 @@ def _writes_as_outputs(graph: fx.Graph, writes: list[fx.Node],
     return commits
 
 
+_ALIASING = (aten._unsafe_view.default, aten.alias.default, aten.reshape.default, aten.contiguous.default)
+
+
 def _views_an_input(node: fx.Node) -> bool:
-    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+    """Whether ``node`` may share an input's memory: the input itself, or a view (or a reshape, which may be one)
+    of it."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and (node.target.is_view or node.target in _ALIASING):
         node = node.args[0]
     return node.op == "placeholder"
 
 
 def commit(targets: list[torch.Tensor], values: list[torch.Tensor], snapshot=None) -> None:
-    """Write a step program's ``commit_k`` outputs into the user's tensors. One ``_foreach_copy_``: a single C++
-    call that allocates nothing (each value has its target's shape), so Python cannot interrupt it halfway.
+    """Write a step program's ``commit_k`` outputs into the user's tensors: one ``_foreach_copy_`` per device and
+    dtype (torch takes its one-kernel route only for lists of one device and dtype; Adam's ``step`` counters sit on
+    the CPU beside CUDA parameters). The copies allocate nothing (each value has its target's shape).
     ``snapshot`` (the step's ``transaction.Snapshot``) is marked unrestorable just before: from there on, a
-    failure counts the step."""
+    failure (an interrupt between two groups) counts the step."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for target, value in zip(targets, values, strict=True):
+        key = (target.device, target.dtype, value.device, value.dtype)
+        group = groups.setdefault(key, ([], []))
+        group[0].append(target)
+        group[1].append(value)
     with torch.no_grad():
         if snapshot is not None:
             snapshot.restorable = False
-        torch._foreach_copy_(targets, values)
+        for group_targets, group_values in groups.values():
+            torch._foreach_copy_(group_targets, group_values)
 
 
 # ----- the optimizer's foreach ops, one op per parameter -----

@@ -334,6 +334,7 @@ class ShardedStep(DPStep):
     def _sharded_update(self, config: DPConfig, sums: list[torch.Tensor], batch_size: int) -> int:
         """Noise (rank 0, on the full sums), one reduce-scatter, scaling into the shards' ``.grad``, the
         optimizer's step; returns the global batch size. ``sums`` is consumed (its entries are released)."""
+        self.released_config = config  # noise is drawn from here on: a non-transactional failure counts the step
         noise = None
         if config.noise_std > 0 and dist.get_rank() == 0:  # the numbers one process draws for these sums
             draws = self.noise.stream(config, sums)
@@ -342,6 +343,8 @@ class ShardedStep(DPStep):
         shards, count = reduce_scatter_sums(sums, count, self._layouts, self._group, noise)
         global_size = int(round(count.item()))
         scale = config.scale(global_size)
+        if self.snapshot is not None:  # the update in Python writes the shards, .grad and state one by one
+            self.snapshot.cover_update(self.binding.params, self.binding.dot_grads)
         self.binding.install()
         with torch.no_grad():
             for buffer, shard in zip(self.binding.dot_grads, shards, strict=True):

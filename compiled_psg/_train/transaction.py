@@ -54,6 +54,7 @@ class Snapshot:
     # (param, its .grad then, a copy of that .grad's values), from ``cover_update``: a failed step's noisy
     # gradient must not stay readable once its noise may be drawn again
     grads: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] | None = None
+    dot_grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the step's .grad buffers (live, copy)
     optimizer_state: dict | None = None  # param -> {key: copy or value}, from ``cover_update``
     step_fields: tuple = ()  # the step's own fields a failed step must not change (``of_step``)
     # False from the fused program's commit on: the update may be in the parameters, with no copy to undo it
@@ -68,14 +69,17 @@ class Snapshot:
         return cls(buffers, optimizer, _generator_states(generator, params),
                    frozenset(id(p) for p in optimizer.state))
 
-    def cover_update(self, params: list[torch.Tensor]) -> None:
-        """Copy the parameters, their ``.grad`` and the optimizer's state, just before an update in Python
+    def cover_update(self, params: list[torch.Tensor], dot_grads: list[torch.Tensor]) -> None:
+        """Copy the parameters, their ``.grad``, the step's own ``.grad`` buffers (``dot_grads``: installed as
+        ``.grad`` by the next step, read or not now) and the optimizer's state, just before an update in Python
         writes them."""
         if self.params is not None:
             return
         with torch.no_grad():
             self.params = [(p, p.detach().clone()) for p in params]
             self.grads = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in params]
+            installed = {id(p.grad) for p in params}
+            self.dot_grads = [(b, b.clone()) for b in dot_grads if id(b) not in installed]
             self.optimizer_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                                     for p, s in self.optimizer.state.items()}
 
@@ -97,7 +101,7 @@ class Snapshot:
     def restore(self) -> None:
         """Everything as ``take`` (and ``cover_update``) found it, in place."""
         with torch.no_grad():
-            for live, copy in self.buffers + (self.params or []):
+            for live, copy in self.buffers + (self.params or []) + (self.dot_grads or []):
                 live.copy_(copy)
             for p, grad, values in self.grads or []:
                 if grad is not None:
