@@ -650,6 +650,14 @@ PAGE_SOURCES = (("GPU (H100), full configs: gpt2, resnet50_gn, vit, the transact
                  "`python -m benchmarks.scale --device cuda --models llama_lora --methods plain plain_compile psg "
                  "opacus_ghost --budget 280", "ddbc185: per-tensor noise draws, grouped-convolution per-sample "
                  "conv gradients, no memory_budget"),
+                ("CPU, scaled configs: the update committed after the program, the losses before the backward",
+                 "benchmarks-scale-cpu-commit.json",
+                 "python -m benchmarks.scale --device cpu --threads 2 --models gpt2 resnet50_gn vit bert_last "
+                 "--methods plain plain_compile psg psg_bounded psg_nocopy --profile gpt2 resnet50_gn --reps 7 "
+                 "--budget 2400 --out DIR",
+                 "9188df9: the fused program returns the update and one `_foreach_copy_` per device and dtype "
+                 "commits it (the transaction copies buffers only), the backward's seed reads the total loss "
+                 "(the logits' gradient written over the logits)"),
                 ("CPU, scaled configs", "benchmarks-scale-cpu.json",
                  "python -m benchmarks.scale --device cpu --threads 2 --models gpt2 vit resnet50_gn bert_last "
                  "--methods plain psg psg_bounded psg_nocopy plain_compile opacus_ghost vmap_dp --profile resnet50_gn "

@@ -244,6 +244,7 @@ def test_a_call_inside_the_loss_with_the_wrong_arguments_names_the_call():
         return F.cross_entropy(logits, y)
 
     fn = psg.per_sample(model, backend="eager")(lambda x, y: head(model(x)))
-    with pytest.raises(psg.CaptureError, match="with the arguments it takes") as info:
+    with pytest.raises(psg.CaptureError) as info:
         fn(torch.randn(5, 4), torch.randint(0, 3, (5,)))
-    assert "torch operations" not in str(info.value).split("Details from Dynamo")[0]
+    ours = str(info.value).split("Details from Dynamo")[0]  # Dynamo's words differ between torch versions
+    assert "TypeError" in ours and "without compiled_psg too" in ours and "torch operations" not in ours

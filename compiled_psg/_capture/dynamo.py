@@ -768,6 +768,9 @@ def _graph_break(e: Exception) -> CaptureError:
         elif "failed to bind arguments" in lowered or "argument mismatch" in lowered:
             fix = ("call the function at this line with the arguments it takes: the call would raise TypeError "
                    "without compiled_psg too")
+        elif _RAISED.search(text):  # Dynamo saw the user's code raise (torch 2.15: "Observed exception")
+            fix = (f"this line raises {_RAISED.search(text).group(1)} when run without compiled_psg too: fix "
+                   "that error first")
         elif any(k in lowered for k in (".item()", "item()", "tolist", "data-dependent", "data dependent",
                                         "numpy")):
             fix = ("keep tensor values as tensors: no .item(), .tolist(), float(t) or bool(t) in the loss; use "
@@ -778,6 +781,7 @@ def _graph_break(e: Exception) -> CaptureError:
                         f"(a graph break) {where}: {reason}\nFix: {fix}. Details from Dynamo:\n{text}")
 
 
+_RAISED = re.compile(r"raised exception (\w+(?:Error|Exception)\(.*?\))\n")
 _EXECUTING = re.compile(r"While executing %(\S+) : .*?target=([^\]]+)\]")
 _CAUSED_BY = re.compile(r"Caused by: \((\S+) in (\S+)\)")
 
