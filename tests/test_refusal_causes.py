@@ -11,7 +11,7 @@ from reference import reference_per_sample
 from torch.utils.data import DataLoader, Dataset
 
 import compiled_psg as psg
-from compiled_psg._compat import item_of_a_constant_tensor_is_a_size
+from compiled_psg._compat import item_of_a_constant_tensor_is_a_size, torch_minor
 
 
 def _model_and_loss():
@@ -123,9 +123,13 @@ def test_a_batch_size_fixed_by_a_double_backward_is_named_as_such(layer):
         (g,) = torch.autograd.grad(out, x, create_graph=True)
         return out + g.pow(2).sum()
 
-    with pytest.raises(psg.CaptureError, match="tracing the gradients of the loss fixed the batch size") as info:
+    # torch 2.11's Dynamo stops earlier, at requires_grad_(), and the message names that instead
+    cause = ("tracing the gradients of the loss fixed the batch size" if torch_minor() >= (2, 13)
+             else r"does not trace requires_grad_\(\) inside a compiled function")
+    with pytest.raises(psg.CaptureError, match=cause) as info:
         psg.per_sample(model, backend="eager")(loss)(x)
-    assert "x.view" not in str(info.value) and "dynamo.py" not in str(info.value)
+    ours = str(info.value).split("Details from Dynamo")[0]  # what follows is Dynamo's own report
+    assert "x.view" not in ours and "dynamo.py" not in ours
 
 
 def _exact(loss, p: torch.Tensor, x: torch.Tensor, tol: float = 1e-12, fn=None) -> None:

@@ -768,6 +768,10 @@ def _graph_break(e: Exception) -> CaptureError:
         elif "failed to bind arguments" in lowered or "argument mismatch" in lowered:
             fix = ("call the function at this line with the arguments it takes: the call would raise TypeError "
                    "without compiled_psg too")
+        elif "requires_grad_()" in text:  # torch 2.11's Dynamo; 2.13 on trace it
+            fix = (f"torch {torch.__version__.split('+')[0]}'s Dynamo does not trace requires_grad_() inside a "
+                   "compiled function (torch 2.13 and later do): upgrade torch, or compute what needs it outside "
+                   "the loss")
         elif _RAISED.search(text):  # Dynamo saw the user's code raise (torch 2.15: "Observed exception")
             fix = (f"this line raises {_RAISED.search(text).group(1)} when run without compiled_psg too: fix "
                    "that error first")
