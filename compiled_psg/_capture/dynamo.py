@@ -882,6 +882,15 @@ def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[
     _refuse_effects(_pending["gm"])
     roles, constants = _label(_pending["real"], params, args, set(batch_dims))
     fake = _pending["fake"]
+    if any(n.op == "placeholder" and n.name.startswith("tangents") for n in _pending["gm"].graph.nodes):
+        # AOT autograd partitioned a training graph: something the joint returns, or writes, still needs a
+        # gradient. The joint returns detached values, so it is an in-place write into a tensor that requires
+        # grad, outside no_grad: ``p.data.clamp_()`` on a parameter
+        raise UnsupportedError(
+            "the loss writes a tensor that requires grad in place, with autograd on (p.data.clamp_(...) on a "
+            "parameter, say): compiled_psg cannot capture that write. Fix: write it under torch.no_grad() "
+            "without .data (with torch.no_grad(): p.clamp_(...)), or apply it outside the loss; a DP step refuses "
+            "writes to the parameters it trains, so apply those after the step")
     if len(roles) != len(fake):
         raise InternalError(f"{len(roles)} Dynamo inputs but {len(fake)} AOT inputs")
     gm = _pending["gm"]
