@@ -76,7 +76,7 @@ def _target(step, params: dict, kind: str, key: object) -> torch.Tensor:
 
 def eager_update_of(step, config: DPConfig, grads: list[torch.Tensor], batch_size: int) -> None:
     if step.snapshot is not None:  # the update in Python writes parameters and state one by one
-        step.snapshot.cover_update(step.binding.params, step.binding.dot_grads)
+        step.snapshot.cover_update(step.binding)
     step.released_config = config
     step.last_batch_size = eager_update(config, grads, batch_size, step.binding, step.noise, step.distributed)
     step.state_ready = True

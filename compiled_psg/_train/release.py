@@ -85,26 +85,6 @@ def refuse_private_writes(captured: Captured, model: nn.Module, public_buffers: 
         "the batch looked up: use max_norm=None in DP training")
 
 
-def refuse_trained_parameter_writes(captured: Captured, trained: Iterable[str]) -> None:
-    """Raise ``DPConfigError`` naming each trained parameter the loss writes in place (``self.w.data.clamp_()``):
-    a DP step changes them only by its noisy update, committed after the program from the values before the
-    write, so the write would be lost (the eager update would start from it instead)."""
-    if not captured.mutated or captured.mutation_graph is None:
-        return
-    trained = set(trained)
-    values = captured.mutation_graph.graph.output_node().args[0]
-    sites = [f"{captured.roles[index].key!r}, written at {_writer_line(value)}"
-             for index, value in zip(captured.mutated, values, strict=True)
-             if captured.roles[index].kind == "param" and captured.roles[index].key in trained
-             and isinstance(value, fx.Node)]
-    if sites:
-        raise DPConfigError(
-            "the loss writes trained parameters in place: " + "; ".join(sites) + ". A DP step changes a trained "
-            "parameter only by its noisy update; no step was taken. Fix: apply the constraint after the step "
-            "(with torch.no_grad(): p.clamp_(...)), or express it as a parametrization "
-            "(torch.nn.utils.parametrize), whose gradient the step then takes")
-
-
 def _writer_line(value: fx.Node) -> str:
     """The user's line behind the written value, or behind the nearest node before it that has one."""
     seen, stack = set(), [value]

@@ -344,7 +344,7 @@ class ShardedStep(DPStep):
         global_size = int(round(count.item()))
         scale = config.scale(global_size)
         if self.snapshot is not None:  # the update in Python writes the shards, .grad and state one by one
-            self.snapshot.cover_update(self.binding.params, self.binding.dot_grads)
+            self.snapshot.cover_update(self.binding)
         self.binding.install()
         with torch.no_grad():
             for buffer, shard in zip(self.binding.dot_grads, shards, strict=True):

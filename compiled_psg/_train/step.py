@@ -51,7 +51,7 @@ from .inputs import StepInputs
 from .paths import eager_path, eager_update_of, fused_path
 from .programs import ProgramCache
 from .reduction import dp_clip_for, resolve_reduction
-from .release import refuse_private_writes, refuse_trained_parameter_writes
+from .release import refuse_private_writes
 from .results import micro_batches, split_result
 from .settings import StepSettings
 from .transaction import Snapshot
@@ -168,11 +168,10 @@ class DPStep(StepSettings):
 
     def prepare_batch(self, f, batch: tuple):
         """``f.prepare_call(*batch)``, refused (``DPConfigError``) when the loss writes a parameter or a buffer
-        not in ``public_buffers`` from the batch (the model would carry it out of the step un-noised) or writes a
-        trained parameter at all (``release.py``). Before anything runs."""
+        not in ``public_buffers`` from the batch: the model would carry it out of the step un-noised
+        (``release.py``). Before anything runs."""
         call = f.prepare_call(*batch)
         refuse_private_writes(call.entry.rewritten.captured, self.model, self.public_buffers)
-        refuse_trained_parameter_writes(call.entry.rewritten.captured, self.binding.names)
         return call
 
     @property

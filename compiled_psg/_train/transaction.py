@@ -51,10 +51,10 @@ class Snapshot:
     generators: list[tuple]
     had_state: frozenset[int]  # ids of the parameters that had optimizer state: a failed step drops the others'
     params: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (live, copy), from ``cover_update``
-    # (param, its .grad then, a copy of that .grad's values), from ``cover_update``: a failed step's noisy
-    # gradient must not stay readable once its noise may be drawn again
-    grads: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] | None = None
-    dot_grads: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the step's .grad buffers (live, copy)
+    # from ``cover_update``: which tensor each parameter's .grad was, and a copy of every gradient buffer (theirs
+    # and the step's own): a failed step's noisy gradient must not stay readable once its noise may be drawn again
+    grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    grad_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     optimizer_state: dict | None = None  # param -> {key: copy or value}, from ``cover_update``
     step_fields: tuple = ()  # the step's own fields a failed step must not change (``of_step``)
     # False from the fused program's commit on: the update may be in the parameters, with no copy to undo it
@@ -69,17 +69,18 @@ class Snapshot:
         return cls(buffers, optimizer, _generator_states(generator, params),
                    frozenset(id(p) for p in optimizer.state))
 
-    def cover_update(self, params: list[torch.Tensor], dot_grads: list[torch.Tensor]) -> None:
-        """Copy the parameters, their ``.grad``, the step's own ``.grad`` buffers (``dot_grads``: installed as
-        ``.grad`` by the next step, read or not now) and the optimizer's state, just before an update in Python
+    def cover_update(self, binding) -> None:
+        """Copy the trained parameters, their ``.grad``, the step's own ``.grad`` buffers (``binding.dot_grads``,
+        which the next step installs as ``.grad``) and the optimizer's state, just before an update in Python
         writes them."""
         if self.params is not None:
             return
+        params = binding.params
         with torch.no_grad():
             self.params = [(p, p.detach().clone()) for p in params]
-            self.grads = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in params]
-            installed = {id(p.grad) for p in params}
-            self.dot_grads = [(b, b.clone()) for b in dot_grads if id(b) not in installed]
+            self.grads = [(p, p.grad) for p in params]
+            buffers = {id(t): t for t in [*(p.grad for p in params if p.grad is not None), *binding.dot_grads]}
+            self.grad_values = [(t, t.clone()) for t in buffers.values()]
             self.optimizer_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                                     for p, s in self.optimizer.state.items()}
 
@@ -101,11 +102,9 @@ class Snapshot:
     def restore(self) -> None:
         """Everything as ``take`` (and ``cover_update``) found it, in place."""
         with torch.no_grad():
-            for live, copy in self.buffers + (self.params or []) + (self.dot_grads or []):
+            for live, copy in self.buffers + (self.params or []) + (self.grad_values or []):
                 live.copy_(copy)
-            for p, grad, values in self.grads or []:
-                if grad is not None:
-                    grad.copy_(values)
+            for p, grad in self.grads or []:
                 p.grad = grad
             for p in list(self.optimizer.state):
                 if id(p) not in self.had_state:  # created by the failed step (the first step's lazy state)
