@@ -50,6 +50,13 @@ def _params_and_modes(params: nn.Module | Mapping[str, torch.Tensor]) -> tuple[d
         if not p.is_floating_point():
             raise BatchInputError(f"parameter {name!r} has dtype {p.dtype}; gradients need a floating dtype. "
                                   "Fix: leave it out of params, or convert it with .float()")
+    first_name: dict[int, str] = {}
+    for name, p in named.items():
+        if first_name.setdefault(id(p), name) != name:
+            raise BatchInputError(
+                f"params names one tensor twice, as {first_name[id(p)]!r} and {name!r}: its gradient would be "
+                "returned under one of them only. Fix: name each tensor once (a weight shared by two layers has "
+                "one gradient, the sum of both uses)")
     frozen = [name for name, p in named.items() if not p.requires_grad]
     if frozen and isinstance(params, Mapping):
         raise BatchInputError(
@@ -121,8 +128,10 @@ def batch_dims_of(args: tuple, in_dims: InDims) -> tuple[dict[int, int], int]:
         if not isinstance(d, int):
             raise BatchInputError(f"in_dims[{pos}] must be an int or None, got {d!r}")
         if not isinstance(arg, torch.Tensor):
-            raise BatchInputError(f"argument {pos} is a {type(arg).__name__}, but in_dims marks it as batched; "
-                                  "batched arguments must be tensors. Fix: set its in_dims entry to None")
+            raise BatchInputError(
+                f"argument {pos} is a {type(arg).__name__}, but in_dims marks it as batched; batched arguments must "
+                "be tensors. Fix: pass each batched tensor it holds as its own positional argument (loss(x, y, w), "
+                "not loss(x, {'y': y, 'w': w})); set its in_dims entry to None only if it holds nothing per sample")
         if arg.dim() == 0 or not -arg.dim() <= d < arg.dim():
             raise BatchInputError(f"in_dims[{pos}]={d} is out of range for argument {pos} of shape "
                                   f"{tuple(arg.shape)}")

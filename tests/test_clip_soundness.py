@@ -93,12 +93,45 @@ def test_embedding_with_padding_and_frequency_scaling_is_clipped():
         torch.testing.assert_close(clipped[name], want, rtol=1e-9, atol=1e-12)
 
 
-def test_a_nan_norm_fails_closed():
-    """A NaN norm gives a NaN factor (the sum is NaN), never the factor 1 of an unclipped sample; a zero
-    gradient keeps factor 1 and an infinite one gets 0."""
-    from compiled_psg._reduce.reductions import clip_factor
+def test_a_norm_that_is_not_finite_gets_factor_zero():
+    """A NaN or infinite norm gets factor 0 (the sample adds nothing), never the factor 1 of an unclipped sample;
+    a zero gradient keeps factor 1. A NaN factor would make the released sum NaN exactly when the sample is in
+    the batch, whatever the noise."""
+    from compiled_psg._reduce.reductions import automatic_clip_factor, clip_factor
 
     n = torch.tensor([float("nan"), 0.0, 0.5, 2.0, float("inf")], dtype=torch.float64)
-    got = clip_factor(n, 1.0)
-    assert torch.isnan(got[0])
-    torch.testing.assert_close(got[1:], torch.tensor([1.0, 1.0, 0.5, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(clip_factor(n, 1.0), torch.tensor([0.0, 1.0, 1.0, 0.5, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(automatic_clip_factor(n, 1.0, 0.5),
+                               torch.tensor([0.0, 2.0, 1.0, 0.4, 0.0], dtype=torch.float64))
+
+
+def token_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["fastest", "bounded"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+def test_a_sample_whose_gradient_is_not_finite_adds_nothing_to_the_step(clipping, budget):
+    """One record with a NaN feature: the step equals the step on the batch without it (same divisor, no noise),
+    in the materialized sums and in the book-keeping ones; its norm is reported as what it is. (With ``per_layer``
+    each group is dropped alone: an infinite feature after which ``tanh`` saturates leaves the last layer's
+    gradient finite, and it is clipped and kept.)"""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(6, 4, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)
+    x[2, 1, 3] = float("nan")
+    results = []
+    for keep in (list(range(6)), [0, 1, 3, 4, 5]):
+        model = token_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        step = psg.compile_step(lambda x, y: nn.functional.cross_entropy(model(x).mean(1), y), model, opt,
+                                max_grad_norm=0.2, clipping=clipping, noise_multiplier=0.0, expected_batch_size=6,
+                                backend="eager", memory_budget=budget)
+        for _ in range(2):  # the eager first step and the fused program
+            step(x[keep], y[keep])
+        results.append([p.detach().clone() for p in model.parameters()])
+        if len(keep) == 6:
+            assert not torch.isfinite(step.last_norms[2]) and torch.isfinite(step.last_norms[[0, 1, 3]]).all()
+    for got, want in zip(*results, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)

@@ -271,3 +271,24 @@ def test_a_parameter_written_through_data_inside_the_loss_is_named_with_the_fix(
                        match=r"(p.data.clamp_|the parameter 'weight' in place).*with torch.no_grad\(\): p.clamp_"):
         psg.per_sample(model, backend="eager")(loss)(torch.randn(5, 4), torch.randint(0, 3, (5,)))
     assert torch.equal(model.weight, before)
+
+
+def test_a_per_sample_tensor_read_from_a_closure_or_a_dict_is_named_as_a_cause():
+    """A ``[B]`` mask read from a closure fixes the batch size; the message names that cause (no view in the
+    loss); a dict marked batched is told to pass its tensors as arguments, not to mark it unbatched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    mask = torch.rand(4) > 0.3
+    with pytest.raises(psg.CaptureError, match="not a batched argument") as info:
+        psg.per_sample(model, backend="eager")(
+            lambda x, y: (F.cross_entropy(model(x), y, reduction="none") * mask).sum())(x, y)
+    assert "read from a closure" in str(info.value)
+    with pytest.raises(psg.BatchInputError, match="as its own positional argument"):
+        psg.per_sample(model, backend="eager")(lambda x, b: F.cross_entropy(model(x), b["y"]))(x, {"y": y})
+
+
+def test_a_params_dict_that_names_one_tensor_twice_is_refused():
+    w = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(psg.BatchInputError, match="names one tensor twice, as 'enc' and 'dec'"):
+        psg.per_sample({"enc": w, "dec": w}, backend="eager")(lambda x: (x @ w.t()).sum())(torch.randn(2, 4))

@@ -58,6 +58,39 @@ def test_a_buffer_written_from_the_batch_is_refused_before_anything_changes():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+class CountsExamples(nn.Module):
+    """Buffers written from the batch size alone: the sampled batch sizes are private under Poisson sampling."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("last", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen.add_(x.shape[0])
+        self.last.fill_(len(x))
+        return self.lin(x)
+
+
+def test_a_buffer_written_from_the_batch_size_is_refused():
+    torch.manual_seed(0)
+    model = CountsExamples()
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=1.0,
+                            backend="eager")
+    before = _state(model)
+    with pytest.raises(psg.DPConfigError) as info:
+        step(*_batch())
+    assert "buffer 'seen'" in str(info.value) and "buffer 'last'" in str(info.value)
+    assert step.steps_taken == 0 and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    public = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                              torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=1.0,
+                              backend="eager", public_buffers=["seen", "last"])
+    public(*_batch(5))
+    assert model.seen.item() == 5 and model.last.item() == 5
+
+
 def test_a_public_buffer_and_writes_that_do_not_read_the_batch_pass():
     torch.manual_seed(0)
     model = Tracking()

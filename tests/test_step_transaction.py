@@ -376,3 +376,108 @@ def test_a_failed_eager_update_leaves_no_noisy_gradient_in_the_steps_grad_buffer
         step(x[8:16], y[8:16])
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(step.binding.dot_grads, buffers, strict=True))
+
+
+def test_a_failed_fused_step_gives_back_each_grad_as_it_was(monkeypatch):
+    """The fused path installs the step's gradient buffers as ``.grad`` before its program; a failure inside the
+    program leaves ``.grad`` as the caller had it (None after ``zero_grad()``), not the buffers."""
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen)
+    step(x[:8], y[:8])
+    step.optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+    def failing_run(self, *args, **kwargs):
+        raise _Failing("inside the program")
+
+    monkeypatch.setattr(CompiledGraph, "run", failing_run)
+    with pytest.raises(_Failing):
+        step(x[8:16], y[8:16])
+    assert all(p.grad is None for p in model.parameters()) and step.steps_taken == 1
+
+
+def test_a_failed_eager_update_gives_back_the_optimizers_group_settings(monkeypatch):
+    """An optimizer that adapts a setting of its parameter group (Prodigy's ``d``, a learning rate) and then fails:
+    the group's settings are restored with its state."""
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen, optimizer=torch.optim.SGD)
+    group = step.optimizer.param_groups[0]
+    group["adapted"] = [1.0]
+    real_step = step.optimizer.step
+
+    def adapting_step(*args, **kwargs):
+        group["lr"] *= 0.5
+        group["adapted"][0] += 1.0
+        group["added"] = True
+        real_step(*args, **kwargs)
+        raise _Failing("after the update")
+
+    monkeypatch.setattr(step.optimizer, "step", adapting_step)
+    with pytest.raises(_Failing):
+        step(x[:8], y[:8])  # the first step's update runs in Python
+    assert group["lr"] == 0.1 and group["adapted"] == [1.0] and "added" not in group
+    assert step.steps_taken == 0
+
+
+def test_a_step_called_from_inside_a_step_is_refused_and_the_outer_one_completes():
+    """An optimizer hook that calls the step again: the inner call is refused (its commit would be undone by the
+    outer call's rollback and its noise drawn again); nothing of it is counted."""
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen, optimizer=torch.optim.SGD)
+    refused = []
+
+    def hook(optimizer, args, kwargs):
+        try:
+            step(x[16:24], y[16:24])
+        except DPConfigError as e:
+            refused.append(str(e))
+
+    step.optimizer.register_step_post_hook(hook)
+    step(x[:8], y[:8])
+    assert len(refused) == 1 and "called while it is running" in refused[0]
+    assert step.steps_taken == 1
+
+
+def test_steps_called_from_two_threads_take_turns():
+    """Two threads stepping one DP step: every call is a whole step on the parameters and state the previous one
+    left (Adam's step count equals the steps taken), none is lost."""
+    import threading
+
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen)
+    step(x[:8], y[:8])
+    errors = []
+
+    def run():
+        try:
+            for _ in range(4):
+                step(x[8:16], y[8:16])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and step.steps_taken == 9
+    assert all(float(s["step"]) == 9 for s in step.optimizer.state.values())
+
+
+def test_a_parameter_replaced_after_the_optimizer_was_built_is_refused():
+    """``model[2].weight = nn.Parameter(...)`` leaves the optimizer holding the old tensor: the step would train
+    the new one with the old one's state. Refused, naming the cause, and nothing moves or is counted."""
+    x, y = _data(24)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen)
+    step(x[:8], y[:8])
+    model[2].weight = nn.Parameter(torch.zeros(3, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DPConfigError, match="a parameter replaced since the optimizer was built"):
+        step(x[8:16], y[8:16])
+    assert step.steps_taken == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

@@ -106,3 +106,21 @@ def test_make_private_accounts_logical_steps():
         sizes.append(len(y))
     assert max(sizes) > 4  # really split
     assert private.accountant.steps == len(sizes) == 3 and private.dp_step.steps_taken == 3
+
+
+def test_a_forward_that_writes_buffers_writes_them_once_per_logical_step():
+    """``spectral_norm``'s power iteration writes ``weight_u`` in every forward: each micro-batch starts from the
+    buffers as the step found them, so the step (eager first step and fused program) equals the whole batch's."""
+    results = []
+    for physical in (None, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(5, 7)), nn.Tanh(), nn.Linear(7, 3)).double()
+        step = compile_step(lambda x, y, m=model: F.cross_entropy(m(x), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.5), max_grad_norm=1.0, noise_multiplier=0.0,
+                            expected_batch_size=8, backend="eager", max_physical_batch_size=physical)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            step(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
+        results.append({k: v.clone() for k, v in model.state_dict().items()})
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1][name], value, rtol=1e-12, atol=1e-13)

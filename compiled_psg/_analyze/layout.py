@@ -188,11 +188,21 @@ def split_batch(t: torch.Tensor, dim: int, layout: Layout) -> torch.Tensor:
 
 
 def scale_batch(t: torch.Tensor, weights: torch.Tensor, dim: int, layout: Layout) -> torch.Tensor:
-    """Runs inside traced rules: multiply every element of sample ``b`` by ``weights[b]``."""
+    """Runs inside traced rules: multiply every element of sample ``b`` by ``weights[b]``; a sample of weight 0
+    becomes exactly 0, even where its values are not finite (a clip factor of 0 drops a sample whose gradient is
+    not finite: ``reductions.clip_factor``)."""
     outer, inner = layout
     shape = list(t.shape)
     nbatch = shape[dim] // (outer * inner)
     view = shape[:dim] + [outer, nbatch, inner] + shape[dim + 1:]
     w_shape = [1] * len(view)
     w_shape[dim + 1] = nbatch
-    return (t.reshape(view) * weights.reshape(w_shape).to(t.dtype)).reshape(shape)
+    w = weights.reshape(w_shape).to(t.dtype)
+    return torch.where(w != 0, t.reshape(view) * w, torch.zeros((), dtype=t.dtype, device=t.device)).reshape(shape)
+
+
+def weighted_batch_sum(weights: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``sum_n weights[n] g[n]``, where a sample of weight 0 adds exactly 0 even if its values are not finite
+    (``0 * inf`` is NaN). One pass over ``g``: Inductor fuses the select into the sum over the batch."""
+    w = weights.to(g.dtype).reshape([-1] + [1] * (g.dim() - 1))
+    return torch.where(w != 0, g * w, torch.zeros((), dtype=g.dtype, device=g.device)).sum(0)

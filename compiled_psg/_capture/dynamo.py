@@ -700,16 +700,19 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         if "ConstraintViolation" in type(e).__name__ or "marked dynamic" in text or "specialize" in text:
             if _fixed_in_our_backward(text):
                 raise CaptureError(
-                    "tracing the gradients of the loss fixed the batch size: the loss's own code does not, but "
-                    "torch's backward formula of an op in it does (seen: the double backward of a "
-                    "torch.autograd.grad(..., create_graph=True) through InstanceNorm or a grouped convolution). "
-                    "Fix: differentiate with respect to an activation after such a layer rather than through it, "
-                    "use an op with a traceable backward, or compute that term outside the per-sample function"
+                    "tracing the gradients of the loss fixed the batch size. Either a tensor with one entry per "
+                    "sample is not a batched argument (read from a closure or a global, or in an argument whose "
+                    "in_dims entry is None: pass it as a batched argument), or torch's backward formula of an op "
+                    "in the loss fixes it (the double backward of torch.autograd.grad(..., create_graph=True) "
+                    "through InstanceNorm or a grouped convolution does: differentiate with respect to an "
+                    "activation after such a layer, or compute that term outside the per-sample function)"
                     f"\n(torch: {text.strip().splitlines()[0]})") from None
             raise CaptureError(
-                "the loss function fixes the batch size (for example x.view(64, -1) or a Python int taken from "
-                f"x.shape[0] used as a constant), so one graph cannot serve every batch size:\n{text}\nFix: use "
-                "x.view(x.shape[0], -1) or x.flatten(1).") from None
+                "the loss function fixes the batch size, so one graph cannot serve every batch size: a reshape to a "
+                "fixed size (x.view(64, -1)), a Python int taken from x.shape[0] used as a constant, or a tensor "
+                "with one entry per sample that is not a batched argument (read from a closure or a global, or in "
+                f"an argument whose in_dims entry is None):\n{text}\nFix: use x.view(x.shape[0], -1) or "
+                "x.flatten(1), and pass every per-sample tensor as a batched argument.") from None
         raise
     finally:
         if manager is None:

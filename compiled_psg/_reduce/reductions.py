@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._analyze.layout import weighted_batch_sum
 from .._errors import BatchInputError
 from .context import ReduceContext
 
@@ -266,7 +267,7 @@ class DPClip(Reduction):
         def weighted_sum(p, w):
             if low and p.grad is not None:
                 ctx._note(p, "weighted_sum", f"materialize ({str(acc).removeprefix('torch.')})")
-                return ctx.emit(lambda g, f: torch.tensordot(f, g.to(acc), dims=1), [ctx.per_sample(p), w],
+                return ctx.emit(lambda g, f: weighted_batch_sum(f, g.to(acc)), [ctx.per_sample(p), w],
                                 "weighted_sum")
             return ctx.emit(lambda s: s.to(acc), [ctx.weighted_sum(p, w)], "weighted_sum")
 
@@ -279,7 +280,7 @@ class DPClip(Reduction):
             weights = dict.fromkeys(names, factors)
         elif self.mode == "automatic":
             gamma = float(self.gamma)
-            factors = ctx.emit(lambda n, c: c[0] / (n + gamma), [norms, bounds], "clip_factors")
+            factors = ctx.emit(lambda n, c: automatic_clip_factor(n, c[0], gamma), [norms, bounds], "clip_factors")
             weights = dict.fromkeys(names, factors)
         else:  # per_layer: one factor per group, from the group's own norm
             weights = {}
@@ -302,9 +303,16 @@ class DPClip(Reduction):
 
 
 def clip_factor(n: torch.Tensor, c) -> torch.Tensor:
-    """``min(1, c / n)`` per sample: 1 for a zero gradient (no division by zero). Fails closed: a NaN norm gives
-    a NaN factor, so the sum is NaN, never a sample's unclipped gradient."""
-    return torch.where(n <= c, torch.ones_like(n), c / n)
+    """``min(1, c / n)`` per sample: 1 for a zero gradient (no division by zero), and 0 for a gradient that is
+    not finite (a NaN or infinite norm). Such a sample adds nothing: the weighted sums drop a sample of weight 0
+    whatever its values (``layout.weighted_batch_sum``, ``layout.scale_batch``). A NaN in the released sum would tell
+    that the sample is there, whatever the noise."""
+    return torch.where(n <= c, torch.ones_like(n), torch.where(torch.isfinite(n), c / n, torch.zeros_like(n)))
+
+
+def automatic_clip_factor(n: torch.Tensor, c, gamma: float) -> torch.Tensor:
+    """``c / (n + gamma)`` (automatic clipping), 0 for a gradient that is not finite (as ``clip_factor``)."""
+    return torch.where(torch.isfinite(n), c / (n + gamma), torch.zeros_like(n))
 
 
 def _clip_factors(k: int):

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .._analyze.batch_dims import value_of
-from .._analyze.layout import scale_batch
+from .._analyze.layout import scale_batch, weighted_batch_sum
 from .._heap import retains
 from .._rewrite.contraction import (
     Contraction,
@@ -418,15 +418,21 @@ def _weighted_sum_book_keeping(ctx: ReduceContext, p: ParamGrad, weights: fx.Nod
     replaced = {}
     for c in p.contractions:
         (arg, dim, layout), _ = scaled_operand(c)
-        replaced[c.node] = ctx.emit(_scaled_rebuild(c, arg, dim, layout), [*c.inputs, weights],
+        others = [(a, d) for a, d in c.linear_options() if a != arg]
+        replaced[c.node] = ctx.emit(_scaled_rebuild(c, arg, dim, layout, others), [*c.inputs, weights],
                                     f"book_keeping[{c.rule}]")
     return ctx.replay_tail(p, replaced)
 
 
-def _scaled_rebuild(c: Contraction, arg: int, dim: int, layout):
+def _scaled_rebuild(c: Contraction, arg: int, dim: int, layout, others: list):
+    """Scale operand ``arg`` by the weights; the other batched operands keep their values except where a weight is
+    0, which they zero: a sample dropped for a gradient that is not finite (``reductions.clip_factor``) may hold
+    NaN in either operand, and ``0 * NaN`` in the contraction's sum is NaN."""
     def scaled(*values):
         *inputs, w = values
         inputs[arg] = scale_batch(inputs[arg], w, dim, layout)
+        for other, (other_dim, other_layout) in others:
+            inputs[other] = scale_batch(inputs[other], w != 0, other_dim, other_layout)
         return c.rebuild(*inputs)
     return scaled
 
@@ -439,8 +445,7 @@ def _materialize_sum_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
 
 @strategy("weighted_sum", "materialize", _materialize_sum_cost)
 def _weighted_sum_materialize(ctx: ReduceContext, p: ParamGrad, weights: fx.Node) -> fx.Node:
-    return ctx.emit(lambda g, w: torch.tensordot(w.to(g.dtype), g, dims=1), [ctx.per_sample(p), weights],
-                    "weighted_sum")
+    return ctx.emit(lambda g, w: weighted_batch_sum(w, g), [ctx.per_sample(p), weights], "weighted_sum")
 
 
 # ----- squared norms that clip a weighted sum of the same parameter -----

@@ -34,16 +34,21 @@ class OptimizerBinding:
     def refresh(self) -> bool:
         """Re-read the optimizer's parameters; True when the trained set changed since the last call."""
         flat = update_graph.flat_params(self.optimizer)
-        key = tuple((id(p), p.requires_grad) for p in flat)
+        # the model's parameters too: one replaced (model.fc.weight = nn.Parameter(...)) leaves the optimizer
+        # holding a tensor the model no longer reads, which the check below refuses
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        key = (tuple((id(p), p.requires_grad) for p in flat), tuple(id(p) for _, p in named))
         if key == self._key:
             return False
-        trainable = {id(p): n for n, p in self.model.named_parameters() if p.requires_grad}
+        trainable = {id(p): n for n, p in named}
         trained = [j for j, p in enumerate(flat) if p.requires_grad]
         params = [flat[j] for j in trained]
         strangers = [tuple(p.shape) for p in params if id(p) not in trainable]
         if strangers:
             raise DPConfigError(f"the optimizer updates tensors of shapes {strangers} that are not parameters of "
-                                "the model. Fix: build the optimizer on model.parameters()")
+                                "the model (a parameter replaced since the optimizer was built is one). Fix: build "
+                                "the optimizer on model.parameters(), and a new step with it; to change a "
+                                "parameter's values, write them in place (with torch.no_grad(): p.copy_(new))")
         self.trained, self.params = trained, params
         self.names = [trainable[id(p)] for p in params]
         for p in flat:  # a parameter frozen since: drop the .grad the step left, as zero_grad() would

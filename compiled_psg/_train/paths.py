@@ -34,10 +34,31 @@ def run_per_sample(inputs: StepInputs, entry: CompiledGraph, config: DPConfig, p
     return loss, losses, pytree.tree_unflatten(list(flat), entry.rewritten.out_spec)
 
 
-def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry):
+class _SameBuffers:
+    """Every micro-batch's forward starts from the buffers as the step found them, so that what stays written is
+    one forward's, as for the whole batch (``spectral_norm``'s power iteration runs once per step, not once per
+    micro-batch). Nothing to do for one piece or a loss that writes no buffer."""
+
+    def __init__(self, step, pieces: list):
+        writes = len(pieces) > 1 and any(c.entry.rewritten.captured.mutated for c in pieces)
+        with torch.no_grad():
+            self.saved = [(b, b.clone()) for b in step.model.buffers()] if writes else []
+        self.started = False
+
+    def before_piece(self) -> None:
+        if self.started:
+            with torch.no_grad():
+                for live, saved in self.saved:
+                    live.copy_(saved)
+        self.started = True
+
+
+def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry, buffers: _SameBuffers | None = None):
     """The per-sample graph on each micro-batch of ``pieces``: their losses, norms and summed results."""
     losses, norms, partial = [], [], None
     for c in pieces:
+        if buffers is not None:
+            buffers.before_piece()
         loss, _, result = run_per_sample(step.inputs, runner(c.entry), config, c.params, c.args, c.batch_size)
         sums, piece_norms = split_result(result, step.binding.names, step.binding.params)
         partial = add_into(partial, sums, step.binding.names)
@@ -50,7 +71,9 @@ def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph],
                batch_size: int) -> torch.Tensor:
     program, compiled = built
     *head, last = pieces
-    losses, norms, partial = _sums_of(step, config, head)
+    buffers = _SameBuffers(step, pieces)
+    losses, norms, partial = _sums_of(step, config, head, buffers=buffers)
+    buffers.before_piece()
     step.binding.install()
     extra = step.inputs.for_program(config, program.inputs, batch_size, partial=partial)
     step.released_config = config
@@ -83,7 +106,7 @@ def eager_update_of(step, config: DPConfig, grads: list[torch.Tensor], batch_siz
 
 
 def eager_path(step, config: DPConfig, pieces: list, batch_size: int, accumulate: bool) -> torch.Tensor:
-    losses, norms, partial = _sums_of(step, config, pieces, step.eager_runner)
+    losses, norms, partial = _sums_of(step, config, pieces, step.eager_runner, _SameBuffers(step, pieces))
     step.last_norms = None if norms[0] is None else torch.cat(norms)
     eager_update_of(step, config, partial, batch_size)
     last = pieces[-1]

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree
 
 from .._analyze.source import source_line
 from .._capture.dynamo import Captured
@@ -45,11 +47,20 @@ def _find_batch_dependent_writes(captured: Captured) -> list[tuple[int, fx.Node]
     return found
 
 
+def _symbolic(value) -> bool:
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and not value.node.expr.is_number
+
+
 def _reads_any(node: fx.Node, sources: set[fx.Node]) -> bool:
+    """Whether ``node``'s value depends on a node of ``sources`` or on the batch size: a size is symbolic only
+    where it is the batch's (``self.seen.add_(x.shape[0])`` releases the sampled batch size, which Poisson
+    sampling keeps private), whether it reaches the write as a node or as an argument."""
     seen, stack = set(), [node]
     while stack:
         current = stack.pop()
-        if current in sources:
+        if current in sources or _symbolic(current.meta.get("val")):
+            return True
+        if any(_symbolic(a) for a in torch.utils._pytree.tree_leaves((current.args, current.kwargs))):
             return True
         if current in seen:
             continue

@@ -29,6 +29,7 @@ micro-batches, and runs either the program or the eager path.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -140,6 +141,10 @@ class DPStep(StepSettings):
         # (``PrivateTraining.step``); a transactional step restores everything and releases nothing
         self.released_config: DPConfig | None = None
         self.snapshot: Snapshot | None = None  # the current call's transaction (``transaction.py``)
+        # one call at a time: a second thread waits for the running step; a call from inside it (an optimizer
+        # hook, the loss) is refused, since its commit would be undone by the outer call's rollback
+        self._running = threading.Lock()
+        self._running_thread: int | None = None
         self.last_unclipped: float | None = None  # adaptive clipping: samples with norm <= C in the last step
         self.last_count_noise: float | None = None  # and the noise added to their (centred) count
 
@@ -245,9 +250,22 @@ class DPStep(StepSettings):
 
     # --- one step ------------------------------------------------------------------------------------------
     def __call__(self, *batch) -> torch.Tensor:
-        if torch.is_inference_mode_enabled():  # as under no_grad: the step computes its own gradients
-            with torch.inference_mode(False):
-                return self(*batch)
+        if self._running_thread == threading.get_ident():
+            raise DPConfigError(
+                "the DP step was called while it is running (from an optimizer hook, a scheduler or the loss): "
+                "the inner step would be counted, then undone if the outer one failed, and its noise drawn again. "
+                "No step was taken by the inner call. Fix: call the step only from the training loop")
+        with self._running:
+            self._running_thread = threading.get_ident()
+            try:
+                if torch.is_inference_mode_enabled():  # as under no_grad: the step computes its own gradients
+                    with torch.inference_mode(False):
+                        return self._call(batch)
+                return self._call(batch)
+            finally:
+                self._running_thread = None
+
+    def _call(self, batch: tuple) -> torch.Tensor:
         # Nothing is released until _step's update: a refusal below must not let a caller count the last step
         # again (PrivateTraining counts released_config when a step raises).
         self.released_config = None

@@ -27,6 +27,7 @@ leaves the others to time out in their collective.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,13 @@ def _generator_states(generator: torch.Generator | None, params: list[torch.Tens
     return states
 
 
+def _copied(value):
+    """A copy of an optimizer setting that a failed update may change in place (a tensor, a list of floats)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return copy.deepcopy(value) if isinstance(value, (list, dict, tuple)) else value
+
+
 @dataclass
 class Snapshot:
     buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (live, copy)
@@ -56,6 +64,7 @@ class Snapshot:
     grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
     grad_values: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     optimizer_state: dict | None = None  # param -> {key: copy or value}, from ``cover_update``
+    param_groups: list[dict] | None = None  # each group's settings but its parameters, from ``cover_update``
     step_fields: tuple = ()  # the step's own fields a failed step must not change (``of_step``)
     # False from the fused program's commit on: the update may be in the parameters, with no copy to undo it
     restorable: bool = True
@@ -63,11 +72,12 @@ class Snapshot:
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
              generator: torch.Generator | None) -> Snapshot:
-        """What a step may change before its update: buffers and generators (``cover_update`` adds the rest)."""
+        """What a step may change before its update: buffers, generators and which tensor each ``.grad`` is (the
+        fused path installs the step's gradient buffers before its program; ``cover_update`` adds the rest)."""
         with torch.no_grad():
             buffers = [(b, b.clone()) for b in model.buffers()]
         return cls(buffers, optimizer, _generator_states(generator, params),
-                   frozenset(id(p) for p in optimizer.state))
+                   frozenset(id(p) for p in optimizer.state), grads=[(p, p.grad) for p in params])
 
     def cover_update(self, binding) -> None:
         """Copy the trained parameters, their ``.grad``, the step's own ``.grad`` buffers (``binding.dot_grads``,
@@ -78,11 +88,15 @@ class Snapshot:
         params = binding.params
         with torch.no_grad():
             self.params = [(p, p.detach().clone()) for p in params]
-            self.grads = [(p, p.grad) for p in params]
+            if self.grads is None:
+                self.grads = [(p, p.grad) for p in params]
             buffers = {id(t): t for t in [*(p.grad for p in params if p.grad is not None), *binding.dot_grads]}
             self.grad_values = [(t, t.clone()) for t in buffers.values()]
             self.optimizer_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                                     for p, s in self.optimizer.state.items()}
+            # settings the optimizer keeps beside its parameters (Prodigy's d and k, a learning rate it adapts)
+            self.param_groups = [{k: _copied(v) for k, v in group.items() if k != "params"}
+                                 for group in self.optimizer.param_groups]
 
     @classmethod
     def of_step(cls, step) -> Snapshot | None:
@@ -120,5 +134,14 @@ class Snapshot:
                         live[key].copy_(value)
                     else:
                         live[key] = value
+            for group, saved in zip(self.optimizer.param_groups, self.param_groups or [], strict=False):
+                for key in [k for k in group if k != "params" and k not in saved]:
+                    del group[key]
+                for key, value in saved.items():
+                    if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor) \
+                            and group[key].shape == value.shape:
+                        group[key].copy_(value)
+                    else:
+                        group[key] = value
         for generator, state in self.generators:
             generator.set_state(state)
