@@ -292,3 +292,11 @@ def test_a_params_dict_that_names_one_tensor_twice_is_refused():
     w = torch.randn(3, 4, requires_grad=True)
     with pytest.raises(psg.BatchInputError, match="names one tensor twice, as 'enc' and 'dec'"):
         psg.per_sample({"enc": w, "dec": w}, backend="eager")(lambda x: (x @ w.t()).sum())(torch.randn(2, 4))
+
+
+def test_fold_col2im_keeps_samples_apart_and_is_exact():
+    """``F.fold`` (``aten.col2im``) sums patches within a sample: a spatial op over its last two dimensions."""
+    torch.manual_seed(0)
+    p = torch.randn(8, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, 6, 6, dtype=torch.float64)
+    _exact(lambda x: F.fold(F.conv2d(x, p, padding=1).flatten(2), (7, 7), 2).pow(2).sum(), p, x)

@@ -130,7 +130,7 @@ for _k, _names in [
          "_upsample_bicubic2d_aa", "_upsample_bicubic2d_aa.vec", "_upsample_lanczos2d_aa",
          "_upsample_lanczos2d_aa.vec",
          "_upsample_nearest_exact2d", "_upsample_nearest_exact2d.vec", "triu", "tril", "fractional_max_pool2d",
-         "max_pool2d", "im2col", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d")),
+         "max_pool2d", "im2col", "col2im", "pixel_shuffle", "pixel_unshuffle", "lp_pool2d")),
     (3, ("max_pool3d_with_indices", "avg_pool3d", "adaptive_avg_pool3d", "_adaptive_avg_pool3d",
          "adaptive_max_pool3d", "reflection_pad3d", "replication_pad3d", "upsample_nearest3d",
          "upsample_nearest3d.vec", "upsample_trilinear3d", "upsample_trilinear3d.vec",
