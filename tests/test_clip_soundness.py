@@ -93,14 +93,18 @@ def test_embedding_with_padding_and_frequency_scaling_is_clipped():
         torch.testing.assert_close(clipped[name], want, rtol=1e-9, atol=1e-12)
 
 
-def test_a_norm_that_is_not_finite_gets_factor_zero():
-    """A NaN or infinite norm gets factor 0 (the sample adds nothing), never the factor 1 of an unclipped sample;
-    a zero gradient keeps factor 1. A NaN factor would make the released sum NaN exactly when the sample is in
-    the batch, whatever the noise."""
-    from compiled_psg._reduce.reductions import automatic_clip_factor, clip_factor
+def test_a_nan_norm_fails_closed_in_clip_sum_and_is_dropped_by_a_dp_step():
+    """``psg.clip_sum``: a NaN norm gives a NaN factor (the sum is NaN), never the factor 1 of an unclipped sample.
+    A DP step's factor is 0 for a norm that is not finite (the sample adds nothing), since a NaN in the released
+    sum would tell that the sample is in the batch, whatever the noise. A zero gradient keeps factor 1."""
+    from compiled_psg._reduce.reductions import automatic_clip_factor, clip_factor, dropping_clip_factor
 
     n = torch.tensor([float("nan"), 0.0, 0.5, 2.0, float("inf")], dtype=torch.float64)
-    torch.testing.assert_close(clip_factor(n, 1.0), torch.tensor([0.0, 1.0, 1.0, 0.5, 0.0], dtype=torch.float64))
+    got = clip_factor(n, 1.0)
+    assert torch.isnan(got[0])
+    torch.testing.assert_close(got[1:], torch.tensor([1.0, 1.0, 0.5, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(dropping_clip_factor(n, 1.0),
+                               torch.tensor([0.0, 1.0, 1.0, 0.5, 0.0], dtype=torch.float64))
     torch.testing.assert_close(automatic_clip_factor(n, 1.0, 0.5),
                                torch.tensor([0.0, 2.0, 1.0, 0.4, 0.0], dtype=torch.float64))
 
@@ -124,7 +128,7 @@ def test_a_sample_whose_gradient_is_not_finite_adds_nothing_to_the_step(clipping
     for keep in (list(range(6)), [0, 1, 3, 4, 5]):
         model = token_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        step = psg.compile_step(lambda x, y: nn.functional.cross_entropy(model(x).mean(1), y), model, opt,
+        step = psg.compile_step(lambda x, y, m=model: nn.functional.cross_entropy(m(x).mean(1), y), model, opt,
                                 max_grad_norm=0.2, clipping=clipping, noise_multiplier=0.0, expected_batch_size=6,
                                 backend="eager", memory_budget=budget)
         for _ in range(2):  # the eager first step and the fused program

@@ -49,6 +49,9 @@ class ReduceContext:
         self._summed: dict[str, list | None] = {}  # summed_contractions, by parameter
         self.memory_plan: dict | None = None  # what fit_memory planned, for psg.explain
         self._forward: set[fx.Node] | None = None  # the per-sample losses and every node they depend on
+        # a weight of 0 drops a sample whatever its values (a DP step's factor for a gradient that is not finite):
+        # a book-keeping sum then zeroes the sample in every operand, not only the one it scales
+        self.drops_samples = False
 
     def batch_size_hint(self) -> int:
         """The batch size of the capture's example inputs (the batch is symbolic; this is its hint)."""

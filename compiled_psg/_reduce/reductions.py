@@ -245,6 +245,7 @@ class DPClip(Reduction):
 
     def emit(self, ctx):
         acc = self.acc_dtype
+        ctx.drops_samples = True  # a sample whose gradient is not finite gets factor 0 and adds nothing
         names = [p.name for p in ctx.params]
         by_name = {p.name: p for p in ctx.params}
         low = holds_low_precision(ctx.graph)
@@ -303,21 +304,29 @@ class DPClip(Reduction):
 
 
 def clip_factor(n: torch.Tensor, c) -> torch.Tensor:
-    """``min(1, c / n)`` per sample: 1 for a zero gradient (no division by zero), and 0 for a gradient that is
-    not finite (a NaN or infinite norm). Such a sample adds nothing: the weighted sums drop a sample of weight 0
-    whatever its values (``layout.weighted_batch_sum``, ``layout.scale_batch``). A NaN in the released sum would tell
-    that the sample is there, whatever the noise."""
-    return torch.where(n <= c, torch.ones_like(n), torch.where(torch.isfinite(n), c / n, torch.zeros_like(n)))
+    """``min(1, c / n)`` per sample: 1 for a zero gradient (no division by zero), 0 for an infinite norm. Fails
+    closed: a NaN norm gives a NaN factor, so the sum is NaN, never a sample's unclipped gradient
+    (``psg.clip_sum``; a DP step drops such a sample instead: ``dropping_clip_factor``)."""
+    return torch.where(n <= c, torch.ones_like(n), c / n)
+
+
+def dropping_clip_factor(n: torch.Tensor, c) -> torch.Tensor:
+    """``clip_factor``, and 0 for a gradient that is not finite (a NaN or infinite norm): a DP step's factor. Such a
+    sample adds nothing: the weighted sums drop a sample of weight 0 whatever its values
+    (``layout.weighted_batch_sum``, ``layout.scale_batch`` and, for book-keeping sums, ``ReduceContext.drops_samples``).
+    A NaN in the released sum would tell that the sample is in the batch, whatever the noise."""
+    return torch.where(torch.isfinite(n), clip_factor(n, c), torch.zeros_like(n))
 
 
 def automatic_clip_factor(n: torch.Tensor, c, gamma: float) -> torch.Tensor:
-    """``c / (n + gamma)`` (automatic clipping), 0 for a gradient that is not finite (as ``clip_factor``)."""
+    """``c / (n + gamma)`` (automatic clipping), 0 for a gradient that is not finite (as
+    ``dropping_clip_factor``)."""
     return torch.where(torch.isfinite(n), c / (n + gamma), torch.zeros_like(n))
 
 
 def _clip_factors(k: int):
     def factors(n, c):
-        return clip_factor(n, c[k])
+        return dropping_clip_factor(n, c[k])
     return factors
 
 

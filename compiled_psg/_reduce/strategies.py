@@ -64,6 +64,7 @@ class ReduceContext(Protocol):
 
     lifted: LiftResult
     batch_ref: fx.Node
+    drops_samples: bool
 
     def emit(self, fn: Callable, inputs: list, tag: str) -> fx.Node: ...
     def per_sample(self, p: ParamGrad) -> fx.Node: ...
@@ -418,16 +419,17 @@ def _weighted_sum_book_keeping(ctx: ReduceContext, p: ParamGrad, weights: fx.Nod
     replaced = {}
     for c in p.contractions:
         (arg, dim, layout), _ = scaled_operand(c)
-        others = [(a, d) for a, d in c.linear_options() if a != arg]
+        others = [(a, d) for a, d in c.linear_options() if a != arg] if ctx.drops_samples else []
         replaced[c.node] = ctx.emit(_scaled_rebuild(c, arg, dim, layout, others), [*c.inputs, weights],
                                     f"book_keeping[{c.rule}]")
     return ctx.replay_tail(p, replaced)
 
 
 def _scaled_rebuild(c: Contraction, arg: int, dim: int, layout, others: list):
-    """Scale operand ``arg`` by the weights; the other batched operands keep their values except where a weight is
-    0, which they zero: a sample dropped for a gradient that is not finite (``reductions.clip_factor``) may hold
-    NaN in either operand, and ``0 * NaN`` in the contraction's sum is NaN."""
+    """Scale operand ``arg`` by the weights; ``others`` (a DP step's sums: ``ReduceContext.drops_samples``) keep
+    their values except where a weight is 0, which they zero: a sample dropped for a gradient that is not finite
+    (``reductions.dropping_clip_factor``) may hold NaN in either operand, and ``0 * NaN`` in the contraction's sum
+    is NaN. One more pass over each such operand."""
     def scaled(*values):
         *inputs, w = values
         inputs[arg] = scale_batch(inputs[arg], w, dim, layout)

@@ -124,24 +124,21 @@ class Snapshot:
                 if id(p) not in self.had_state:  # created by the failed step (the first step's lazy state)
                     del self.optimizer.state[p]
             for p, saved in (self.optimizer_state or {}).items():
-                live = self.optimizer.state[p]
-                for key in list(live):
-                    if key not in saved:
-                        del live[key]
-                for key, value in saved.items():
-                    if isinstance(value, torch.Tensor) and isinstance(live.get(key), torch.Tensor) \
-                            and live[key].shape == value.shape:
-                        live[key].copy_(value)
-                    else:
-                        live[key] = value
+                _put_back(self.optimizer.state[p], saved)
             for group, saved in zip(self.optimizer.param_groups, self.param_groups or [], strict=False):
-                for key in [k for k in group if k != "params" and k not in saved]:
-                    del group[key]
-                for key, value in saved.items():
-                    if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor) \
-                            and group[key].shape == value.shape:
-                        group[key].copy_(value)
-                    else:
-                        group[key] = value
+                _put_back(group, saved, keep=("params",))
         for generator, state in self.generators:
             generator.set_state(state)
+
+
+def _put_back(live: dict, saved: dict, keep: tuple = ()) -> None:
+    """Make ``live`` hold ``saved`` again (keys in ``keep`` aside): a tensor of the same shape in place (the
+    compiled program holds it), anything else by assignment; keys the failed step added are dropped."""
+    for key in [k for k in live if k not in keep and k not in saved]:
+        del live[key]
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor) and isinstance(live.get(key), torch.Tensor) \
+                and live[key].shape == value.shape:
+            live[key].copy_(value)
+        else:
+            live[key] = value
