@@ -37,12 +37,18 @@ def run_per_sample(inputs: StepInputs, entry: CompiledGraph, config: DPConfig, p
 class _SameBuffers:
     """Every micro-batch's forward starts from the buffers as the step found them, so that what stays written is
     one forward's, as for the whole batch (``spectral_norm``'s power iteration runs once per step, not once per
-    micro-batch). Nothing to do for one piece or a loss that writes no buffer."""
+    micro-batch). Nothing to do for one piece or a loss that writes no buffer; a transactional step already holds
+    the copies (``transaction.Snapshot.buffers``)."""
 
     def __init__(self, step, pieces: list):
         writes = len(pieces) > 1 and any(c.entry.rewritten.captured.mutated for c in pieces)
-        with torch.no_grad():
-            self.saved = [(b, b.clone()) for b in step.model.buffers()] if writes else []
+        if not writes:
+            self.saved = []
+        elif step.snapshot is not None:
+            self.saved = step.snapshot.buffers
+        else:
+            with torch.no_grad():
+                self.saved = [(b, b.clone()) for b in step.model.buffers()]
         self.started = False
 
     def before_piece(self) -> None:

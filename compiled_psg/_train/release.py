@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree
+from torch.utils import _pytree as pytree
 
 from .._analyze.source import source_line
 from .._capture.dynamo import Captured
@@ -60,7 +60,7 @@ def _reads_any(node: fx.Node, sources: set[fx.Node]) -> bool:
         current = stack.pop()
         if current in sources or _symbolic(current.meta.get("val")):
             return True
-        if any(_symbolic(a) for a in torch.utils._pytree.tree_leaves((current.args, current.kwargs))):
+        if any(_symbolic(a) for a in pytree.tree_leaves((current.args, current.kwargs))):
             return True
         if current in seen:
             continue
