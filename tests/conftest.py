@@ -3,14 +3,30 @@
 torch.fx's symbolic tracer (which ``make_fx`` and AOT autograd use) patches ``nn.Module.__call__`` through one
 process-global patcher: two traces in two threads at once leave the patch in place for good, and every later
 capture of a module in that process then fails (Dynamo meets ``module_call_wrapper``). A test that leaves it so
-fails here, by name, and the original is put back, so that the tests after it are not affected."""
+fails here, by name, and the original is put back, so that the tests after it are not affected.
+
+The public entry points compile with Inductor by default. A test that does not name a backend runs on the eager
+backend (the same rewritten graph, run without a compiler): the suite checks breadth on the eager backend and
+Inductor on a representative subset, the tests marked ``inductor`` and those that name it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from compiled_psg import _api, compile_step, make_private
+from compiled_psg._train.step import DPStep
+
 _MODULE_CALL = torch.nn.Module.__call__
+# every public function whose ``backend`` defaults to "inductor" (test_backend_defaults.py checks this list)
+DEFAULTS_TO_INDUCTOR = (_api.per_sample, _api.per_sample_grad, compile_step, make_private, DPStep.__init__)
+
+
+@pytest.fixture(autouse=True)
+def eager_backend_unless_marked_inductor(request, monkeypatch):
+    if request.node.get_closest_marker("inductor") is None:
+        for fn in DEFAULTS_TO_INDUCTOR:
+            monkeypatch.setitem(fn.__kwdefaults__, "backend", "eager")
 
 
 @pytest.fixture(autouse=True)

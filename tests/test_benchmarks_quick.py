@@ -1,7 +1,10 @@
 """``python -m benchmarks --quick`` end to end, in a subprocess, into a temporary folder.
 
 Checks the outputs exist and that every method has, on every model, either a measurement or a recorded
-failure ("unsupported: ..."). Timings are not asserted: they depend on the machine.
+failure ("unsupported: ..."). Timings are not asserted: they depend on the machine. The run measures the MLP,
+which every method supports (about a minute on 2 cores); the quick run's GPT-2-style decoder, where peers fail,
+takes six more and adds nothing the harness does not already do for the MLP (a failure record is checked by
+``test_a_killed_worker_keeps_its_finished_sizes``).
 """
 
 import json
@@ -18,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_run_records_every_method(tmp_path):
     out = tmp_path / "docs"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks", "--quick", "--models", "mlp", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -36,7 +39,7 @@ def test_quick_run_records_every_method(tmp_path):
     results = json.loads((out / "benchmarks.json").read_text())
     page = (out / "benchmarks.md").read_text()
     assert results["quick"] and results["command"].startswith("python -m benchmarks --quick")
-    assert len(results["methods"]) >= 18 and results["models"]
+    assert len(results["methods"]) >= 18 and list(results["models"]) == ["mlp"]
 
     for model, data in results["models"].items():
         assert set(data["methods"]) == set(results["methods"]), model

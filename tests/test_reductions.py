@@ -84,8 +84,15 @@ def assert_tree_close(got, ref, where, **tol):
         torch.testing.assert_close(got, ref, **tol, msg=lambda m: f"{where}: {m}")
 
 
-@pytest.mark.parametrize("reduction_id", REDUCTION_IDS)
-@pytest.mark.parametrize("case_id", SUBSET)
+# The two slowest models to capture (8 to 9 s each) skip the variants that share their strategies with norms and
+# clip_sum (per parameter, with the norms returned, squared): the other seven models take every reduction.
+_SLOW_TO_CAPTURE = {"lstm", "encoder_batch_first_padmask"}
+_VARIANTS = {"norms_per_parameter", "clip_sum_return_norms", "sum_squares"}
+
+
+@pytest.mark.parametrize(("case_id", "reduction_id"),
+                         [(c, r) for c in SUBSET for r in REDUCTION_IDS
+                          if not (c in _SLOW_TO_CAPTURE and r in _VARIANTS)])
 def test_reduction(case_id, reduction_id):
     case = BY_ID[case_id]
     built = case.build(torch.float64)
