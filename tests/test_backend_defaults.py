@@ -7,10 +7,10 @@ from __future__ import annotations
 import inspect
 
 import pytest
+from conftest import DEFAULTS_TO_INDUCTOR
 
 import compiled_psg
 from compiled_psg._train.step import DPStep
-from conftest import DEFAULTS_TO_INDUCTOR
 
 
 def _public_inductor_defaults() -> set:

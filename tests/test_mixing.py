@@ -253,6 +253,16 @@ def cat_batch_twice(lin, x, y):
     return F.cross_entropy(lin(both), torch.cat([y, y]))
 
 
+def repeat_along_batch(lin, x, y):
+    """``x.repeat(3, 1)`` tiles the batch as ``torch.cat([x, x, x])`` does: three blocks of the samples."""
+    return F.cross_entropy(lin(x.repeat(3, 1)), y.repeat(3))
+
+
+def tiled_batch_sliced_across_features(lin, x, y):
+    """Tiled along both dimensions, then sliced along the features (and whole along the batch)."""
+    return lin(x.repeat(2, 2)[:, :D]).pow(2).sum()
+
+
 def stack_and_mean(lin, x, y):
     h = torch.stack([lin(x), lin(x.flip(1))], 1)  # [n, 2, c]
     return F.cross_entropy(h.mean(1), y)
@@ -311,6 +321,8 @@ ACCEPTED = {
     "gather_within_sample": gather_within_sample,
     "shared_feature_index": shared_feature_index,
     "cat_along_batch": cat_batch_twice,
+    "repeat_along_batch": repeat_along_batch,
+    "tiled_batch_sliced_across_features": tiled_batch_sliced_across_features,
     "stack_and_mean": stack_and_mean,
     "cumsum_and_softmax_over_features": cumsum_features,
     "reshape_within_sample": reshape_per_sample,

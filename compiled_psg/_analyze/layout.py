@@ -40,11 +40,20 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
         return _through_view(args[0], value, dim, batch, depth)
     if target is ATEN.cat.default:
         return _through_cat(node, value, dim, batch, depth)
+    if target is ATEN.repeat.default:  # x.repeat(r, ...) along the batch: r blocks of samples, as cat([x] * r)
+        repeats = args[1]
+        src_dim = dim - (len(repeats) - value_of(args[0]).dim())
+        below = None if src_dim < 0 else batch_layout(args[0], src_dim, batch, depth + 1)
+        return None if below is None or not isinstance(repeats[dim], int) else (below[0] * repeats[dim], below[1])
     if target in (ATEN.unsqueeze.default, ATEN.squeeze.dim, ATEN.select.int):
         k = args[1] % (value.dim() if target is ATEN.unsqueeze.default else value_of(args[0]).dim())
         if target is ATEN.unsqueeze.default:
             return None if dim == k else batch_layout(args[0], dim if dim < k else dim - 1, batch, depth + 1)
         return batch_layout(args[0], dim if dim < k else dim + 1, batch, depth + 1)
+    if target is ATEN.slice.Tensor:  # along another dimension, or whole: every sample stays where it was
+        k = (args[1] if len(args) > 1 else 0) % value.dim()
+        return batch_layout(args[0], dim, batch, depth + 1) if k != dim or _same_size(
+            value.shape[dim], value_of(args[0]).shape[dim]) else None
     if target is ATEN.t.default:
         return batch_layout(args[0], 1 - dim if value.dim() == 2 else dim, batch, depth + 1)
     if target is ATEN.transpose.int:
@@ -65,6 +74,12 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
             or target is ATEN.expand.default):
         return _through_elementwise(node, value, dim, batch, depth)
     return None
+
+
+def _same_size(a, b) -> bool:
+    """Sizes equal as written (the same integer, or the same symbolic expression): no guard is added."""
+    expr = [s.node.expr if isinstance(s, torch.SymInt) else s for s in (a, b)]
+    return expr[0] == expr[1]
 
 
 def _through_cat(node, value, dim, batch, depth):
