@@ -300,3 +300,28 @@ def test_fold_col2im_keeps_samples_apart_and_is_exact():
     p = torch.randn(8, 4, 3, 3, dtype=torch.float64, requires_grad=True)
     x = torch.randn(3, 4, 6, 6, dtype=torch.float64)
     _exact(lambda x: F.fold(F.conv2d(x, p, padding=1).flatten(2), (7, 7), 2).pow(2).sum(), p, x)
+
+
+@pytest.mark.parametrize(("x", "y", "cause"), [
+    (torch.randn(5, 6), torch.randint(0, 3, (5,)), r"RuntimeError: .*\[5, 6\] X \[4, 3\]"),
+    (torch.randn(5, 4), torch.randn(5), r"RuntimeError: .*Expected dtype int32/int64 for index"),
+], ids=["features_do_not_fit_the_layer", "float_labels"])
+def test_a_batch_that_does_not_fit_the_loss_at_any_size_is_a_batch_input_error(x, y, cause):
+    """The trace fails with the batch size symbolic and again with every size fixed: the batch is the cause, named
+    with its own sizes (not a CaptureError asking for a bug report)."""
+    model, loss = _model_and_loss()
+    fn = psg.per_sample(model, backend="eager")(loss)
+    with pytest.raises(psg.BatchInputError, match=rf"(?s)the loss fails on this batch at .*{cause}.*at any batch size"):
+        fn(x, y)
+    good = (torch.randn(5, 4), torch.randint(0, 3, (5,)))  # the refused call left nothing behind
+    got = fn(*good)
+    want = reference_per_sample(loss, dict(model.named_parameters()), good)
+    torch.testing.assert_close(got["weight"], want["weight"])
+
+
+def test_windows_over_the_batch_fail_only_with_a_symbolic_size_and_stay_a_capture_error():
+    """x.unfold(0, ...) traces with every size fixed: that failure is the symbolic batch's, not the batch's."""
+    model, _ = _model_and_loss()
+    fn = psg.per_sample(model, backend="eager")(lambda x: model(x).unfold(0, 2, 1).pow(2).sum())
+    with pytest.raises(psg.CaptureError, match="symbolic batch size"):
+        fn(torch.randn(5, 4))

@@ -675,7 +675,8 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     except torch._dynamo.exc.Unsupported as e:
         raise global_guards.backward_hook_refusal(str(e)) or _graph_break(e) from None
     except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the fake (symbolic) values
-        raise _runtime_failure(e) from None
+        raise _runtime_failure(
+            e, lambda failure=e: _fails_with_static_sizes(loss_fn, tensors, batched, args, failure)) from None
     except torch._dynamo.exc.UserError as e:
         text = str(e)
         if "data-dependent" in text and "nn/modules/batchnorm.py" in text:
@@ -833,7 +834,42 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _runtime_failure(e: Exception) -> PerSampleError:
+def _fails_with_static_sizes(loss_fn, tensors: list, batched: list, args: tuple,
+                             symbolic: BaseException) -> BaseException | None:
+    """Torch's error where tracing the loss fails as well with every size fixed (the batch's own, unmarked): then
+    the batch does not fit the loss at any batch size (a wrong shape or dtype), and compiled_psg is not the cause
+    (None: the trace goes through, or stops another way). Traced
+    by Dynamo as the capture is, so nothing the user owns changes; the trace stops before any graph is compiled."""
+    joint = _make_joint(loss_fn, tensors, batched)
+
+    def stop(gm, example_inputs):
+        raise _Abort
+
+    probe = torch._dynamo.optimize(stop, nopython=True, dynamic=False)(joint)
+    static = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)  # mark_dynamic stays behind
+    for pos, dim in batched:
+        torch._dynamo.mark_static(static[pos], dim)  # else Dynamo reuses what it learnt of this code's sizes
+    try:
+        with patches.applied("capture"), torch.enable_grad():
+            probe(*static)
+    except torch._dynamo.exc.TorchRuntimeError as e:
+        symbolic_chain = set()
+        chained: BaseException | None = symbolic
+        while chained is not None and id(chained) not in symbolic_chain:
+            symbolic_chain.add(id(chained))
+            chained = chained.__cause__ or chained.__context__
+        while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in symbolic_chain:
+            e = nxt  # torch's own error, not the symbolic capture's failure this one was raised while handling
+        return e
+    except Exception:  # _Abort (the trace went through) or any other way out: not the batch's own error
+        return None
+    finally:
+        torch._dynamo.reset_code(joint.__code__)
+        _pending.pop("refusal", None)
+    return None
+
+
+def _runtime_failure(e: Exception, fails_with_static_sizes=lambda: None) -> PerSampleError:
     """A torch op failed while Dynamo ran the loss on fake values with a symbolic batch size."""
     root = _root_cause(e)
     if isinstance(root, PerSampleError):  # raised by compiled_psg's own code in the traced loss
@@ -847,6 +883,14 @@ def _runtime_failure(e: Exception) -> PerSampleError:
             f"{where} ({type(root).__name__}: {first}). Per-sample gradients also need the loss of a batch of one, "
             "where that number would be 1. Fix: do not use x.shape[0] (or len(x)) in this op; a mean over the "
             "batch (loss.mean()) is fine")
+    static = fails_with_static_sizes()
+    if static is not None:
+        return BatchInputError(
+            f"the loss fails on this batch{where}: {type(static).__name__}: "
+            f"{(str(static).strip().splitlines() or [''])[0]}\nThe batch does not fit the "
+            "loss at any batch size (it fails the same way with every size fixed), so this is not a limit of "
+            "per-sample gradients. Fix: give the batch the shapes and dtypes the model takes (the loss must run "
+            "on it eagerly)")
     return CaptureError(
         f"torch failed while tracing the loss on fake tensors with a symbolic batch size{where}: "
         f"{type(root).__name__}: {first}\nFix: check that the loss runs eagerly on this batch and on a batch of "
