@@ -7,7 +7,9 @@ fails here, by name, and the original is put back, so that the tests after it ar
 
 The public entry points compile with Inductor by default. A test that does not name a backend runs on the eager
 backend (the same rewritten graph, run without a compiler): the suite checks breadth on the eager backend and
-Inductor on a representative subset, the tests marked ``inductor`` and those that name it."""
+Inductor on a representative subset, the tests marked ``inductor`` and those that name it. The fixture acts on
+the test's own calls: a module-scoped fixture and a subprocess (the CLI, the benchmarks, distributed ranks) keep
+the library's default unless they name a backend."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 A Linear on ``[B, T, i]`` flattens to ``[B*T, i]``; a sequence-first one flattens ``[T, B, i]`` to ``[T*B, i]``.
 Both have the size ``T*B``: only the view chain that made the dimension tells the order. A merged dimension of
 size ``outer*B*inner`` has *layout* ``(outer, inner)``: element ``k`` belongs to sample ``(k // inner) % B``.
-``batch_layout`` walks back through views, transposes and pointwise ops to find it; ``split_batch`` (run inside
+``batch_layout`` walks back through views, transposes, slices, pointwise ops, ``cat`` and ``repeat`` along the
+batch (``r`` blocks of the samples: outer factor times ``r``) to find it; ``split_batch`` (run inside
 traced rule code) uses it to bring the batch to the front.
 """
 

@@ -834,33 +834,44 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
+def _abort_when_run(gm, example_inputs):
+    """The static probe's backend: the trace went through; the compiled function raises instead of running (one
+    module-level backend, since Dynamo keeps every backend object for the life of the process)."""
+    def aborted(*args):
+        raise _Abort
+    return aborted
+
+
+def _same_failure(a: BaseException, b: BaseException) -> bool:
+    """The same error of the same op, sizes aside (``[s27, 6]`` traced symbolically, ``[8, 6]`` with fixed sizes)."""
+    def words(e: BaseException) -> str:
+        return re.sub(r"\bs?\d+\b", "#", (str(e).strip().splitlines() or [""])[0])
+    return type(a) is type(b) and words(a) == words(b)
+
+
 def _fails_with_static_sizes(loss_fn, tensors: list, batched: list, args: tuple,
                              symbolic: BaseException) -> BaseException | None:
-    """Torch's error where tracing the loss fails as well with every size fixed (the batch's own, unmarked): then
-    the batch does not fit the loss at any batch size (a wrong shape or dtype), and compiled_psg is not the cause
-    (None: the trace goes through, or stops another way). Traced
-    by Dynamo as the capture is, so nothing the user owns changes; the trace stops before any graph is compiled."""
+    """Torch's error where tracing the loss fails the same way with every size fixed (the batch's own): then the
+    batch does not fit the loss at any batch size (a wrong shape or dtype), and the symbolic batch size is not the
+    cause (None: the trace goes through, or stops another way). Traced by Dynamo as the capture is, so nothing
+    the user owns changes, and stopped before anything runs."""
     joint = _make_joint(loss_fn, tensors, batched)
-
-    def stop(gm, example_inputs):
-        raise _Abort
-
-    probe = torch._dynamo.optimize(stop, nopython=True, dynamic=False)(joint)
-    static = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)  # mark_dynamic stays behind
-    for pos, dim in batched:
-        torch._dynamo.mark_static(static[pos], dim)  # else Dynamo reuses what it learnt of this code's sizes
+    probe = torch._dynamo.optimize(_abort_when_run, nopython=True, dynamic=False)(joint)
+    symbolic_chain = set()
+    chained: BaseException | None = symbolic
+    while chained is not None and id(chained) not in symbolic_chain:
+        symbolic_chain.add(id(chained))
+        chained = chained.__cause__ or chained.__context__
     try:
+        static = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)  # without mark_dynamic
+        for pos, dim in batched:
+            torch._dynamo.mark_static(static[pos], dim)  # else Dynamo reuses what it learnt of this code's sizes
         with patches.applied("capture"), torch.enable_grad():
             probe(*static)
     except torch._dynamo.exc.TorchRuntimeError as e:
-        symbolic_chain = set()
-        chained: BaseException | None = symbolic
-        while chained is not None and id(chained) not in symbolic_chain:
-            symbolic_chain.add(id(chained))
-            chained = chained.__cause__ or chained.__context__
         while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in symbolic_chain:
             e = nxt  # torch's own error, not the symbolic capture's failure this one was raised while handling
-        return e
+        return e if _same_failure(e, _root_cause(symbolic)) else None
     except Exception:  # _Abort (the trace went through) or any other way out: not the batch's own error
         return None
     finally:
@@ -883,14 +894,14 @@ def _runtime_failure(e: Exception, fails_with_static_sizes=lambda: None) -> PerS
             f"{where} ({type(root).__name__}: {first}). Per-sample gradients also need the loss of a batch of one, "
             "where that number would be 1. Fix: do not use x.shape[0] (or len(x)) in this op; a mean over the "
             "batch (loss.mean()) is fine")
-    static = fails_with_static_sizes()
+    static = fails_with_static_sizes() if user else None  # not where it fails in the backward the capture adds
     if static is not None:
         return BatchInputError(
             f"the loss fails on this batch{where}: {type(static).__name__}: "
             f"{(str(static).strip().splitlines() or [''])[0]}\nThe batch does not fit the "
             "loss at any batch size (it fails the same way with every size fixed), so this is not a limit of "
             "per-sample gradients. Fix: give the batch the shapes and dtypes the model takes (the loss must run "
-            "on it eagerly)")
+            "on it eagerly); if it does run eagerly on this batch, report this message to compiled_psg")
     return CaptureError(
         f"torch failed while tracing the loss on fake tensors with a symbolic batch size{where}: "
         f"{type(root).__name__}: {first}\nFix: check that the loss runs eagerly on this batch and on a batch of "
