@@ -53,7 +53,7 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
         return batch_layout(args[0], dim if dim < k else dim + 1, batch, depth + 1)
     if target is ATEN.slice.Tensor:  # along another dimension, or whole: every sample stays where it was
         k = (args[1] if len(args) > 1 else 0) % value.dim()
-        return batch_layout(args[0], dim, batch, depth + 1) if k != dim or _same_size(
+        return batch_layout(args[0], dim, batch, depth + 1) if k != dim or same_size(
             value.shape[dim], value_of(args[0]).shape[dim]) else None
     if target is ATEN.t.default:
         return batch_layout(args[0], 1 - dim if value.dim() == 2 else dim, batch, depth + 1)
@@ -77,10 +77,12 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
     return None
 
 
-def _same_size(a, b) -> bool:
-    """Sizes equal as written (the same integer, or the same symbolic expression): no guard is added."""
-    expr = [s.node.expr if isinstance(s, torch.SymInt) else s for s in (a, b)]
-    return expr[0] == expr[1]
+def same_size(a, b) -> bool:
+    """Sizes equal for every batch size (integers, or symbolic expressions whose difference simplifies to 0),
+    decided on the expressions: no guard is added."""
+    ea = a.node.expr if isinstance(a, torch.SymInt) else sympy.Integer(a)
+    eb = b.node.expr if isinstance(b, torch.SymInt) else sympy.Integer(b)
+    return sympy.simplify(ea - eb) == 0
 
 
 def _through_cat(node, value, dim, batch, depth):

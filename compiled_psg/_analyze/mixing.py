@@ -41,7 +41,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from . import ops
 from .batch_dims import BatchDims, value_of
-from .layout import Layout, view_layout
+from .layout import Layout, same_size, view_layout
 from .source import where
 
 ATEN = torch.ops.aten
@@ -610,20 +610,14 @@ def _whole_slice(node: fx.Node, kw: dict, an: Analysis) -> bool:
         start, end, step = kw["start"], None, 1
         length = value_of(kw["length"]) if isinstance(kw["length"], fx.Node) else kw["length"]
         size = value_of(node.args[0]).shape[_norm_dim(kw["dim"], _rank(node.args[0]))]
-        return start == 0 and _same_size(length, size)
+        return start == 0 and same_size(length, size)
     start, end, step = kw.get("start"), kw.get("end"), kw.get("step", 1)
     start = value_of(start) if isinstance(start, fx.Node) else start
     end = value_of(end) if isinstance(end, fx.Node) else end
     if start not in (None, 0) or step != 1:
         return False
     size = value_of(node.args[0]).shape[_norm_dim(kw["dim"], _rank(node.args[0]))]
-    return end is None or (isinstance(end, int) and end >= 2 ** 62) or _same_size(end, size)
-
-
-def _same_size(a, b) -> bool:
-    ea = a.node.expr if isinstance(a, torch.SymInt) else sympy.Integer(a)
-    eb = b.node.expr if isinstance(b, torch.SymInt) else sympy.Integer(b)
-    return sympy.simplify(ea - eb) == 0
+    return end is None or (isinstance(end, int) and end >= 2 ** 62) or same_size(end, size)
 
 
 def _cat(an: Analysis, node: fx.Node, stack: bool) -> Fact:
@@ -1404,7 +1398,7 @@ def _whole_slice_backward(kw: dict) -> bool:
     size = kw["input_sizes"][_norm_dim(kw["dim"], len(kw["input_sizes"]))]
     size = value_of(size) if isinstance(size, fx.Node) else size
     return start in (None, 0) and step == 1 and (
-        end is None or (isinstance(end, int) and end >= 2 ** 62) or _same_size(end, size))
+        end is None or (isinstance(end, int) and end >= 2 ** 62) or same_size(end, size))
 
 
 @_handles(ops.SPATIAL_BACKWARDS)

@@ -826,12 +826,18 @@ def _shape_from_values(parts: list[str], text: str) -> CaptureError:
         f"x.tensor_split(torch.tensor([2, 4]), dim))\n(torch: {guard.strip()})")
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    seen = {id(e)}
-    while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in seen:
-        seen.add(id(nxt))
+def _chain(e: BaseException, stop: frozenset[int] = frozenset()) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or while handling, outermost first, up to one in ``stop``."""
+    chain = [e]
+    while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in stop \
+            and all(nxt is not c for c in chain):
+        chain.append(nxt)
         e = nxt
-    return e
+    return chain
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    return _chain(e)[-1]
 
 
 def _abort_when_run(gm, example_inputs):
@@ -857,11 +863,6 @@ def _fails_with_static_sizes(loss_fn, tensors: list, batched: list, args: tuple,
     the user owns changes, and stopped before anything runs."""
     joint = _make_joint(loss_fn, tensors, batched)
     probe = torch._dynamo.optimize(_abort_when_run, nopython=True, dynamic=False)(joint)
-    symbolic_chain = set()
-    chained: BaseException | None = symbolic
-    while chained is not None and id(chained) not in symbolic_chain:
-        symbolic_chain.add(id(chained))
-        chained = chained.__cause__ or chained.__context__
     try:
         static = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)  # without mark_dynamic
         for pos, dim in batched:
@@ -869,9 +870,9 @@ def _fails_with_static_sizes(loss_fn, tensors: list, batched: list, args: tuple,
         with patches.applied("capture"), torch.enable_grad():
             probe(*static)
     except torch._dynamo.exc.TorchRuntimeError as e:
-        while (nxt := e.__cause__ or e.__context__) is not None and id(nxt) not in symbolic_chain:
-            e = nxt  # torch's own error, not the symbolic capture's failure this one was raised while handling
-        return e if _same_failure(e, _root_cause(symbolic)) else None
+        # torch's own error: the chain stops where it reaches the symbolic failure it was raised while handling
+        static = _chain(e, stop=frozenset(map(id, _chain(symbolic))))[-1]
+        return static if _same_failure(static, _root_cause(symbolic)) else None
     except Exception:  # _Abort (the trace went through) or any other way out: not the batch's own error
         return None
     finally:
