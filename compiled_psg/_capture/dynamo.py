@@ -636,6 +636,18 @@ def capture_joint(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_d
             _pending.clear()
 
 
+def _batchnorm_cumulative_average(text: str) -> SampleMixingError | None:
+    """The cumulative average of BatchNorm(momentum=None) in train mode, where Dynamo stopped (a data-dependent
+    guard): batch statistics anyway."""
+    if "data-dependent" not in text or "nn/modules/batchnorm.py" not in text:
+        return None
+    return SampleMixingError(
+        "per-sample gradients are undefined for this loss: samples are mixed. BatchNorm in training mode "
+        "normalizes each sample with statistics of the whole batch (Dynamo stopped at its cumulative "
+        "average, momentum=None). Fix: call model.eval() so BatchNorm uses its running statistics, or "
+        "replace BatchNorm with GroupNorm or LayerNorm")
+
+
 def _check_arguments(loss_fn, args: tuple) -> None:
     """The loss function takes the call's arguments, as Python would check; else a ``BatchInputError`` saying so
     (Dynamo would report it as a graph break)."""
@@ -672,20 +684,16 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     except _Abort:  # the expected way out: the graph was captured, and nothing ran
         entries = _debug_get_cache_entry_list(joint.__code__)
         manager = entries[0].guard_manager if len(entries) == 1 else None
-    except torch._dynamo.exc.Unsupported as e:
-        raise global_guards.backward_hook_refusal(str(e)) or _graph_break(e) from None
+    except torch._dynamo.exc.Unsupported as e:  # torch 2.11 stops at BatchNorm's cumulative average here
+        raise _batchnorm_cumulative_average(str(e)) or global_guards.backward_hook_refusal(str(e)) \
+            or _graph_break(e) from None
     except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the fake (symbolic) values
         raise _runtime_failure(
             e, lambda failure=e: _fails_with_static_sizes(loss_fn, tensors, batched, args, failure)) from None
     except torch._dynamo.exc.UserError as e:
         text = str(e)
-        if "data-dependent" in text and "nn/modules/batchnorm.py" in text:
-            # the cumulative average of BatchNorm(momentum=None) in train mode: batch statistics anyway
-            raise SampleMixingError(
-                "per-sample gradients are undefined for this loss: samples are mixed. BatchNorm in training mode "
-                "normalizes each sample with statistics of the whole batch (Dynamo stopped at its cumulative "
-                "average, momentum=None). Fix: call model.eval() so BatchNorm uses its running statistics, or "
-                "replace BatchNorm with GroupNorm or LayerNorm") from None
+        if (mixing := _batchnorm_cumulative_average(text)) is not None:
+            raise mixing from None
         if "ConstraintViolation" not in text and "marked dynamic" not in text:
             raise CaptureError(
                 "compiled_psg needs the loss function as one graph, and Dynamo could not capture it:\n"
