@@ -46,7 +46,7 @@ class Report:
     fallbacks: list = field(default_factory=list)
     mixing: list = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
-    memory_plan: dict | None = None  # with a memory_budget: budget, batch_size, held, held_by_cheapest, fits
+    memory_plan: dict | None = None  # with a memory_budget: budget, batch_size, held, peak, the same by_cheapest, fits
 
     # ----- construction -----
     @classmethod
@@ -84,10 +84,10 @@ class Report:
         text.append(f"loss head: {head}")
         if self.memory_plan is not None:
             plan = self.memory_plan
-            text.append(f"memory budget: {_mib(plan['budget'])}; per-sample values held across the program at "
-                        f"B = {plan['batch_size']}: {_mib(plan['held'])} (the fastest plan: "
-                        f"{_mib(plan['held_by_cheapest'])})" + ("" if plan["fits"] else
-                                                                 "; over budget: no strategy holding less applies"))
+            text.append(f"memory budget: {_mib(plan['budget'])}; per-sample values at B = {plan['batch_size']}: "
+                        f"{_mib(plan['peak'])} at the peak, {_mib(plan['held'])} of it held across the program "
+                        f"(the fastest plan: {_mib(plan['peak_by_cheapest'])} at the peak)"
+                        + ("" if plan["fits"] else "; over budget: no strategy holding less applies"))
         text.append(f"fallbacks (vmap of one op): {len(self.fallbacks)}"
                     + "".join(f"\n  {f.op} at {f.source}" for f in self.fallbacks))
         return "\n".join(text)

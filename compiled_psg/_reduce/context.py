@@ -79,14 +79,15 @@ class ReduceContext:
         return self._assigned.get(quantity, {}).get(p.name)
 
     def fit_memory(self, quantity: str, params: list[ParamGrad], budget: float | None) -> None:
-        """Plan ``quantity``'s strategies within ``budget`` bytes held across the program (None: the cheapest
-        plan), at the batch size of the capture's example; ``memory_plan`` records it."""
+        """Plan ``quantity``'s strategies within ``budget`` bytes of per-sample values at the peak (None: the
+        cheapest plan), at the batch size of the capture's example; ``memory_plan`` records it."""
         if budget is None or not params:
             return
         batch_size = self.batch_size_hint()
-        cheapest, held = fit_memory(self, quantity, params, float(budget), batch_size)
-        self.memory_plan = {"budget": float(budget), "batch_size": batch_size, "held": held,
-                            "held_by_cheapest": cheapest, "fits": held <= budget}
+        fit = fit_memory(self, quantity, params, float(budget), batch_size)
+        self.memory_plan = {"budget": float(budget), "batch_size": batch_size, "held": fit.held, "peak": fit.peak,
+                            "held_by_cheapest": fit.held_by_cheapest, "peak_by_cheapest": fit.peak_by_cheapest,
+                            "fits": fit.peak <= budget}
 
     # ----- helpers -----
     def emit(self, fn, inputs, tag: str):

@@ -162,8 +162,7 @@ def norms(per_parameter: bool = False) -> Norms:
 
 def clip_sum(max_norm: float, *, return_norms: bool = False, memory_budget: float | None = None) -> ClipSum:
     """The sum of per-sample gradients each clipped to ``max_norm`` (optionally with the norms), within
-    ``memory_budget`` bytes of per-sample values held across the program (None: the fastest plan; see
-    ``DPClip``)."""
+    ``memory_budget`` bytes of per-sample values at the peak (None: the fastest plan; see ``DPClip``)."""
     if not max_norm > 0:
         raise BatchInputError(f"clip_sum: max_norm must be positive, got {max_norm!r}")
     return ClipSum(float(max_norm), return_norms, check_memory_budget(memory_budget, BatchInputError))
@@ -222,13 +221,14 @@ class DPClip(Reduction):
     gradient is materialized and upcast, so that norms, factors and the sum all use the same float32 values:
     the bound holds in float32 arithmetic, not only up to the low precision's rounding.
 
-    ``memory_budget`` (bytes; None: the fastest plan): the per-sample values the plan may hold across the
-    program, at the batch size of the capture's example: until the clip factors are known a plan holds a
-    layer's materialized per-sample gradients, or for a book-keeping sum the layer's output gradient, which the
-    plain step frees at the layer; within a budget, layers move to strategies that hold less, cheapest per byte
-    freed first (``strategies.fit_memory``). ``psg.explain`` shows the plan and its held bytes. What it bounds is the
-    held memory, not the transient memory of one layer's per-sample gradient, and not the low-precision path
-    (bfloat16/float16 graphs materialize every parameter's gradient to upcast it).
+    ``memory_budget`` (bytes; None: the fastest plan): the per-sample values the plan may have at its peak, at
+    the batch size of the capture's example: until the clip factors are known a plan holds a layer's
+    materialized per-sample gradients, or for a book-keeping sum the layer's output gradient, which the plain step
+    frees at the layer, and on top of that one layer at a time forms and frees values of its own (a per-sample
+    gradient for its norm alone, a ghost norm's float64 Grams); within a budget, layers move to strategies that
+    hold less, cheapest per byte freed first, under the lowest cap on what one layer forms that still fits
+    (``strategies.fit_memory``). ``psg.explain`` shows the plan, its peak and its held bytes. It does not bound
+    the low-precision path (bfloat16/float16 graphs materialize every parameter's gradient to upcast it).
     """
 
     mode: str = "flat"

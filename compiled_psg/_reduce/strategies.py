@@ -35,6 +35,7 @@ from .._analyze.batch_dims import value_of
 from .._analyze.layout import scale_batch, weighted_batch_sum
 from .._heap import retains
 from .._rewrite.contraction import (
+    GHOST_WIDTH_BYTES,
     Contraction,
     bounded_materialized_sq_norms,
     cpu_rounds_in_float32,
@@ -95,6 +96,9 @@ class Cost:
     flops: float
     bytes: float
     held: float = 0  # bytes kept alive across the rest of the program (not recycled between calls)
+    # bytes alive at once while the strategy runs, freed before the next layer's (a per-sample gradient formed for
+    # its norm alone, a ghost norm's float64 factors and Grams); where a strategy also holds, ``held`` counts them
+    transient: float = 0
 
     @property
     def total(self) -> float:
@@ -104,7 +108,9 @@ class Cost:
         return self.flops + FLOPS_PER_BYTE * (self.bytes + held_price() * self.held)
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(self.flops + other.flops, self.bytes + other.bytes, self.held + other.held)
+        """Work adds up; the parts run one after the other, so the larger transient is the one alive at once."""
+        return Cost(self.flops + other.flops, self.bytes + other.bytes, self.held + other.held,
+                    max(self.transient, other.transient))
 
 
 @dataclass(frozen=True)
@@ -147,39 +153,74 @@ def choose(ctx: ReduceContext, quantity: str, p: ParamGrad) -> tuple[Strategy, C
     return options[0][0], options[0][1], runner_up
 
 
+@dataclass(frozen=True)
+class MemoryFit:
+    """What ``fit_memory`` planned, in bytes at its batch size: the values held across the program, and the peak
+    (held plus the largest transient of one parameter's strategy), for the assigned plan and the cheapest one."""
+
+    held: float
+    peak: float
+    held_by_cheapest: float
+    peak_by_cheapest: float
+
+
 def fit_memory(ctx: ReduceContext, quantity: str, params: list[ParamGrad], budget: float,
-               batch_size: int) -> tuple[float, float]:
-    """Assign each parameter a strategy of ``quantity`` so that the bytes they hold across the program
-    (``Cost.held``, per sample, times ``batch_size``) fit ``budget``: from the cheapest plan, repeatedly move the
-    parameter whose move to a strategy holding less costs the least per byte freed. Returns the held bytes of
-    the cheapest plan and of the assigned one (over ``budget`` only where no strategy holding less applies)."""
+               batch_size: int) -> MemoryFit:
+    """Assign each parameter a strategy of ``quantity`` so that the peak of per-sample values fits ``budget``.
+
+    The peak is what the plan holds across the program (``Cost.held``, per sample, times ``batch_size``) plus the
+    largest transient beyond it (``Cost.transient``: one layer's per-sample gradient formed for its norm alone, a
+    ghost norm's float64 Grams), since layers run one after another. For each cap on that transient, from the
+    smallest: the cheapest plan whose strategies stay under the cap, then, while it does not fit, the move to a
+    strategy holding less that costs least per byte freed. The result is the cheapest plan that fits, else the one
+    with the lowest peak (over ``budget`` where no strategy holding less applies)."""
     options = {p.name: priced(ctx, quantity, p) for p in params}
-    pick = dict.fromkeys(options, 0)
-    # Cost.held counts ITEMSIZE bytes per value; the budget is in the gradient's own bytes
-    itemsize = {p.name: (ITEMSIZE if p.grad is None else value_of(p.grad).dtype.itemsize) / ITEMSIZE
-                for p in params}
+    # Cost counts ITEMSIZE bytes per value; the budget is in the gradient's own bytes
+    scale = {p.name: batch_size * (ITEMSIZE if p.grad is None else value_of(p.grad).dtype.itemsize) / ITEMSIZE
+             for p in params}
 
-    def held(name: str) -> float:
-        return options[name][pick[name]][1].held * batch_size * itemsize[name]
+    def held(name: str, j: int) -> float:
+        return options[name][j][1].held * scale[name]
 
-    cheapest = total = sum(held(name) for name in options)
-    while total > budget:
-        best = None  # (extra cost per byte freed, name, option)
-        for name, choices in options.items():
-            current = choices[pick[name]][1]
-            for j, (_, cost) in enumerate(choices):
-                if cost.held < current.held:
-                    rate = (cost.total - current.total) / ((current.held - cost.held) * itemsize[name])
-                    if best is None or rate < best[0]:
-                        best = (rate, name, j)
-        if best is None:
-            break
-        _, name, j = best
-        total -= held(name)
-        pick[name] = j
-        total += held(name)
-    ctx.assign(quantity, {name: options[name][pick[name]][0].name for name in options})
-    return cheapest, total
+    def extra(name: str, j: int) -> float:
+        cost = options[name][j][1]
+        return max(0.0, cost.transient - cost.held) * scale[name]
+
+    def peak(pick: dict[str, int]) -> float:
+        return sum(held(n, j) for n, j in pick.items()) + max((extra(n, j) for n, j in pick.items()), default=0.0)
+
+    def total(pick: dict[str, int]) -> float:
+        return sum(options[n][j][1].total for n, j in pick.items())
+
+    def free_held(pick: dict[str, int], allowed: dict[str, list[int]]) -> None:
+        while peak(pick) > budget:
+            best = None  # (extra cost per byte freed, name, option)
+            for name, choices in allowed.items():
+                current = options[name][pick[name]][1]
+                for j in choices:
+                    cost = options[name][j][1]
+                    if cost.held < current.held:
+                        rate = (cost.total - current.total) / ((current.held - cost.held) * scale[name])
+                        if best is None or rate < best[0]:
+                            best = (rate, name, j)
+            if best is None:
+                return
+            pick[best[1]] = best[2]
+
+    cheapest = dict.fromkeys(options, 0)
+    plans = []
+    for cap in sorted({extra(n, j) for n in options for j in range(len(options[n]))}):
+        allowed = {n: [j for j in range(len(choices)) if extra(n, j) <= cap] for n, choices in options.items()}
+        if not all(allowed.values()):
+            continue
+        pick = {n: js[0] for n, js in allowed.items()}  # ``priced`` lists the cheapest first
+        free_held(pick, allowed)
+        plans.append(pick)
+    fitting = [pick for pick in plans if peak(pick) <= budget]
+    best = min(fitting, key=total) if fitting else min(plans, key=lambda pick: (peak(pick), total(pick)))
+    ctx.assign(quantity, {name: options[name][j][0].name for name, j in best.items()})
+    return MemoryFit(sum(held(n, j) for n, j in best.items()), peak(best),
+                     sum(held(n, j) for n, j in cheapest.items()), peak(cheapest))
 
 
 @contextlib.contextmanager
@@ -224,11 +265,12 @@ def materialize_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
     shape = _factor_shape(ctx, p)
     size = _size(p)
     if shape is None:
-        return _summed_materialize_cost(ctx, p) or Cost(flops=size, bytes=2 * size * ITEMSIZE)
+        return _summed_materialize_cost(ctx, p) or Cost(flops=size, bytes=2 * size * ITEMSIZE,
+                                                        transient=size * ITEMSIZE)
     t, o, i = shape
     if t == 1:
         return Cost(flops=2 * o * i, bytes=(o + i) * ITEMSIZE)
-    return Cost(flops=2 * t * o * i, bytes=(2 * o * i + t * (o + i)) * ITEMSIZE)
+    return Cost(flops=2 * t * o * i, bytes=(2 * o * i + t * (o + i)) * ITEMSIZE, transient=size * ITEMSIZE)
 
 
 def _summed_materialize_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
@@ -237,7 +279,7 @@ def _summed_materialize_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     parts = ctx.summed_contractions(p)
     if parts is None:
         return None
-    cost = Cost(0, 2 * _size(p) * ITEMSIZE)
+    cost = Cost(0, 2 * _size(p) * ITEMSIZE, transient=_size(p) * ITEMSIZE)
     for c, _ in parts:
         if c.factor_shape is not None:
             t, o, i = c.factor_shape
@@ -281,8 +323,9 @@ def _ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     if t == 1:
         return Cost(flops=2 * (o + i), bytes=(o + i) * ITEMSIZE)
     # float64 (certified against cancellation, ``factored_sq_norms``): a float64 FLOP counts as two, and the
-    # factors are read, converted and read again
-    return Cost(flops=2 * (2 * t * t * (o + i) + t * t), bytes=(3 * t * (o + i) + 2 * t * t) * 2 * ITEMSIZE)
+    # factors are read, converted and read again; their float64 copies and the two Grams exist at once
+    return Cost(flops=2 * (2 * t * t * (o + i) + t * t), bytes=(3 * t * (o + i) + 2 * t * t) * 2 * ITEMSIZE,
+                transient=(t * (o + i) + 2 * t * t) * 2 * ITEMSIZE)
 
 
 def _summed_parts(ctx: ReduceContext, p: ParamGrad) -> list[tuple[Contraction, bool]] | None:
@@ -318,7 +361,10 @@ def _summed_ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     flops = sum(2 * t * u * (min(a[0], b[0]) + min(a[1], b[1])) + t * u
                 for a, t in zip(sides, tokens, strict=True) for b, u in zip(sides, tokens, strict=True))
     reads = sum(t * (a[0] + a[1]) for a, t in zip(sides, tokens, strict=True))
-    return Cost(flops=2 * flops, bytes=(3 * reads + 2 * sum(tokens) ** 2) * 2 * ITEMSIZE)
+    # alive at once: the float64 Grams of every pair, and two float64 slices of dense rows (``dense_gram``)
+    slices = min(reads * 2 * ITEMSIZE, 2 * GHOST_WIDTH_BYTES)
+    return Cost(flops=2 * flops, bytes=(3 * reads + 2 * sum(tokens) ** 2) * 2 * ITEMSIZE,
+                transient=2 * sum(tokens) ** 2 * 2 * ITEMSIZE + slices)
 
 
 @strategy("sq_norm", "ghost", _ghost_cost)
@@ -350,7 +396,7 @@ def _sq_norm_ghost(ctx: ReduceContext, p: ParamGrad) -> fx.Node:
 def _materialize_and_reduce_cost(ctx: ReduceContext, p: ParamGrad) -> Cost:
     """Materialize ``g[n]``, then one pass of pointwise work over it."""
     cost = materialize_cost(ctx, p)
-    return Cost(cost.flops + 2 * _size(p), cost.bytes)
+    return dataclasses.replace(cost, flops=cost.flops + 2 * _size(p))
 
 
 @strategy("sq_norm", "materialize", _materialize_and_reduce_cost)

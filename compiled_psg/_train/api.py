@@ -84,10 +84,11 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     ``transactional=False`` skips the copies: a step that fails after its noise was drawn is then counted, and
     the parameters stay as the failure left them.
 
-    ``memory_budget``: bytes of per-sample values the program may hold beyond what the plain step holds (None:
-    the fastest plan; 0: the least the strategies hold): a layer's materialized per-sample gradients or, for a
-    book-keeping sum, its output gradient, kept until the clip factors are known. Layers move to strategies that
-    hold less, the cheapest per byte freed first, at
+    ``memory_budget``: bytes of per-sample values the program may have at its peak beyond what the plain step
+    holds (None: the fastest plan; 0: the lowest peak the strategies reach): what it holds until the clip factors
+    are known (a layer's materialized per-sample gradients or, for a book-keeping sum, its output gradient) plus
+    the largest value one layer forms and frees (a per-sample gradient formed for its norm alone, a ghost norm's
+    Grams). Layers move to strategies that hold less, the cheapest per byte freed first, at
     the batch size of the first call (``max_physical_batch_size``'s micro-batches: theirs); ``psg.explain(step,
     *batch)`` shows the plan. docs/training.md, "Memory budget", says what it does not bound.
     """

@@ -52,7 +52,7 @@ class DPConfig:
     ``target_unclipped_quantile`` of the norms, Andrew et al. 2021, with ``clipbound_learning_rate``,
     ``unclipped_num_std`` (sigma_b), ``min_clipbound``, ``max_clipbound``: Opacus's names) or ``"custom"``
     (a user reduction replaces the clipped sum); ``memory_budget``: the bytes of per-sample values the plan may
-    hold across the program (None: the fastest plan; ``DPClip``)."""
+    have at its peak (None: the fastest plan; ``DPClip``)."""
 
     max_grad_norm: float | tuple[float, ...] | None = None
     noise_multiplier: float = 0.0
