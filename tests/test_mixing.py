@@ -164,6 +164,19 @@ def index_fill_first_position(lin, x, y):
     return F.cross_entropy(h.index_fill(0, torch.tensor([0]), 0.5), y)  # <index_fill_first>
 
 
+def write_rows_of_other_samples(lin, x, y):
+    h = torch.zeros(x.shape[0], C, dtype=x.dtype)  # row y[i], not i: each sample's value lands in another's row
+    h[y, 0] = lin(x)[:, 0]  # <index_put_rows>
+    return F.cross_entropy(lin(x) + h, y)
+
+
+def write_then_combine_other_layout(lin, x, y):
+    steps = torch.stack([lin(x), 2 * lin(x)], 1)  # [n, 2, c]
+    h = torch.zeros(2 * x.shape[0], C, dtype=x.dtype)  # the same for every sample until written
+    h[:, torch.tensor([0, 1, 2])] = steps.transpose(0, 1).flatten(0, 1)  # rows step-major: (step, sample)
+    return F.cross_entropy(lin(x), y) + (h * steps.flatten(0, 1)).sum()  # <index_put_layout>
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -190,6 +203,8 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "put_in_flat_order": (put_flat, (), "put"),
     "rot90_over_batch": (rot90_over_batch, (), "rot90"),
     "index_fill_of_batch_positions": (index_fill_first_position, (), "index_fill_first"),
+    "index_put_into_other_samples_rows": (write_rows_of_other_samples, (), "index_put_rows"),
+    "index_put_then_combined_with_another_layout": (write_then_combine_other_layout, (), "index_put_layout"),
 }
 
 
@@ -290,6 +305,24 @@ def index_fill_own_positions(lin, x, y):
     return F.cross_entropy(h.index_fill(0, torch.arange(x.shape[0]), 0.5) + h, y)
 
 
+def write_own_rows(lin, x, y):
+    """``h[arange(n), y] = v`` (and ``+=``) with ``v`` computed from the parameters, into ``torch.zeros(n, c)``:
+    each sample writes its own row."""
+    n = x.shape[0]
+    h = torch.zeros(n, C, dtype=x.dtype)
+    h[torch.arange(n), y] = lin(x)[:, 0]
+    h[torch.arange(n)[:, None], (y.unsqueeze(1) + 1) % C] += lin(x)[:, 1:2].exp()
+    return F.cross_entropy(lin(x) * h, y)
+
+
+def accumulate_into_own_rows(lin, x, y):
+    """``zeros(n, c).index_put((arange(n)[:, None], idx), v, accumulate=True)``, repeated columns in a row."""
+    n = x.shape[0]
+    idx = torch.stack([y, y, (y + 1) % C], 1)
+    out = torch.zeros(n, C, dtype=x.dtype).index_put((torch.arange(n)[:, None], idx), lin(x), accumulate=True)
+    return out.pow(2).sum() + F.cross_entropy(out, y)
+
+
 def batch_size_scalar(lin, x, y):
     return F.cross_entropy(lin(x), y, reduction="sum") / x.shape[0] + lin(x).sum() * (1.0 / x.shape[0])
 
@@ -328,6 +361,8 @@ ACCEPTED = {
     "reshape_within_sample": reshape_per_sample,
     "masked_write": masked_write,
     "index_fill_own_positions": index_fill_own_positions,
+    "index_put_of_parameter_values_into_own_rows": write_own_rows,
+    "index_put_accumulate_into_own_rows": accumulate_into_own_rows,
     "batch_size_as_scalar": batch_size_scalar,
     "batch_size_as_tensor": batch_size_tensor,
     "roll_over_batch_by_zero": roll_batch_by_zero,

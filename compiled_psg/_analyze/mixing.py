@@ -1162,7 +1162,8 @@ def _index_read(an: Analysis, node: fx.Node, x: fx.Node, indices: list) -> Fact:
             index_dims.add(s_offset + f.dim + s_rank - v.dim())
             layouts.append(f.layout)
         elif isinstance(f, SampleIndex):
-            if not (isinstance(fact, PerSample) and p == fact.dim and fact.layout == (1, 1) and f.stride == 1):
+            if not (isinstance(fact, PerSample) and p == fact.dim and _one_sample_per_position(an, x, fact)
+                    and f.stride == 1):
                 _no_sample_index([f])
             sample_index_dim = s_offset + f.dim + s_rank - v.dim()
     if isinstance(fact, PerSample):
@@ -1191,6 +1192,12 @@ def _index_read(an: Analysis, node: fx.Node, x: fx.Node, indices: list) -> Fact:
     return PerSample(index_dims.pop(), _merge_layouts(layouts))
 
 
+def _one_sample_per_position(an: Analysis, x: fx.Node, fact: PerSample) -> bool:
+    """Position ``b`` of ``fact.dim`` holds sample ``b``, as ``arange(n)`` pairs it: layout ``(1, 1)``, or no layout
+    (the same for every sample, ``torch.zeros(n, d)``) on a dimension that is exactly the batch."""
+    return fact.layout == (1, 1) or (fact.layout is None and an.batch.is_whole(value_of(x), fact.dim))
+
+
 def _raise_pooled(f: Pooled):
     raise _Refuse(f"{f.why}, and its result flows back into per-sample values",
                   "reduce over non-batch dimensions only, or move batch statistics out of the loss function",
@@ -1205,7 +1212,7 @@ def _index_select(an: Analysis, node: fx.Node) -> Fact:
     fx_, fi = an.fact(x), an.fact(idx)
     if isinstance(fx_, PerSample):
         if fx_.dim == k:
-            if isinstance(fi, SampleIndex) and fi.stride == 1 and fx_.layout == (1, 1):
+            if isinstance(fi, SampleIndex) and fi.stride == 1 and _one_sample_per_position(an, x, fx_):
                 return fx_
             raise _mix("it selects along the batch dimension, so a sample reads other samples' values", _FIX_DIM)
         if not isinstance(fi, Shared):
@@ -1254,7 +1261,7 @@ def _fills_own_positions(an: Analysis, node: fx.Node, k: int) -> bool:
     x, _, idx, value = node.args[:4]
     fx_, fi = an.fact(x), an.fact(idx)
     fv = an.fact(value) if isinstance(value, fx.Node) else SHARED
-    return (isinstance(fx_, PerSample) and fx_.dim == k and fx_.layout == (1, 1)
+    return (isinstance(fx_, PerSample) and fx_.dim == k and _one_sample_per_position(an, x, fx_)
             and isinstance(fi, SampleIndex) and fi.stride == 1 and isinstance(fv, Shared))
 
 
@@ -1303,6 +1310,9 @@ def _index_put(an: Analysis, node: fx.Node) -> Fact:
     _no_sample_index([fv])
     read = _index_read(an, node, x, list(indices))  # the fact x[indices] would have (raises on mixing)
     if isinstance(fx_, PerSample):
+        # the result holds the samples as x does, where x has a layout, else as the positions written
+        # (``torch.zeros(n * t, d)`` has none: after the write it is no longer the same for every sample)
+        layouts = [fx_.layout, read.layout]
         if isinstance(fv, PerSample):
             rank = value_of(node.args[0]).dim()
             positions = [p for p, i in enumerate(indices) if i is not None]
@@ -1310,10 +1320,10 @@ def _index_put(an: Analysis, node: fx.Node) -> Fact:
             read_rank = rank - len(positions) + s_rank
             if not isinstance(read, PerSample) or fv.dim + read_rank - _rank(values) != read.dim:
                 raise _mix("it writes values of some samples into other samples' positions")
-            _merge_layouts([fv.layout, read.layout])
+            layouts.append(fv.layout)
         elif isinstance(fv, Pooled):
             _raise_pooled(fv)
-        return fx_
+        return PerSample(fx_.dim, _merge_layouts(layouts))
     index_facts = [an.fact(i) for i in indices if i is not None]
     if any(isinstance(f, PerSample) for f in index_facts + [fv]):
         if isinstance(fx_, Pooled):
