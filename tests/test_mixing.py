@@ -177,6 +177,11 @@ def write_then_combine_other_layout(lin, x, y):
     return F.cross_entropy(lin(x), y) + (h * steps.flatten(0, 1)).sum()  # <index_put_layout>
 
 
+def channel_shuffle_across_blocks(lin, x, y):
+    z = torch.cat([lin(x), 2 * lin(x)], 0).t().unsqueeze(-1)  # [c, 2n, 1]: the samples in channel blocks
+    return F.cross_entropy(lin(x), y) + (F.channel_shuffle(z, 2) * z).sum()  # <channel_shuffle>
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -205,6 +210,7 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "index_fill_of_batch_positions": (index_fill_first_position, (), "index_fill_first"),
     "index_put_into_other_samples_rows": (write_rows_of_other_samples, (), "index_put_rows"),
     "index_put_then_combined_with_another_layout": (write_then_combine_other_layout, (), "index_put_layout"),
+    "channel_shuffle_of_the_batch": (channel_shuffle_across_blocks, (), "channel_shuffle"),
 }
 
 
@@ -323,6 +329,21 @@ def accumulate_into_own_rows(lin, x, y):
     return out.pow(2).sum() + F.cross_entropy(out, y)
 
 
+def channel_shuffle_within_sample(lin, x, y):
+    """``channel_shuffle`` permutes each sample's channels; the parameters' gradient flows back through it."""
+    h = lin(x)
+    z = torch.cat([h, h.tanh()], 1).unsqueeze(-1)  # [n, 2c, 1]
+    return (F.channel_shuffle(z, 2).squeeze(-1) * torch.arange(1.0, 2 * C + 1, dtype=x.dtype)).pow(2).sum()
+
+
+def fold_within_sample(lin, x, y):
+    """``F.fold`` (``col2im``) sums each sample's own blocks into its own image."""
+    h = lin(x)
+    cols = torch.cat([h, h.tanh(), h.pow(2), h.sin()], 1).view(x.shape[0], 4, C)  # [n, 1 * 2 * 2, 3 blocks]
+    image = F.fold(cols, (2, 4), 2)  # [n, 1, 2, 4]
+    return (image * torch.arange(8.0, dtype=x.dtype).view(2, 4)).pow(2).sum()
+
+
 def batch_size_scalar(lin, x, y):
     return F.cross_entropy(lin(x), y, reduction="sum") / x.shape[0] + lin(x).sum() * (1.0 / x.shape[0])
 
@@ -363,6 +384,8 @@ ACCEPTED = {
     "index_fill_own_positions": index_fill_own_positions,
     "index_put_of_parameter_values_into_own_rows": write_own_rows,
     "index_put_accumulate_into_own_rows": accumulate_into_own_rows,
+    "channel_shuffle_within_sample": channel_shuffle_within_sample,
+    "fold_within_sample": fold_within_sample,
     "batch_size_as_scalar": batch_size_scalar,
     "batch_size_as_tensor": batch_size_tensor,
     "roll_over_batch_by_zero": roll_batch_by_zero,

@@ -842,14 +842,15 @@ def _first_input(an: Analysis, node: fx.Node) -> tuple[fx.Node, Fact]:
 
 @_handles(ops.OVER_DIMS)
 def _over_dims(an: Analysis, node: fx.Node) -> Fact:
-    """FFTs over ``dim`` and ``rot90`` over ``dims``: each slice along the other dimensions on its own, the output
-    as many dimensions as the input."""
+    """FFTs over ``dim``, ``rot90`` over ``dims``, ``channel_shuffle`` over the channels: each slice along the other
+    dimensions on its own, the output as many dimensions as the input."""
     kw = _kwargs(node)
     x, fact = _first_input(an, node)
     if not isinstance(fact, PerSample):
         return fact
     rank = _rank(x)
-    dims = {_norm_dim(d, rank) for d in _as_list(kw[ops.OVER_DIMS[node.target]])}
+    over = ops.OVER_DIMS[node.target]
+    dims = {_norm_dim(d, rank) for d in (over if isinstance(over, tuple) else _as_list(kw[over]))}
     if node.target.overloadpacket.__name__ == "rot90" and kw.get("k", 1) % 4 == 0:
         return fact  # a whole number of turns: the input as it is
     if _norm_dim(fact.dim, rank) in dims:

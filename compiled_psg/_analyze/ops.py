@@ -68,9 +68,11 @@ DIM_OPS = _overloads(
     "split_with_sizes_copy", "unbind_copy.int", "diagonal_copy", "unfold_copy",
 )
 
-# Ops over some dimensions, given by an argument, that keep every other dimension apart: argument -> dims.
+# Ops over some dimensions that keep every other dimension apart: the name of the argument giving the dims, or the
+# dims themselves (``channel_shuffle`` permutes the channels, dimension 1, of each row of dimension 0 alike).
 OVER_DIMS = {op: "dim" for op in _overloads("_fft_r2c", "_fft_c2r", "_fft_c2c")} | {
-    op: "dims" for op in _overloads("rot90")}
+    op: "dims" for op in _overloads("rot90")} | {op: (1,) for op in _overloads("channel_shuffle",
+                                                                             "native_channel_shuffle")}
 
 # Backward of a view that picks part of a dimension (``x[:, k]``, ``x[:, a:b]``): zeros shaped ``input_sizes`` with
 # the gradient written at the picked positions. They appear in a loss that calls ``torch.autograd.grad`` inside
@@ -139,7 +141,7 @@ for _k, _names in [
     for _op in _overloads(*_names):
         SPATIAL[_op] = _k
 # pixel_shuffle moves channels into space: the channel dim is mixed too
-MIXES_CHANNELS = _overloads("pixel_shuffle", "pixel_unshuffle", "im2col", "channel_shuffle", "native_channel_shuffle")
+MIXES_CHANNELS = _overloads("pixel_shuffle", "pixel_unshuffle", "im2col")
 
 # op -> (operand index strings, output index string, names of the operands, name of an added bias or None)
 MATMULS: dict = {}
