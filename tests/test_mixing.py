@@ -182,6 +182,13 @@ def channel_shuffle_across_blocks(lin, x, y):
     return F.cross_entropy(lin(x), y) + (F.channel_shuffle(z, 2) * z).sum()  # <channel_shuffle>
 
 
+def cosine_between_layouts(lin, x, y):
+    steps = torch.stack([lin(x), lin(x).tanh()], 1)  # [n, 2, c]; row k of one flattening is another sample's below
+    sample_major, step_major = steps.flatten(0, 1), steps.transpose(0, 1).flatten(0, 1)
+    ones = torch.ones(2 * x.shape[0], dtype=x.dtype)
+    return F.cosine_embedding_loss(sample_major, step_major, ones)  # <cosine_layouts>
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -211,6 +218,7 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "index_put_into_other_samples_rows": (write_rows_of_other_samples, (), "index_put_rows"),
     "index_put_then_combined_with_another_layout": (write_then_combine_other_layout, (), "index_put_layout"),
     "channel_shuffle_of_the_batch": (channel_shuffle_across_blocks, (), "channel_shuffle"),
+    "cosine_between_sample_and_step_major_rows": (cosine_between_layouts, (), "cosine_layouts"),
 }
 
 
@@ -344,6 +352,22 @@ def fold_within_sample(lin, x, y):
     return (image * torch.arange(8.0, dtype=x.dtype).view(2, 4)).pow(2).sum()
 
 
+def cosine_embedding_over_steps(lin, x, y):
+    """A loss over ``[n*t, ...]`` rows (``flatten(0, 1)``) that reduces each row before the mean: the loss head
+    finds the samples through the reductions over the features."""
+    a = torch.stack([lin(x), lin(x).tanh()], 1).flatten(0, 1)  # [2n, c]
+    b = torch.stack([lin(x).flip(1), x[:, :C]], 1).flatten(0, 1)
+    target = torch.tensor([1.0, -1.0], dtype=x.dtype).repeat(x.shape[0])
+    return F.cosine_embedding_loss(a, b, target, margin=-0.5)
+
+
+def multilabel_margin_over_steps(lin, x, y):
+    out = torch.stack([lin(x), -lin(x).sin()], 1).flatten(0, 1)  # [2n, c]
+    none = torch.full_like(y, -1)
+    labels = torch.stack([torch.stack([y, none, none], 1), torch.stack([(y + 1) % C, y, none], 1)], 1)
+    return F.multilabel_margin_loss(out, labels.flatten(0, 1))
+
+
 def batch_size_scalar(lin, x, y):
     return F.cross_entropy(lin(x), y, reduction="sum") / x.shape[0] + lin(x).sum() * (1.0 / x.shape[0])
 
@@ -386,6 +410,8 @@ ACCEPTED = {
     "index_put_accumulate_into_own_rows": accumulate_into_own_rows,
     "channel_shuffle_within_sample": channel_shuffle_within_sample,
     "fold_within_sample": fold_within_sample,
+    "cosine_embedding_loss_over_flattened_steps": cosine_embedding_over_steps,
+    "multilabel_margin_loss_over_flattened_steps": multilabel_margin_over_steps,
     "batch_size_as_scalar": batch_size_scalar,
     "batch_size_as_tensor": batch_size_tensor,
     "roll_over_batch_by_zero": roll_batch_by_zero,
