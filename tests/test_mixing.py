@@ -189,6 +189,12 @@ def cosine_between_layouts(lin, x, y):
     return F.cosine_embedding_loss(sample_major, step_major, ones)  # <cosine_layouts>
 
 
+def solve_with_batch_statistics(lin, x, y):
+    h = lin(x)
+    m = torch.eye(C, dtype=x.dtype) + h.t() @ h  # a matrix summed over the batch
+    return F.cross_entropy(torch.linalg.solve(m, h.t()).t(), y)  # <solve_pooled>
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -219,6 +225,7 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "index_put_then_combined_with_another_layout": (write_then_combine_other_layout, (), "index_put_layout"),
     "channel_shuffle_of_the_batch": (channel_shuffle_across_blocks, (), "channel_shuffle"),
     "cosine_between_sample_and_step_major_rows": (cosine_between_layouts, (), "cosine_layouts"),
+    "solve_with_a_matrix_of_the_batch": (solve_with_batch_statistics, (), "solve_pooled"),
 }
 
 
@@ -368,6 +375,17 @@ def multilabel_margin_over_steps(lin, x, y):
     return F.multilabel_margin_loss(out, labels.flatten(0, 1))
 
 
+def solve_with_samples_as_columns(lin, x, y):
+    """``solve(m, h.t())`` with a shared matrix made from the parameters: each column, a sample, is solved on its
+    own; so are the rows of ``X m = h`` (``left=False``) and the columns of a triangular solve."""
+    m = lin.weight[:, :C] + 3 * torch.eye(C, dtype=x.dtype)
+    h = lin(x)  # [n, c]
+    columns = torch.linalg.solve(m, h.t()).t()
+    rows = torch.linalg.solve(m, h.tanh(), left=False)
+    triangular = torch.linalg.solve_triangular(m, h.t(), upper=True).t()
+    return F.cross_entropy(columns + rows, y) + triangular.pow(2).sum()
+
+
 def batch_size_scalar(lin, x, y):
     return F.cross_entropy(lin(x), y, reduction="sum") / x.shape[0] + lin(x).sum() * (1.0 / x.shape[0])
 
@@ -412,6 +430,7 @@ ACCEPTED = {
     "fold_within_sample": fold_within_sample,
     "cosine_embedding_loss_over_flattened_steps": cosine_embedding_over_steps,
     "multilabel_margin_loss_over_flattened_steps": multilabel_margin_over_steps,
+    "solve_with_samples_as_columns": solve_with_samples_as_columns,
     "batch_size_as_scalar": batch_size_scalar,
     "batch_size_as_tensor": batch_size_tensor,
     "roll_over_batch_by_zero": roll_batch_by_zero,

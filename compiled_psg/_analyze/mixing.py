@@ -793,6 +793,9 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
     ``[B, ..., n, m]`` stays apart; in a matrix dimension it mixes the rows and columns of different samples.
     Shared matrices broadcast over the stack; an argument of one value per matrix (``ops.PER_MATRIX_ARGS``,
     ``[B, ...]``) holds the batch in its dimension 0 too."""
+    columns = _solved_columns(an, node)
+    if columns is not None:
+        return columns
     tensors = [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]
     per_matrix = {_kwargs(node).get(name) for name in ops.PER_MATRIX_ARGS.get(node.target, ())} - {None}
     vectors = _vector_right_hand_side(node)
@@ -809,7 +812,8 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
     for t, f in per:
         if _rank(t) < (1 if t in per_matrix else 2 if t in vectors else 3) or _norm_dim(f.dim, _rank(t)) != 0:
             raise _mix("the batch sits in a matrix dimension, whose rows and columns this op combines",
-                       "keep the batch as the leading dimension of a stack of matrices, [B, n, n]")
+                       "keep the batch as the leading dimension of a stack of matrices, [B, n, n] (a solve with a "
+                       "shared matrix may also hold the samples as the columns of its right-hand side)")
     layout = _merge_layouts([f.layout for _, f in per])
     found = []
     for v in outs:
@@ -817,6 +821,33 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
         if dims not in ((), (0,)):
             raise _unknown(_op_name(node), " (an output with the batch outside its leading dimension)")
         found.append(PerSample(0, layout) if dims else SHARED)
+    return tuple(found) if isinstance(out, (tuple, list)) else found[0]
+
+
+def _solved_columns(an: Analysis, node: fx.Node) -> Fact | None:
+    """A solve (``ops.SOLVES``) with shared matrices and the samples as the columns of the right-hand side
+    (``solve(A, y.t())``; its rows for ``left=False``): each column is solved on its own, and the solution holds
+    the samples where the right-hand side does. None for any other use (``_matrix_stack`` decides it)."""
+    spec = ops.SOLVES.get(node.target)
+    if spec is None:
+        return None
+    matrices, rhs_name, left_name = spec
+    kw = _kwargs(node)
+    rhs = kw[rhs_name]
+    fact = an.fact(rhs)
+    if not isinstance(fact, PerSample) or any(not isinstance(an.fact(kw[m]), Shared) for m in matrices):
+        return None
+    rank = _rank(rhs)
+    from_end = 1 if kw.get(left_name, True) or left_name is None else 2  # a column, or a row for X A = B
+    if rank < 2 or rhs in _vector_right_hand_side(node) or _norm_dim(fact.dim, rank) != rank - from_end:
+        return None
+    out = value_of(node)
+    found = []
+    for v in out if isinstance(out, (tuple, list)) else (out,):
+        dims = an.batch.dims(v) if isinstance(v, torch.Tensor) else ()
+        if dims and dims != (v.dim() - from_end,):
+            return None
+        found.append(PerSample(dims[0], fact.layout) if dims else SHARED)
     return tuple(found) if isinstance(out, (tuple, list)) else found[0]
 
 

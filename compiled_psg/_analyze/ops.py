@@ -195,6 +195,20 @@ MATRIX_STACKS = _overloads(
     "linalg_eigvals", "linalg_pinv.atol_rtol_tensor",
     "linalg_matrix_sqrth", "linalg_polar",  # from torch 2.14
 )
+# MATRIX_STACKS ops that solve ``A X = B`` (``X A = B`` when ``left`` is False): with shared matrices, every column
+# of ``B`` (every row when not ``left``) is solved on its own, so the samples may be those columns.
+# op -> (names of the matrix arguments, name of the right-hand side, name of the ``left`` flag or None), by the
+# names ``normalize_function`` gives (``input`` for ``self``)
+SOLVES = {}
+for _names, _spec in [
+    (("_linalg_solve_ex",), (("A",), "B", "left")),
+    (("linalg_lu_solve",), (("LU", "pivots"), "B", "left")),
+    (("linalg_solve_triangular",), (("input",), "B", "left")),
+    (("cholesky_solve",), (("input2",), "input", None)),
+    (("triangular_solve",), (("A",), "input", None)),
+]:
+    for _op in _overloads(*_names):
+        SOLVES[_op] = _spec
 # MATRIX_STACKS ops' arguments that hold one value per matrix, shaped like the stack without its matrix dimensions
 # (the tolerances of ``pinv``, compared with each matrix's largest singular value)
 PER_MATRIX_ARGS = {op: ("atol", "rtol") for op in _overloads("linalg_pinv.atol_rtol_tensor")}
