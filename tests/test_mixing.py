@@ -351,14 +351,6 @@ def channel_shuffle_within_sample(lin, x, y):
     return (F.channel_shuffle(z, 2).squeeze(-1) * torch.arange(1.0, 2 * C + 1, dtype=x.dtype)).pow(2).sum()
 
 
-def fold_within_sample(lin, x, y):
-    """``F.fold`` (``col2im``) sums each sample's own blocks into its own image."""
-    h = lin(x)
-    cols = torch.cat([h, h.tanh(), h.pow(2), h.sin()], 1).view(x.shape[0], 4, C)  # [n, 1 * 2 * 2, 3 blocks]
-    image = F.fold(cols, (2, 4), 2)  # [n, 1, 2, 4]
-    return (image * torch.arange(8.0, dtype=x.dtype).view(2, 4)).pow(2).sum()
-
-
 def cosine_embedding_over_steps(lin, x, y):
     """A loss over ``[n*t, ...]`` rows (``flatten(0, 1)``) that reduces each row before the mean: the loss head
     finds the samples through the reductions over the features."""
@@ -427,7 +419,6 @@ ACCEPTED = {
     "index_put_of_parameter_values_into_own_rows": write_own_rows,
     "index_put_accumulate_into_own_rows": accumulate_into_own_rows,
     "channel_shuffle_within_sample": channel_shuffle_within_sample,
-    "fold_within_sample": fold_within_sample,
     "cosine_embedding_loss_over_flattened_steps": cosine_embedding_over_steps,
     "multilabel_margin_loss_over_flattened_steps": multilabel_margin_over_steps,
     "solve_with_samples_as_columns": solve_with_samples_as_columns,

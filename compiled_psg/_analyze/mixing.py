@@ -578,6 +578,8 @@ def _dim_op(an: Analysis, node: fx.Node) -> Fact:
     if name in ("split", "split_with_sizes", "chunk", "unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk",
                 "tensor_split"):
         k = _norm_dim(kw.get("dim", 0), rank)
+        if isinstance(fact, PerSample) and fact.dim == k:
+            raise _parts_of_the_batch()
         moved = _moved(fact, lambda d: None if d == k else d, "splits")
         return tuple(moved for _ in out)
     if name == "unbind":
@@ -598,6 +600,18 @@ def _dim_op(an: Analysis, node: fx.Node) -> Fact:
         _no_sample_index([fact])
         return fact
     raise _unknown(_op_name(node))
+
+
+def _parts_of_the_batch() -> _Refuse:
+    """Each part of a split along the batch holds some of the samples whole, but which ones is a size expression
+    (``ceil(n / 2)``), not a layout: no fact follows a part, so whether the parts stay apart (a sum of per-part
+    losses) or pair samples of different parts (``a[i] - b[i]``) is not proved either way."""
+    return _Refuse(
+        "it splits the batch into parts (chunk or split along the batch dimension, as for micro-batches); "
+        "compiled_psg follows only values that hold the whole batch, so it cannot prove that the parts keep samples "
+        "apart", "compute the loss on the whole batch (a sum of per-part sums is the sum over the batch: "
+        "F.cross_entropy(model(x), y, reduction='sum')), or call the per-sample function once per part",
+        kind="unknown")
 
 
 def _as_list(v):
