@@ -164,6 +164,37 @@ def index_fill_first_position(lin, x, y):
     return F.cross_entropy(h.index_fill(0, torch.tensor([0]), 0.5), y)  # <index_fill_first>
 
 
+def write_rows_of_other_samples(lin, x, y):
+    h = torch.zeros(x.shape[0], C, dtype=x.dtype)  # row y[i], not i: each sample's value lands in another's row
+    h[y, 0] = lin(x)[:, 0]  # <index_put_rows>
+    return F.cross_entropy(lin(x) + h, y)
+
+
+def write_then_combine_other_layout(lin, x, y):
+    steps = torch.stack([lin(x), 2 * lin(x)], 1)  # [n, 2, c]
+    h = torch.zeros(2 * x.shape[0], C, dtype=x.dtype)  # the same for every sample until written
+    h[:, torch.tensor([0, 1, 2])] = steps.transpose(0, 1).flatten(0, 1)  # rows step-major: (step, sample)
+    return F.cross_entropy(lin(x), y) + (h * steps.flatten(0, 1)).sum()  # <index_put_layout>
+
+
+def channel_shuffle_across_blocks(lin, x, y):
+    z = torch.cat([lin(x), 2 * lin(x)], 0).t().unsqueeze(-1)  # [c, 2n, 1]: the samples in channel blocks
+    return F.cross_entropy(lin(x), y) + (F.channel_shuffle(z, 2) * z).sum()  # <channel_shuffle>
+
+
+def cosine_between_layouts(lin, x, y):
+    steps = torch.stack([lin(x), lin(x).tanh()], 1)  # [n, 2, c]; row k of one flattening is another sample's below
+    sample_major, step_major = steps.flatten(0, 1), steps.transpose(0, 1).flatten(0, 1)
+    ones = torch.ones(2 * x.shape[0], dtype=x.dtype)
+    return F.cosine_embedding_loss(sample_major, step_major, ones)  # <cosine_layouts>
+
+
+def solve_with_batch_statistics(lin, x, y):
+    h = lin(x)
+    m = torch.eye(C, dtype=x.dtype) + h.t() @ h  # a matrix summed over the batch
+    return F.cross_entropy(torch.linalg.solve(m, h.t()).t(), y)  # <solve_pooled>
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -190,6 +221,11 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "put_in_flat_order": (put_flat, (), "put"),
     "rot90_over_batch": (rot90_over_batch, (), "rot90"),
     "index_fill_of_batch_positions": (index_fill_first_position, (), "index_fill_first"),
+    "index_put_into_other_samples_rows": (write_rows_of_other_samples, (), "index_put_rows"),
+    "index_put_then_combined_with_another_layout": (write_then_combine_other_layout, (), "index_put_layout"),
+    "channel_shuffle_of_the_batch": (channel_shuffle_across_blocks, (), "channel_shuffle"),
+    "cosine_between_sample_and_step_major_rows": (cosine_between_layouts, (), "cosine_layouts"),
+    "solve_with_a_matrix_of_the_batch": (solve_with_batch_statistics, (), "solve_pooled"),
 }
 
 
@@ -290,6 +326,58 @@ def index_fill_own_positions(lin, x, y):
     return F.cross_entropy(h.index_fill(0, torch.arange(x.shape[0]), 0.5) + h, y)
 
 
+def write_own_rows(lin, x, y):
+    """``h[arange(n), y] = v`` (and ``+=``) with ``v`` computed from the parameters, into ``torch.zeros(n, c)``:
+    each sample writes its own row."""
+    n = x.shape[0]
+    h = torch.zeros(n, C, dtype=x.dtype)
+    h[torch.arange(n), y] = lin(x)[:, 0]
+    h[torch.arange(n)[:, None], (y.unsqueeze(1) + 1) % C] += lin(x)[:, 1:2].exp()
+    return F.cross_entropy(lin(x) * h, y)
+
+
+def accumulate_into_own_rows(lin, x, y):
+    """``zeros(n, c).index_put((arange(n)[:, None], idx), v, accumulate=True)``, repeated columns in a row."""
+    n = x.shape[0]
+    idx = torch.stack([y, y, (y + 1) % C], 1)
+    out = torch.zeros(n, C, dtype=x.dtype).index_put((torch.arange(n)[:, None], idx), lin(x), accumulate=True)
+    return out.pow(2).sum() + F.cross_entropy(out, y)
+
+
+def channel_shuffle_within_sample(lin, x, y):
+    """``channel_shuffle`` permutes each sample's channels; the parameters' gradient flows back through it."""
+    h = lin(x)
+    z = torch.cat([h, h.tanh()], 1).unsqueeze(-1)  # [n, 2c, 1]
+    return (F.channel_shuffle(z, 2).squeeze(-1) * torch.arange(1.0, 2 * C + 1, dtype=x.dtype)).pow(2).sum()
+
+
+def cosine_embedding_over_steps(lin, x, y):
+    """A loss over ``[n*t, ...]`` rows (``flatten(0, 1)``) that reduces each row before the mean: the loss head
+    finds the samples through the reductions over the features."""
+    a = torch.stack([lin(x), lin(x).tanh()], 1).flatten(0, 1)  # [2n, c]
+    b = torch.stack([lin(x).flip(1), x[:, :C]], 1).flatten(0, 1)
+    target = torch.tensor([1.0, -1.0], dtype=x.dtype).repeat(x.shape[0])
+    return F.cosine_embedding_loss(a, b, target, margin=-0.5)
+
+
+def multilabel_margin_over_steps(lin, x, y):
+    out = torch.stack([lin(x), -lin(x).sin()], 1).flatten(0, 1)  # [2n, c]
+    none = torch.full_like(y, -1)
+    labels = torch.stack([torch.stack([y, none, none], 1), torch.stack([(y + 1) % C, y, none], 1)], 1)
+    return F.multilabel_margin_loss(out, labels.flatten(0, 1))
+
+
+def solve_with_samples_as_columns(lin, x, y):
+    """``solve(m, h.t())`` with a shared matrix made from the parameters: each column, a sample, is solved on its
+    own; so are the rows of ``X m = h`` (``left=False``) and the columns of a triangular solve."""
+    m = lin.weight[:, :C] + 3 * torch.eye(C, dtype=x.dtype)
+    h = lin(x)  # [n, c]
+    columns = torch.linalg.solve(m, h.t()).t()
+    rows = torch.linalg.solve(m, h.tanh(), left=False)
+    triangular = torch.linalg.solve_triangular(m, h.t(), upper=True).t()
+    return F.cross_entropy(columns + rows, y) + triangular.pow(2).sum()
+
+
 def batch_size_scalar(lin, x, y):
     return F.cross_entropy(lin(x), y, reduction="sum") / x.shape[0] + lin(x).sum() * (1.0 / x.shape[0])
 
@@ -328,6 +416,12 @@ ACCEPTED = {
     "reshape_within_sample": reshape_per_sample,
     "masked_write": masked_write,
     "index_fill_own_positions": index_fill_own_positions,
+    "index_put_of_parameter_values_into_own_rows": write_own_rows,
+    "index_put_accumulate_into_own_rows": accumulate_into_own_rows,
+    "channel_shuffle_within_sample": channel_shuffle_within_sample,
+    "cosine_embedding_loss_over_flattened_steps": cosine_embedding_over_steps,
+    "multilabel_margin_loss_over_flattened_steps": multilabel_margin_over_steps,
+    "solve_with_samples_as_columns": solve_with_samples_as_columns,
     "batch_size_as_scalar": batch_size_scalar,
     "batch_size_as_tensor": batch_size_tensor,
     "roll_over_batch_by_zero": roll_batch_by_zero,

@@ -302,6 +302,22 @@ def test_fold_col2im_keeps_samples_apart_and_is_exact():
     _exact(lambda x: F.fold(F.conv2d(x, p, padding=1).flatten(2), (7, 7), 2).pow(2).sum(), p, x)
 
 
+@pytest.mark.parametrize("size", [None, 3], ids=["chunk", "split"])
+def test_a_batch_split_into_micro_batches_names_the_split_and_the_whole_batch_fix(size):
+    """Each part holds some samples whole, but no fact follows part of a batch: not proved apart, and not called
+    mixing (the samples stay apart here); the message names the split and the whole-batch loss."""
+    model, _ = _model_and_loss()
+
+    def loss(x, y):
+        xs, ys = (x.chunk(2), y.chunk(2)) if size is None else (x.split(size), y.split(size))
+        return sum(F.cross_entropy(model(xc), yc, reduction="sum") for xc, yc in zip(xs, ys, strict=True))
+
+    fn = psg.per_sample(model, backend="eager")(loss)
+    with pytest.raises(psg.UnsupportedError, match=r"(?s)aten\.split.* at .*test_refusal_causes.py:\d+ in loss: "
+                       r".*splits the batch into parts.*Fix: compute the loss on the whole batch"):
+        fn(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+
+
 @pytest.mark.parametrize(("x", "y", "cause"), [
     (torch.randn(5, 6), torch.randint(0, 3, (5,)), r"RuntimeError: .*\[5, 6\] X \[4, 3\]"),
     (torch.randn(5, 4), torch.randn(5), r"RuntimeError: .*Expected dtype int32/int64 for index"),

@@ -3,9 +3,9 @@
 A Linear on ``[B, T, i]`` flattens to ``[B*T, i]``; a sequence-first one flattens ``[T, B, i]`` to ``[T*B, i]``.
 Both have the size ``T*B``: only the view chain that made the dimension tells the order. A merged dimension of
 size ``outer*B*inner`` has *layout* ``(outer, inner)``: element ``k`` belongs to sample ``(k // inner) % B``.
-``batch_layout`` walks back through views, transposes, slices, pointwise ops, ``cat`` and ``repeat`` along the
-batch (``r`` blocks of the samples: outer factor times ``r``) to find it; ``split_batch`` (run inside
-traced rule code) uses it to bring the batch to the front.
+``batch_layout`` walks back through views, transposes, slices, pointwise ops, reductions over other dimensions,
+``cat`` and ``repeat`` along the batch (``r`` blocks of the samples: outer factor times ``r``) to find it;
+``split_batch`` (run inside traced rule code) uses it to bring the batch to the front.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import operator
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
 
 from . import ops
 from .batch_dims import BatchDims, value_of
@@ -63,6 +64,10 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
         return batch_layout(args[0], src_dim, batch, depth + 1)
     if target is ATEN.permute.default:
         return batch_layout(args[0], args[1][dim] % value.dim(), batch, depth + 1)
+    if target in ops.REDUCTIONS:
+        return _through_reduction(node, dim, batch, depth)
+    if target is operator.getitem and getattr(args[0], "target", None) in ops.REDUCTIONS:  # max.dim's values
+        return _through_reduction(args[0], dim, batch, depth)
     if target in (ATEN.mm.default, ATEN.addmm.default):
         a, b = args[-2:]
         return batch_layout(a, 0, batch, depth + 1) if dim == 0 else batch_layout(b, 1, batch, depth + 1)
@@ -97,6 +102,24 @@ def _through_cat(node, value, dim, batch, depth):
     if len({inner for _, inner in layouts}) != 1:
         return None
     return (sum(outer for outer, _ in layouts), layouts[0][1])
+
+
+def _through_reduction(node, dim, batch, depth):
+    """A reduction over other dimensions keeps every element of the batch dimension where it was (the cosine of
+    each row of ``[B*T, d]``, summed over ``d``)."""
+    dim_name, keep_name = ops.REDUCTIONS[node.target]
+    src = node.args[0]
+    rank = value_of(src).dim()
+    pair = normalize_function(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
+    if dim_name is None or pair is None:
+        return None
+    dims = pair.kwargs.get(dim_name)
+    reduced = set(range(rank)) if dims is None or dims == [] else {
+        d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    kept = list(range(rank)) if pair.kwargs.get(keep_name) else [d for d in range(rank) if d not in reduced]
+    if dim >= len(kept) or kept[dim] in reduced:
+        return None
+    return batch_layout(src, kept[dim], batch, depth + 1)
 
 
 def _through_view(src_node, value, dim, batch, depth):

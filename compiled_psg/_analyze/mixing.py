@@ -578,6 +578,8 @@ def _dim_op(an: Analysis, node: fx.Node) -> Fact:
     if name in ("split", "split_with_sizes", "chunk", "unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk",
                 "tensor_split"):
         k = _norm_dim(kw.get("dim", 0), rank)
+        if isinstance(fact, PerSample) and fact.dim == k:
+            raise _parts_of_the_batch()
         moved = _moved(fact, lambda d: None if d == k else d, "splits")
         return tuple(moved for _ in out)
     if name == "unbind":
@@ -598,6 +600,18 @@ def _dim_op(an: Analysis, node: fx.Node) -> Fact:
         _no_sample_index([fact])
         return fact
     raise _unknown(_op_name(node))
+
+
+def _parts_of_the_batch() -> _Refuse:
+    """Each part of a split along the batch holds some of the samples whole, but which ones is a size expression
+    (``ceil(n / 2)``), not a layout: no fact follows a part, so whether the parts stay apart (a sum of per-part
+    losses) or pair samples of different parts (``a[i] - b[i]``) is not proved either way."""
+    return _Refuse(
+        "it splits the batch into parts (chunk or split along the batch dimension, as for micro-batches); "
+        "compiled_psg follows only values that hold the whole batch, so it cannot prove that the parts keep samples "
+        "apart", "compute the loss on the whole batch (a sum of per-part sums is the sum over the batch: "
+        "F.cross_entropy(model(x), y, reduction='sum')), or call the per-sample function once per part",
+        kind="unknown")
 
 
 def _as_list(v):
@@ -793,6 +807,9 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
     ``[B, ..., n, m]`` stays apart; in a matrix dimension it mixes the rows and columns of different samples.
     Shared matrices broadcast over the stack; an argument of one value per matrix (``ops.PER_MATRIX_ARGS``,
     ``[B, ...]``) holds the batch in its dimension 0 too."""
+    columns = _solved_columns(an, node)
+    if columns is not None:
+        return columns
     tensors = [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]
     per_matrix = {_kwargs(node).get(name) for name in ops.PER_MATRIX_ARGS.get(node.target, ())} - {None}
     vectors = _vector_right_hand_side(node)
@@ -809,7 +826,8 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
     for t, f in per:
         if _rank(t) < (1 if t in per_matrix else 2 if t in vectors else 3) or _norm_dim(f.dim, _rank(t)) != 0:
             raise _mix("the batch sits in a matrix dimension, whose rows and columns this op combines",
-                       "keep the batch as the leading dimension of a stack of matrices, [B, n, n]")
+                       "keep the batch as the leading dimension of a stack of matrices, [B, n, n] (a solve with a "
+                       "shared matrix may also hold the samples as the columns of its right-hand side)")
     layout = _merge_layouts([f.layout for _, f in per])
     found = []
     for v in outs:
@@ -817,6 +835,33 @@ def _matrix_stack(an: Analysis, node: fx.Node) -> Fact:
         if dims not in ((), (0,)):
             raise _unknown(_op_name(node), " (an output with the batch outside its leading dimension)")
         found.append(PerSample(0, layout) if dims else SHARED)
+    return tuple(found) if isinstance(out, (tuple, list)) else found[0]
+
+
+def _solved_columns(an: Analysis, node: fx.Node) -> Fact | None:
+    """A solve (``ops.SOLVES``) with shared matrices and the samples as the columns of the right-hand side
+    (``solve(A, y.t())``; its rows for ``left=False``): each column is solved on its own, and the solution holds
+    the samples where the right-hand side does. None for any other use (``_matrix_stack`` decides it)."""
+    spec = ops.SOLVES.get(node.target)
+    if spec is None:
+        return None
+    matrices, rhs_name, left_name = spec
+    kw = _kwargs(node)
+    rhs = kw[rhs_name]
+    fact = an.fact(rhs)
+    if not isinstance(fact, PerSample) or any(not isinstance(an.fact(kw[m]), Shared) for m in matrices):
+        return None
+    rank = _rank(rhs)
+    from_end = 1 if kw.get(left_name, True) or left_name is None else 2  # a column, or a row for X A = B
+    if rank < 2 or rhs in _vector_right_hand_side(node) or _norm_dim(fact.dim, rank) != rank - from_end:
+        return None
+    out = value_of(node)
+    found = []
+    for v in out if isinstance(out, (tuple, list)) else (out,):
+        dims = an.batch.dims(v) if isinstance(v, torch.Tensor) else ()
+        if dims and dims != (v.dim() - from_end,):
+            return None
+        found.append(PerSample(dims[0], fact.layout) if dims else SHARED)
     return tuple(found) if isinstance(out, (tuple, list)) else found[0]
 
 
@@ -842,14 +887,15 @@ def _first_input(an: Analysis, node: fx.Node) -> tuple[fx.Node, Fact]:
 
 @_handles(ops.OVER_DIMS)
 def _over_dims(an: Analysis, node: fx.Node) -> Fact:
-    """FFTs over ``dim`` and ``rot90`` over ``dims``: each slice along the other dimensions on its own, the output
-    as many dimensions as the input."""
+    """FFTs over ``dim``, ``rot90`` over ``dims``, ``channel_shuffle`` over the channels: each slice along the other
+    dimensions on its own, the output as many dimensions as the input."""
     kw = _kwargs(node)
     x, fact = _first_input(an, node)
     if not isinstance(fact, PerSample):
         return fact
     rank = _rank(x)
-    dims = {_norm_dim(d, rank) for d in _as_list(kw[ops.OVER_DIMS[node.target]])}
+    over = ops.OVER_DIMS[node.target]
+    dims = {_norm_dim(d, rank) for d in (over if isinstance(over, tuple) else _as_list(kw[over]))}
     if node.target.overloadpacket.__name__ == "rot90" and kw.get("k", 1) % 4 == 0:
         return fact  # a whole number of turns: the input as it is
     if _norm_dim(fact.dim, rank) in dims:
@@ -1162,7 +1208,8 @@ def _index_read(an: Analysis, node: fx.Node, x: fx.Node, indices: list) -> Fact:
             index_dims.add(s_offset + f.dim + s_rank - v.dim())
             layouts.append(f.layout)
         elif isinstance(f, SampleIndex):
-            if not (isinstance(fact, PerSample) and p == fact.dim and fact.layout == (1, 1) and f.stride == 1):
+            if not (isinstance(fact, PerSample) and p == fact.dim and _one_sample_per_position(an, x, fact)
+                    and f.stride == 1):
                 _no_sample_index([f])
             sample_index_dim = s_offset + f.dim + s_rank - v.dim()
     if isinstance(fact, PerSample):
@@ -1191,6 +1238,12 @@ def _index_read(an: Analysis, node: fx.Node, x: fx.Node, indices: list) -> Fact:
     return PerSample(index_dims.pop(), _merge_layouts(layouts))
 
 
+def _one_sample_per_position(an: Analysis, x: fx.Node, fact: PerSample) -> bool:
+    """Position ``b`` of ``fact.dim`` holds sample ``b``, as ``arange(n)`` pairs it: layout ``(1, 1)``, or no layout
+    (the same for every sample, ``torch.zeros(n, d)``) on a dimension that is exactly the batch."""
+    return fact.layout == (1, 1) or (fact.layout is None and an.batch.is_whole(value_of(x), fact.dim))
+
+
 def _raise_pooled(f: Pooled):
     raise _Refuse(f"{f.why}, and its result flows back into per-sample values",
                   "reduce over non-batch dimensions only, or move batch statistics out of the loss function",
@@ -1205,7 +1258,7 @@ def _index_select(an: Analysis, node: fx.Node) -> Fact:
     fx_, fi = an.fact(x), an.fact(idx)
     if isinstance(fx_, PerSample):
         if fx_.dim == k:
-            if isinstance(fi, SampleIndex) and fi.stride == 1 and fx_.layout == (1, 1):
+            if isinstance(fi, SampleIndex) and fi.stride == 1 and _one_sample_per_position(an, x, fx_):
                 return fx_
             raise _mix("it selects along the batch dimension, so a sample reads other samples' values", _FIX_DIM)
         if not isinstance(fi, Shared):
@@ -1254,7 +1307,7 @@ def _fills_own_positions(an: Analysis, node: fx.Node, k: int) -> bool:
     x, _, idx, value = node.args[:4]
     fx_, fi = an.fact(x), an.fact(idx)
     fv = an.fact(value) if isinstance(value, fx.Node) else SHARED
-    return (isinstance(fx_, PerSample) and fx_.dim == k and fx_.layout == (1, 1)
+    return (isinstance(fx_, PerSample) and fx_.dim == k and _one_sample_per_position(an, x, fx_)
             and isinstance(fi, SampleIndex) and fi.stride == 1 and isinstance(fv, Shared))
 
 
@@ -1303,6 +1356,9 @@ def _index_put(an: Analysis, node: fx.Node) -> Fact:
     _no_sample_index([fv])
     read = _index_read(an, node, x, list(indices))  # the fact x[indices] would have (raises on mixing)
     if isinstance(fx_, PerSample):
+        # the result holds the samples as x does, where x has a layout, else as the positions written
+        # (``torch.zeros(n * t, d)`` has none: after the write it is no longer the same for every sample)
+        layouts = [fx_.layout, read.layout]
         if isinstance(fv, PerSample):
             rank = value_of(node.args[0]).dim()
             positions = [p for p, i in enumerate(indices) if i is not None]
@@ -1310,10 +1366,10 @@ def _index_put(an: Analysis, node: fx.Node) -> Fact:
             read_rank = rank - len(positions) + s_rank
             if not isinstance(read, PerSample) or fv.dim + read_rank - _rank(values) != read.dim:
                 raise _mix("it writes values of some samples into other samples' positions")
-            _merge_layouts([fv.layout, read.layout])
+            layouts.append(fv.layout)
         elif isinstance(fv, Pooled):
             _raise_pooled(fv)
-        return fx_
+        return PerSample(fx_.dim, _merge_layouts(layouts))
     index_facts = [an.fact(i) for i in indices if i is not None]
     if any(isinstance(f, PerSample) for f in index_facts + [fv]):
         if isinstance(fx_, Pooled):

@@ -68,9 +68,11 @@ DIM_OPS = _overloads(
     "split_with_sizes_copy", "unbind_copy.int", "diagonal_copy", "unfold_copy",
 )
 
-# Ops over some dimensions, given by an argument, that keep every other dimension apart: argument -> dims.
+# Ops over some dimensions that keep every other dimension apart: the name of the argument giving the dims, or the
+# dims themselves (``channel_shuffle`` permutes the channels, dimension 1, of each row of dimension 0 alike).
 OVER_DIMS = {op: "dim" for op in _overloads("_fft_r2c", "_fft_c2r", "_fft_c2c")} | {
-    op: "dims" for op in _overloads("rot90")}
+    op: "dims" for op in _overloads("rot90")} | {op: (1,) for op in _overloads("channel_shuffle",
+                                                                             "native_channel_shuffle")}
 
 # Backward of a view that picks part of a dimension (``x[:, k]``, ``x[:, a:b]``): zeros shaped ``input_sizes`` with
 # the gradient written at the picked positions. They appear in a loss that calls ``torch.autograd.grad`` inside
@@ -139,7 +141,7 @@ for _k, _names in [
     for _op in _overloads(*_names):
         SPATIAL[_op] = _k
 # pixel_shuffle moves channels into space: the channel dim is mixed too
-MIXES_CHANNELS = _overloads("pixel_shuffle", "pixel_unshuffle", "im2col", "channel_shuffle", "native_channel_shuffle")
+MIXES_CHANNELS = _overloads("pixel_shuffle", "pixel_unshuffle", "im2col")
 
 # op -> (operand index strings, output index string, names of the operands, name of an added bias or None)
 MATMULS: dict = {}
@@ -193,6 +195,20 @@ MATRIX_STACKS = _overloads(
     "linalg_eigvals", "linalg_pinv.atol_rtol_tensor",
     "linalg_matrix_sqrth", "linalg_polar",  # from torch 2.14
 )
+# MATRIX_STACKS ops that solve ``A X = B`` (``X A = B`` when ``left`` is False): with shared matrices, every column
+# of ``B`` (every row when not ``left``) is solved on its own, so the samples may be those columns.
+# op -> (names of the matrix arguments, name of the right-hand side, name of the ``left`` flag or None), by the
+# names ``normalize_function`` gives (``input`` for ``self``)
+SOLVES = {}
+for _names, _spec in [
+    (("_linalg_solve_ex",), (("A",), "B", "left")),
+    (("linalg_lu_solve",), (("LU", "pivots"), "B", "left")),
+    (("linalg_solve_triangular",), (("input",), "B", "left")),
+    (("cholesky_solve",), (("input2",), "input", None)),
+    (("triangular_solve",), (("A",), "input", None)),
+]:
+    for _op in _overloads(*_names):
+        SOLVES[_op] = _spec
 # MATRIX_STACKS ops' arguments that hold one value per matrix, shaped like the stack without its matrix dimensions
 # (the tolerances of ``pinv``, compared with each matrix's largest singular value)
 PER_MATRIX_ARGS = {op: ("atol", "rtol") for op in _overloads("linalg_pinv.atol_rtol_tensor")}
