@@ -319,9 +319,31 @@ def test_a_batch_that_does_not_fit_the_loss_at_any_size_is_a_batch_input_error(x
     torch.testing.assert_close(got["weight"], want["weight"])
 
 
-def test_windows_over_the_batch_fail_only_with_a_symbolic_size_and_stay_a_capture_error():
-    """x.unfold(0, ...) traces with every size fixed: that failure is the symbolic batch's, not the batch's."""
-    model, _ = _model_and_loss()
-    fn = psg.per_sample(model, backend="eager")(lambda x: model(x).unfold(0, 2, 1).pow(2).sum())
-    with pytest.raises(psg.CaptureError, match="symbolic batch size"):
-        fn(torch.randn(5, 4))
+@pytest.mark.parametrize(("size", "step"), [(2, 1), (3, 2)])
+def test_windows_over_the_batch_are_sample_mixing_at_the_unfold(size, step):
+    """``x.unfold(0, ...)`` slides windows over the samples. The backward's size expression has no value at a batch
+    of one (``Mod(B - 1, 2*B - 2)``), which stopped the capture's watch of batch-size decisions with a
+    ZeroDivisionError (refused as a failure of torch, to report); the analysis refuses the unfold itself, at the
+    user's line. Windows within each sample are exact."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(4, 6, dtype=torch.float64))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    fn = psg.per_sample({"p": p}, backend="eager")(lambda x: (x @ p).unfold(0, size, step).pow(2).sum())
+    with pytest.raises(psg.SampleMixingError,
+                       match=r"aten.unfold .*test_refusal_causes.py:\d+.*unfolds the batch dimension.*Fix: .*"
+                             r"along a non-batch dimension"):
+        fn(x)
+    _exact(lambda x: (x @ p).unfold(1, size, step).pow(2).sum(), p, x)
+
+
+def test_a_decision_with_no_value_at_a_batch_of_one_is_a_branch():
+    """The loss's own decision on an expression that a batch of one cannot evaluate (a modulo by ``B - 1``) is
+    refused as a branch on the batch size, not a failure of torch."""
+    p = nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def loss(x):
+        h = x * p
+        return h.sum() if x.shape[1] % (x.shape[0] - 1) == 0 else h.pow(2).sum()
+
+    with pytest.raises(psg.CaptureError, match="has no value for a batch of one"):
+        psg.per_sample({"p": p}, backend="eager")(loss)(torch.randn(5, 4, dtype=torch.float64))

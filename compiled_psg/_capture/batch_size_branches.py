@@ -36,6 +36,8 @@ _CONVERSIONS = ("torch/__init__.py",)
 # torch's Python shape code: its decisions pick layouts (contiguity, strides, broadcasting), not values.
 _SHAPE_CODE = ("torch/_subclasses/", "torch/_meta_registrations.py", "torch/_prims_common/", "torch/_prims/",
                "torch/_refs/", "torch/_decomp/")
+#: ``_at_batch_of_one`` of an expression that has no value at a batch of one (a modulo by ``B - 1``)
+UNDEFINED = "undefined"
 
 
 def _not_a_guard_source() -> None:
@@ -66,7 +68,8 @@ def watched():
         if threading.get_ident() == owner and not size_oblivious and fallback_value is None:
             at_one = _at_batch_of_one(orig_expr, self)
             if at_one is not None and at_one != value and _made_by_the_program():
-                found.append(f"{orig_expr} is {value} for this batch but {at_one} for a batch of one, at "
+                one = "has no value" if at_one is UNDEFINED else at_one
+                found.append(f"{orig_expr} is {value} for this batch but {one} for a batch of one, at "
                              f"{_user_line()}")
         return value
 
@@ -146,7 +149,10 @@ def _at_batch_of_one(expr, shape_env):
              and not _read_from_a_value(shape_env, s)}
     if not sizes:
         return None
-    at_one = expr.xreplace(dict.fromkeys(sizes, sympy.Integer(1)))
+    try:
+        at_one = expr.xreplace(dict.fromkeys(sizes, sympy.Integer(1)))
+    except ZeroDivisionError:  # Mod(B - 1, 2*B - 2) from the backward of x.unfold(0, 2, 1): no windows at B = 1
+        return UNDEFINED
     return None if getattr(at_one, "free_symbols", None) else at_one
 
 
