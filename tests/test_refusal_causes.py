@@ -3,6 +3,8 @@ loader of dicts) and calls that work as they read (``torch.inference_mode()`` as
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,6 +13,7 @@ from reference import reference_per_sample
 from torch.utils.data import DataLoader, Dataset
 
 import compiled_psg as psg
+from compiled_psg._capture import corrected_decompositions
 from compiled_psg._compat import item_of_a_constant_tensor_is_a_size, torch_minor
 
 
@@ -130,6 +133,10 @@ def test_a_batch_size_fixed_by_a_double_backward_is_named_as_such(layer):
         psg.per_sample(model, backend="eager")(loss)(x)
     ours = str(info.value).split("Details from Dynamo")[0]  # what follows is Dynamo's own report
     assert "x.view" not in ours and "dynamo.py" not in ours
+    if torch_minor() >= (2, 13):  # the op, the layer and the inner gradient's line, found in the failure
+        name = type(model[1]).__name__
+        assert re.search(rf"double backward of \w*(batch_norm|convolution)\w* at .*{name}.*create_graph=True\) at "
+                         r".*test_refusal_causes.py:\d+", ours), ours
 
 
 def _exact(loss, p: torch.Tensor, x: torch.Tensor, tol: float = 1e-12, fn=None) -> None:
@@ -347,3 +354,60 @@ def test_a_decision_with_no_value_at_a_batch_of_one_is_a_branch():
 
     with pytest.raises(psg.CaptureError, match="has no value for a batch of one"):
         psg.per_sample({"p": p}, backend="eager")(loss)(torch.randn(5, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("samples", ["batched", "drawn", "full", "module"])
+def test_fractional_max_pool2d_is_exact(samples):
+    """torch's backward of fractional_max_pool2d reads the batch size as an integer (its C++ meta function), which
+    fixed it: refused as the double backward of a torch.autograd.grad the loss never calls. The capture traces
+    the pooled values as a gather at the op's indices. With the random samples given per sample, built with the
+    batch size or drawn by torch (a pool from 8 to 4 with kernel 2 takes the same regions for every draw), the
+    per-sample gradients are the loop's."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3).double()
+    deterministic = samples in ("drawn", "module")
+    x = torch.randn(4, 2, *((10, 10) if deterministic else (9, 11)), dtype=torch.float64)
+    u = torch.rand(4, 3, 2, dtype=torch.float64)
+    out = (4, 4) if deterministic else (4, 3)
+    module = nn.FractionalMaxPool2d(2, output_size=out)
+    losses = {
+        "batched": lambda x, u: F.fractional_max_pool2d(conv(x), 2, output_size=out, _random_samples=u).pow(2).sum(),
+        "drawn": lambda x: F.fractional_max_pool2d(conv(x), 2, output_size=out).pow(2).sum(),
+        "full": lambda x: F.fractional_max_pool2d(
+            conv(x), 2, output_size=out, _random_samples=torch.full((x.shape[0], 3, 2), 0.3, dtype=x.dtype)
+        ).pow(2).sum(),
+        "module": lambda x: module(conv(x)).pow(2).sum(),
+    }
+    loss = losses[samples]
+    args = (x, u) if samples == "batched" else (x,)
+    got = psg.per_sample(conv, backend="eager")(loss)(*args)
+    want = reference_per_sample(loss, dict(conv.named_parameters()), args)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_a_backward_that_fixes_the_batch_size_is_named(monkeypatch):
+    """An op whose backward formula reads the batch size as a number (fractional_max_pool2d without the capture's
+    traceable form): the message names the op, the user's line and the autograd node, not a double backward."""
+    monkeypatch.delitem(corrected_decompositions.TRACEABLE, torch.ops.aten.fractional_max_pool2d.default)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3).double()
+    fn = psg.per_sample(conv, backend="eager")(
+        lambda x: F.fractional_max_pool2d(conv(x), 2, output_size=(4, 3)).pow(2).sum())
+    with pytest.raises(psg.CaptureError, match=r"backward formula of fractional_max_pool2d at .*"
+                                               r"test_refusal_causes.py:\d+.*FractionalMaxPool2DBackward0") as info:
+        fn(torch.randn(4, 2, 9, 11, dtype=torch.float64))
+    assert "create_graph" not in str(info.value) and "double backward" not in str(info.value)
+
+
+def test_fractional_max_pool_with_shared_random_samples_is_refused():
+    """Random samples read from a closure: the batch's sample ``i`` pools over the regions of row ``i``, the sample
+    alone over those of row 0."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3).double()
+    u = torch.rand(4, 3, 2, dtype=torch.float64)
+    fn = psg.per_sample(conv, backend="eager")(
+        lambda x: F.fractional_max_pool2d(conv(x), 2, output_size=(4, 3), _random_samples=u).pow(2).sum())
+    with pytest.raises(psg.SampleMixingError, match=r"fractional_max_pool2d.*test_refusal_causes.py:\d+.*"
+                                                    r"row of _random_samples at its position.*Fix: .*batched"):
+        fn(torch.randn(4, 2, 9, 11, dtype=torch.float64))
