@@ -3,6 +3,8 @@ loader of dicts) and calls that work as they read (``torch.inference_mode()`` as
 
 from __future__ import annotations
 
+import io
+import logging
 import re
 
 import pytest
@@ -411,3 +413,32 @@ def test_fractional_max_pool_with_shared_random_samples_is_refused():
     with pytest.raises(psg.SampleMixingError, match=r"fractional_max_pool2d.*test_refusal_causes.py:\d+.*"
                                                     r"row of _random_samples at its position.*Fix: .*batched"):
         fn(torch.randn(4, 2, 9, 11, dtype=torch.float64))
+
+
+def test_a_fixed_batch_size_is_refused_without_torchs_guard_log_and_names_the_op(capfd, caplog):
+    """Dynamo logs a failed shape guard (``Error while creating guard``, a ConstraintViolationError's traceback)
+    before it raises: nothing of it reaches stderr or the log; the user's filters and level on that logger are as
+    before. The message names the op that fixed the batch size and the user's line."""
+    logger = logging.getLogger("torch._guards")
+    mine = logging.Filter()  # passes every record
+    logger.addFilter(mine)
+    level = logger.level
+    # torch's own stderr handler holds the stream it found at import (under pytest, not the test's fd 2): a
+    # handler of the test's sees what would reach it
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    try:
+        model, _ = _model_and_loss()
+        fn = psg.per_sample(model, backend="eager")(lambda x, y: F.cross_entropy(model(x.view(6, -1)), y))
+        with caplog.at_level(logging.DEBUG), pytest.raises(
+                psg.CaptureError, match=r"fixed in aten\.view\.default, at .*test_refusal_causes.py:\d+"):
+            fn(torch.randn(6, 4), torch.randint(0, 3, (6,)))
+        err = capfd.readouterr().err
+        assert "Error while creating guard" not in err + stream.getvalue(), err + stream.getvalue()
+        assert "ConstraintViolationError" not in err + stream.getvalue()
+        assert not [r for r in caplog.records if r.name == "torch._guards"]
+        assert logger.filters == [mine] and logger.level == level
+    finally:
+        logger.removeFilter(mine)
+        logger.removeHandler(handler)

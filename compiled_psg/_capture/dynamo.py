@@ -35,6 +35,8 @@ Settings the capture switches on, each restored when it returns, entered togethe
 - ``torch._dynamo.config.ignore_logging_functions``: ``logging.Logger`` methods (and ``warning_once``/
   ``info_once`` where a library such as transformers added them), the ``logging`` module functions, and
   ``warnings.warn`` become no-ops in the traced loss instead of graph breaks.
+- ``Guard.create``'s log records (logger ``torch._guards``) dropped: a fixed batch size fails the shape guard,
+  which torch logs with a traceback before raising; the capture raises its own error instead.
 - mkldnn disabled (``torch._C._set_mkldnn_enabled(False)``): float32 RNNs would become fused ``mkldnn_rnn_layer``
   ops whose backward does not trace.
 - ``torch.backends.opt_einsum.enabled = False``: opt_einsum plans contractions from concrete sizes, which would
@@ -539,6 +541,33 @@ patches.register(patches.Patch(
     "the compile is unaffected", ("capture",), "every thread's records of that logger, during a capture",
     "the filter removed on exit", enter=_metrics_failure_dropped,
     current=lambda: tuple(logging.getLogger(_METRICS_LOGGER).filters), only_if=logs_ignored_functions_in_metrics))
+_GUARDS_LOGGER = "torch._guards"
+
+
+class _DropGuardFailure(logging.Filter):
+    """``Guard.create``'s records: the guard it failed to build, with the exception, then where it was made."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.funcName == "create" and record.pathname.replace("\\", "/").endswith("torch/_guards.py"))
+
+
+@contextlib.contextmanager
+def _guard_failures_dropped() -> Iterator[None]:
+    logger, dropped = logging.getLogger(_GUARDS_LOGGER), _DropGuardFailure()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
+
+
+patches.register(patches.Patch(
+    "guard failures unlogged", f"logging.getLogger({_GUARDS_LOGGER!r}).filters",
+    "a batch size fixed while capturing fails Dynamo's shape guard, which torch logs (Guard.create: 'Error while "
+    "creating guard', a ConstraintViolationError's traceback, 'Created at') before it raises; the capture raises "
+    "its own error, naming the cause: those records dropped during a capture", ("capture",),
+    "every thread's records of Guard.create, during a capture", "the filter removed on exit",
+    enter=_guard_failures_dropped, current=lambda: tuple(logging.getLogger(_GUARDS_LOGGER).filters)))
 patches.register(patches.Patch(
     "mkldnn off", "torch._C._set_mkldnn_enabled", "float32 RNNs would become mkldnn_rnn_layer ops whose backward "
     "does not trace", ("capture",), "process-wide flag: another thread's eager RNN in that window runs the "
