@@ -442,3 +442,24 @@ def test_a_fixed_batch_size_is_refused_without_torchs_guard_log_and_names_the_op
     finally:
         logger.removeFilter(mine)
         logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("api", ["inv", "solve", "cholesky"])
+def test_a_singular_batch_names_the_samples_that_fail(api):
+    """Two samples of five whose matrices (one of two per sample) fail: the message names their positions, found
+    after the failure by running the captured graph up to the check's info; the user's batch is as before."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.eye(3, dtype=torch.float64) + 0.1)
+    x = torch.randn(5, 2, 3, 3, dtype=torch.float64) * 0.1 + torch.eye(3, dtype=torch.float64)
+    x = x @ x.mT
+    op = {"inv": lambda m: torch.linalg.inv(m).sum(), "solve": lambda m: torch.linalg.solve(m, m[..., :1] + 1).sum(),
+          "cholesky": lambda m: torch.linalg.cholesky(m).sum()}[api]
+    fn = psg.per_sample({"p": p}, backend="eager")(lambda x: op(x * p))
+    fn(x)
+    x[1, 0] = 0
+    x[4, 1] = 0
+    before = x.clone()
+    with pytest.raises(psg.BatchInputError, match=rf"torch.linalg.{api} raises here.*Fix: .*samples at positions "
+                                                  r"\[1, 4\] of the batch"):
+        fn(x)
+    assert torch.equal(x, before)
