@@ -463,3 +463,23 @@ def test_a_singular_batch_names_the_samples_that_fail(api):
                                                   r"\[1, 4\] of the batch"):
         fn(x)
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("samples", ["batched", "drawn"])
+def test_fractional_max_pool3d_is_refused_naming_the_op(samples):
+    """torch's backward of fractional_max_pool3d has no shape function for fake tensors (and its forward's C++ meta
+    reads the batch size): refused, naming the backward's op and the fix, not a line of the loss to rewrite."""
+    torch.manual_seed(0)
+    conv = nn.Conv3d(2, 3, 3).double()
+    x, u = torch.randn(4, 2, 8, 8, 8, dtype=torch.float64), torch.rand(4, 3, 3, dtype=torch.float64)
+    if samples == "batched":
+        fn = psg.per_sample(conv, backend="eager")(
+            lambda x, u: F.fractional_max_pool3d(conv(x), 2, output_size=3, _random_samples=u).pow(2).sum())
+        args = (x, u)
+    else:
+        fn = psg.per_sample(conv, backend="eager")(
+            lambda x: F.fractional_max_pool3d(conv(x), 2, output_size=3).pow(2).sum())
+        args = (x,)
+    with pytest.raises(psg.CaptureError, match=r"backward formula of fractional_max_pool3d runs "
+                                               r"aten\.fractional_max_pool3d_backward.*compute that op"):
+        fn(*args)

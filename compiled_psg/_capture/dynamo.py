@@ -857,7 +857,15 @@ def _graph_break(e: Exception) -> CaptureError:
     else:
         where = f"at {_show(user[-1])}" if user else "in the loss function"
         lowered = text.lower()
-        if "print" in lowered and "builtin" in lowered:
+        unsupported = _NO_FAKE_KERNEL.search(text)
+        if unsupported:
+            op = unsupported.group(1)
+            what = (f"torch's backward formula of {op.removeprefix('aten.').split('_backward')[0]} runs {op}"
+                    if "_backward" in op else f"the loss calls {op}")
+            fix = (f"{what}, which torch cannot run on the fake tensors a capture traces (it has no shape "
+                   "function), so no graph can hold it: compute that op outside the per-sample function, or write "
+                   "it with other torch ops")
+        elif "print" in lowered and "builtin" in lowered:
             fix = ("print outside the loss function: compiled_psg runs the captured graph, not the function's "
                    "Python code, so a print in the loss would not run on later calls anyway")
         elif "failed to bind arguments" in lowered or "argument mismatch" in lowered:
@@ -880,6 +888,7 @@ def _graph_break(e: Exception) -> CaptureError:
                         f"(a graph break) {where}: {reason}\nFix: {fix}. Details from Dynamo:\n{text}")
 
 
+_NO_FAKE_KERNEL = re.compile(r"unsupported operator: (\S+)")
 _RAISED = re.compile(r"raised exception (\w+(?:Error|Exception)\(.*?\))\n")
 _EXECUTING = re.compile(r"While executing %(\S+) : .*?target=([^\]]+)\]")
 _CAUSED_BY = re.compile(r"Caused by: \((\S+) in (\S+)\)")
