@@ -56,7 +56,8 @@ _not_a_guard_source()
 @contextlib.contextmanager
 def watched():
     """While this thread traces, append to the list yielded each decision on the batch size that a batch of one
-    would make differently, outside tensor ops. Process-wide patch, restored on exit; other threads pass through."""
+    would make differently, outside tensor ops, and set its ``fixed_by`` where a decision first fixes the batch size
+    to a constant (the refusal names it). Process-wide patch, restored on exit; other threads pass through."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     found = Decisions()
@@ -131,7 +132,8 @@ def _iter_contains():
 
 patches.register(patches.Patch(
     "batch-size decisions", "torch.fx.experimental.symbolic_shapes.ShapeEnv.evaluate_expr",
-    "to see every decision on the batch size that a batch of one would take the other way (this module)",
+    "to see every decision on the batch size that a batch of one would take the other way (this module), and the "
+    "op (or autograd node) that fixes it, for the refusal to name",
     ("capture",), "the class attribute is process-wide; the wrapper records only on the capturing thread",
     "the original method restored on exit", enter=watched, current=_evaluate_expr))
 patches.register(patches.Patch(
@@ -176,7 +178,8 @@ def _fixing_op() -> FixedBy:
     op = None
     frame = sys._getframe(1)
     while frame is not None:
-        func = frame.f_locals.get("func") if _in(frame, ("torch/_subclasses/",)) else None
+        func = frame.f_locals.get("func") if "func" in frame.f_code.co_varnames \
+            and _in(frame, ("torch/_subclasses/",)) else None
         if isinstance(func, torch._ops.OpOverload):
             op = func
         frame = frame.f_back
