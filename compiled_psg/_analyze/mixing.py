@@ -733,13 +733,30 @@ def _spatial(an: Analysis, node: fx.Node) -> Fact:
     rank = _rank(x)
     mixed = ops.SPATIAL[node.target] + (1 if node.target in ops.MIXES_CHANNELS else 0)
     others = [f for a, f in facts.items() if a is not x]
-    if any(not isinstance(f, Shared) for f in others):
+    fractional = node.target.overloadpacket.__name__.startswith("fractional_max_pool")
+    if any(not isinstance(f, Shared) for f in others) and not (fractional and isinstance(fact, PerSample)):
         raise _unknown(_op_name(node), " with per-sample auxiliary inputs")
     if isinstance(fact, PerSample) and fact.dim >= rank - mixed:
         raise _mix("it mixes the dimension that holds the batch (pooling, padding, upsampling or a triangle "
                    "mask over the samples)", _FIX_DIM)
+    if fractional and isinstance(fact, PerSample):
+        fact = _fractional_regions(an, node, fact, rank - mixed)
     out = value_of(node)
     return tuple(fact for _ in out) if isinstance(out, (tuple, list)) else fact
+
+
+def _fractional_regions(an: Analysis, node: fx.Node, fact: PerSample, lead: int) -> PerSample:
+    """``fractional_max_pool{2,3}d(x, kernel, output, random_samples)`` pools the plane ``(n, c)`` of ``x`` (``c``
+    without ``n``) over regions drawn from ``random_samples[n, c]``: per sample where the rows of the samples are
+    their own, ``random_samples`` per sample in the dimension matching ``x``'s batch and laid out alike (given
+    per sample, or drawn by torch), as a sample alone reads them at position 0."""
+    regions = an.fact(node.args[3])
+    if not isinstance(regions, PerSample) or regions.dim != fact.dim + 2 - lead:
+        raise _mix("each sample's pooling regions come from the row of _random_samples at its position in the "
+                   "batch, which a sample alone reads at position 0",
+                   "give _random_samples one row per sample as a batched argument, or leave it out (torch then "
+                   "draws the rows with the batch)")
+    return PerSample(fact.dim, _merge_layouts([fact.layout, regions.layout]))
 
 
 @_handles(ops.MATMULS)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -36,6 +37,8 @@ _CONVERSIONS = ("torch/__init__.py",)
 # torch's Python shape code: its decisions pick layouts (contiguity, strides, broadcasting), not values.
 _SHAPE_CODE = ("torch/_subclasses/", "torch/_meta_registrations.py", "torch/_prims_common/", "torch/_prims/",
                "torch/_refs/", "torch/_decomp/")
+#: ``_at_batch_of_one`` of an expression that has no value at a batch of one (a modulo by ``B - 1``)
+UNDEFINED = "undefined"
 
 
 def _not_a_guard_source() -> None:
@@ -53,20 +56,27 @@ _not_a_guard_source()
 @contextlib.contextmanager
 def watched():
     """While this thread traces, append to the list yielded each decision on the batch size that a batch of one
-    would make differently, outside tensor ops. Process-wide patch, restored on exit; other threads pass through."""
+    would make differently, outside tensor ops, and set its ``fixed_by`` where a decision first fixes the batch size
+    to a constant (the refusal names it). Process-wide patch, restored on exit; other threads pass through."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    found: list[str] = []
+    found = Decisions()
     before = ShapeEnv.evaluate_expr
     owner = threading.get_ident()
 
     def evaluate_expr(self, orig_expr, hint=None, fx_node=None, size_oblivious=False, fallback_value=None, *,
                       forcing_spec=False):
+        mine = threading.get_ident() == owner
+        free = _batch_sizes(orig_expr, self) if mine and not found.fixed_by else ()
+        loose = [s for s in free if not isinstance(self.replacements.get(s), sympy.Integer)]
         value = before(self, orig_expr, hint, fx_node, size_oblivious, fallback_value, forcing_spec=forcing_spec)
-        if threading.get_ident() == owner and not size_oblivious and fallback_value is None:
+        if any(isinstance(self.replacements.get(s), sympy.Integer) for s in loose):
+            found.fixed_by = _fixing_op()
+        if mine and not size_oblivious and fallback_value is None:
             at_one = _at_batch_of_one(orig_expr, self)
             if at_one is not None and at_one != value and _made_by_the_program():
-                found.append(f"{orig_expr} is {value} for this batch but {at_one} for a batch of one, at "
+                one = "has no value" if at_one is UNDEFINED else at_one
+                found.append(f"{orig_expr} is {value} for this batch but {one} for a batch of one, at "
                              f"{_user_line()}")
         return value
 
@@ -122,7 +132,8 @@ def _iter_contains():
 
 patches.register(patches.Patch(
     "batch-size decisions", "torch.fx.experimental.symbolic_shapes.ShapeEnv.evaluate_expr",
-    "to see every decision on the batch size that a batch of one would take the other way (this module)",
+    "to see every decision on the batch size that a batch of one would take the other way (this module), and the "
+    "op (or autograd node) that fixes it, for the refusal to name",
     ("capture",), "the class attribute is process-wide; the wrapper records only on the capturing thread",
     "the original method restored on exit", enter=watched, current=_evaluate_expr))
 patches.register(patches.Patch(
@@ -138,15 +149,61 @@ patches.register(patches.Patch(
     "offers no removal; the file holds only our wrapper, which no user frame is"))
 
 
+class Decisions(list):
+    """The decisions a batch of one makes differently (``watched``), and ``fixed_by``: where the trace first fixed
+    the batch size to a constant (``_fixing_op``), or None."""
+
+    fixed_by: FixedBy | None = None
+
+
+@dataclass(frozen=True)
+class FixedBy:
+    """Where the batch size got fixed: the op torch was running (None for Python code, as ``int(len(x))``), the
+    autograd node whose backward ran it (None outside a backward) and the traced code's line."""
+
+    op: str | None
+    backward_of: str | None
+    line: str
+
+    def describe(self) -> str:
+        if self.op is None:
+            return f"at {self.line}"
+        where = f"torch's backward of {self.backward_of} (autograd node), " if self.backward_of else ""
+        return f"{where}in the shape function of {self.op}, while tracing {self.line}"
+
+
+def _fixing_op() -> FixedBy:
+    """The ATen op whose shape function (fake tensor dispatch) is running on this thread, outermost first (the op
+    the traced code or the autograd engine called, not an op of its decomposition), and the autograd node."""
+    op = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        func = frame.f_locals.get("func") if "func" in frame.f_code.co_varnames \
+            and _in(frame, ("torch/_subclasses/",)) else None
+        if isinstance(func, torch._ops.OpOverload):
+            op = func
+        frame = frame.f_back
+    node = torch._C._current_autograd_node()
+    return FixedBy(str(op) if op is not None else None, node.name() if node is not None else None, _user_line())
+
+
+def _batch_sizes(expr, shape_env) -> set:
+    """The batch sizes ``expr`` reads (every backed size of a tensor in a capture is one). torch 2.14 also makes a
+    backed size of ``.item()`` on a constant tensor (split points held in a tensor), guarded on its value: that
+    one is no batch size."""
+    return {s for s in getattr(expr, "free_symbols", ()) if symbol_is_type(s, SymT.SIZE)
+            and not _read_from_a_value(shape_env, s)}
+
+
 def _at_batch_of_one(expr, shape_env):
-    """``expr`` with every batch size 1 (every backed size of a tensor in a capture is one), or None where it does
-    not depend on the batch size alone. torch 2.14 also makes a backed size of ``.item()`` on a constant tensor
-    (split points held in a tensor), guarded on its value: that one is no batch size."""
-    sizes = {s for s in getattr(expr, "free_symbols", ()) if symbol_is_type(s, SymT.SIZE)
-             and not _read_from_a_value(shape_env, s)}
+    """``expr`` with every batch size 1, or None where it does not depend on the batch size alone."""
+    sizes = _batch_sizes(expr, shape_env)
     if not sizes:
         return None
-    at_one = expr.xreplace(dict.fromkeys(sizes, sympy.Integer(1)))
+    try:
+        at_one = expr.xreplace(dict.fromkeys(sizes, sympy.Integer(1)))
+    except ZeroDivisionError:  # Mod(B - 1, 2*B - 2) from the backward of x.unfold(0, 2, 1): no windows at B = 1
+        return UNDEFINED
     return None if getattr(at_one, "free_symbols", None) else at_one
 
 

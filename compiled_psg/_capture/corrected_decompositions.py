@@ -11,8 +11,10 @@ the per-sample gradients against the loop).
 compute the same values and trace with a symbolic batch size: the linear algebra that raises on a singular
 matrix (its check, ``aten._linalg_check_errors``, reaches the graph as an effect token that no per-sample program
 carries: the ``_ex`` twin and an assertion of our own instead, ``_assert_ok``), ``sgn`` (its backward on real
-tensors builds zeros from the input's concrete sizes, fixing the batch size) and ``kron`` (its C++ decomposition
-reads concrete sizes). ``tests/test_linalg_stacks.py`` and ``tests/test_op_db.py`` check them against the loop.
+tensors builds zeros from the input's concrete sizes, fixing the batch size), ``kron`` (its C++ decomposition
+reads concrete sizes) and ``fractional_max_pool2d`` (its backward's meta function reads the batch size).
+``tests/test_linalg_stacks.py``, ``tests/test_op_db.py`` and ``tests/test_refusal_causes.py`` check them against
+the loop.
 
 ``corrected()`` installs both tables for one capture, under the capture lock, and restores torch's own afterwards
 (the switch list in ``dynamo.py``). Another thread's trace of the op in that window gets the replacement.
@@ -168,6 +170,19 @@ def kron(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (spread_a * spread_b).reshape([p * q for p, q in zip(a.shape, b.shape, strict=True)])
 
 
+def fractional_max_pool2d(input: torch.Tensor, kernel_size: list[int], output_size: list[int],
+                           random_samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.fractional_max_pool2d``: the op itself for the positions of the maxima (``indices``, flat over each
+    plane), and the values gathered there, so that autograd differentiates a gather (its backward: a scatter-add
+    into zeros of the input's shape). torch's own backward (``fractional_max_pool2d_backward``) reads the batch
+    size as an integer in its C++ meta function, which fixes it. The same values and gradients: each output is
+    the input at its index, and the backward kernel adds each output's gradient there. (``fractional_max_pool3d``
+    has no Python meta function: its forward fixes the batch size, and it stays refused.)"""
+    with torch._C._AutoDispatchBelowAutograd():  # the positions: no gradient flows through them
+        _, indices = aten.fractional_max_pool2d.default(input.detach(), kernel_size, output_size, random_samples)
+    return input.flatten(-2).gather(-1, indices.flatten(-2)).view(indices.shape), indices
+
+
 #: op -> a decomposition that traces, with the same values, where torch's own stops the capture.
 TRACEABLE: dict[torch._ops.OpOverload, Callable] = {
     aten.linalg_inv.default: linalg_inv,
@@ -176,6 +191,7 @@ TRACEABLE: dict[torch._ops.OpOverload, Callable] = {
     aten.linalg_solve.default: linalg_solve,
     aten.sgn.default: sgn,
     aten.kron.default: kron,
+    aten.fractional_max_pool2d.default: fractional_max_pool2d,
 }
 
 
@@ -223,8 +239,8 @@ patches.register(patches.Patch(
     "traceable decompositions", "OpOverload.py_kernels[CompositeImplicitAutograd or Autograd] of " + ", ".join(
         str(op) for op in TRACEABLE),
     "torch's trace of these ops stops the capture: the checked linear algebra records an effect token (its "
-    "_ex twin and an assertion instead), sgn's backward and kron's decomposition fix the batch size (see each "
-    "function)", ("capture",),
+    "_ex twin and an assertion instead), the backwards of sgn and fractional_max_pool2d and kron's "
+    "decomposition fix the batch size (see each function)", ("capture",),
     "process-wide: another thread's trace of the op in that window gets the replacement (the same values)",
     "torch's kernel put back (or the entry removed) and the dispatch cache cleared, on exit", enter=traceable,
     current=lambda: tuple(op.py_kernels.get(key_of(op)) for op in TRACEABLE),

@@ -35,6 +35,8 @@ Settings the capture switches on, each restored when it returns, entered togethe
 - ``torch._dynamo.config.ignore_logging_functions``: ``logging.Logger`` methods (and ``warning_once``/
   ``info_once`` where a library such as transformers added them), the ``logging`` module functions, and
   ``warnings.warn`` become no-ops in the traced loss instead of graph breaks.
+- ``Guard.create``'s log records (logger ``torch._guards``) dropped: a fixed batch size fails the shape guard,
+  which torch logs with a traceback before raising; the capture raises its own error instead.
 - mkldnn disabled (``torch._C._set_mkldnn_enabled(False)``): float32 RNNs would become fused ``mkldnn_rnn_layer``
   ops whose backward does not trace.
 - ``torch.backends.opt_einsum.enabled = False``: opt_einsum plans contractions from concrete sizes, which would
@@ -539,6 +541,33 @@ patches.register(patches.Patch(
     "the compile is unaffected", ("capture",), "every thread's records of that logger, during a capture",
     "the filter removed on exit", enter=_metrics_failure_dropped,
     current=lambda: tuple(logging.getLogger(_METRICS_LOGGER).filters), only_if=logs_ignored_functions_in_metrics))
+_GUARDS_LOGGER = "torch._guards"
+
+
+class _DropGuardFailure(logging.Filter):
+    """``Guard.create``'s records: the guard it failed to build, with the exception, then where it was made."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.funcName == "create" and record.pathname.replace("\\", "/").endswith("torch/_guards.py"))
+
+
+@contextlib.contextmanager
+def _guard_failures_dropped() -> Iterator[None]:
+    logger, dropped = logging.getLogger(_GUARDS_LOGGER), _DropGuardFailure()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
+
+
+patches.register(patches.Patch(
+    "guard failures unlogged", f"logging.getLogger({_GUARDS_LOGGER!r}).filters",
+    "a batch size fixed while capturing fails Dynamo's shape guard, which torch logs (Guard.create: 'Error while "
+    "creating guard', a ConstraintViolationError's traceback, 'Created at') before it raises; the capture raises "
+    "its own error, naming the cause: those records dropped during a capture", ("capture",),
+    "every thread's records of Guard.create, during a capture", "the filter removed on exit",
+    enter=_guard_failures_dropped, current=lambda: tuple(logging.getLogger(_GUARDS_LOGGER).filters)))
 patches.register(patches.Patch(
     "mkldnn off", "torch._C._set_mkldnn_enabled", "float32 RNNs would become mkldnn_rnn_layer ops whose backward "
     "does not trace", ("capture",), "process-wide flag: another thread's eager RNN in that window runs the "
@@ -707,21 +736,7 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         if "GuardOnDataDependentSymNode" in text:
             raise _data_dependent_shape(text) from None
         if "ConstraintViolation" in type(e).__name__ or "marked dynamic" in text or "specialize" in text:
-            if _fixed_in_our_backward(text):
-                raise CaptureError(
-                    "tracing the gradients of the loss fixed the batch size. Either a tensor with one entry per "
-                    "sample is not a batched argument (read from a closure or a global, or in an argument whose "
-                    "in_dims entry is None: pass it as a batched argument), or torch's backward formula of an op "
-                    "in the loss fixes it (the double backward of torch.autograd.grad(..., create_graph=True) "
-                    "through InstanceNorm or a grouped convolution does: differentiate with respect to an "
-                    "activation after such a layer, or compute that term outside the per-sample function)"
-                    f"\n(torch: {text.strip().splitlines()[0]})") from None
-            raise CaptureError(
-                "the loss function fixes the batch size, so one graph cannot serve every batch size: a reshape to a "
-                "fixed size (x.view(64, -1)), a Python int taken from x.shape[0] used as a constant, or a tensor "
-                "with one entry per sample that is not a batched argument (read from a closure or a global, or in "
-                f"an argument whose in_dims entry is None):\n{text}\nFix: use x.view(x.shape[0], -1) or "
-                "x.flatten(1), and pass every per-sample tensor as a batched argument.") from None
+            raise _fixed_batch_size(text, getattr(branches, "fixed_by", None)) from None
         raise
     finally:
         if manager is None:
@@ -735,6 +750,74 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
     except BaseException:
         torch._dynamo.reset_code(joint.__code__)  # a refused capture leaves no cache entry (nor globals) behind
         raise
+
+
+def _fixed_batch_size(text: str, fixed: batch_size_branches.FixedBy | None) -> CaptureError:
+    """The batch size got fixed: where the trace fixed it (``fixed``, seen by ``batch_size_branches.watched``),
+    named, with torch's message after it."""
+    torch_says = f"\n(torch: {text.strip().splitlines()[0]})"
+    if fixed is not None and fixed.backward_of is not None:
+        return _fixed_by_a_backward(fixed, torch_says)
+    if _fixed_in_our_backward(text):  # in the backward, where no op was seen
+        return CaptureError(
+            "tracing the gradients of the loss fixed the batch size. Either a tensor with one entry per sample is "
+            "not a batched argument (read from a closure or a global, or in an argument whose in_dims entry is "
+            "None: pass it as a batched argument), or torch's backward formula of an op in the loss reads the "
+            "batch size as a number (compute that op outside the per-sample function)" + torch_says)
+    seen = (f" The batch size was fixed in {fixed.op}, at {fixed.line}." if fixed is not None and fixed.op
+            else f" The batch size was fixed at {fixed.line}." if fixed is not None else "")
+    return CaptureError(
+        "the loss function fixes the batch size, so one graph cannot serve every batch size: a reshape to a "
+        "fixed size (x.view(64, -1)), a Python int taken from x.shape[0] used as a constant, or a tensor with one "
+        "entry per sample that is not a batched argument (read from a closure or a global, or in an argument "
+        f"whose in_dims entry is None).{seen}\n{text}\nFix: use x.view(x.shape[0], -1) or x.flatten(1), and pass "
+        "every per-sample tensor as a batched argument.")
+
+
+def _fixed_by_a_backward(fixed: batch_size_branches.FixedBy, torch_says: str) -> CaptureError:
+    """The batch size fixed by torch's backward formula of an op: the autograd node that ran it (its name says
+    which op it differentiates; ``...BackwardBackward0`` is the derivative of a backward, which only a gradient
+    taken with ``create_graph=True`` differentiates), the op of the loss it belongs to and the user's lines."""
+    base = re.sub(r"\d+$", "", fixed.backward_of).removesuffix("Backward")
+    double = base.endswith("Backward")
+    op, sites = _sites_of(base.removesuffix("Backward"))
+    at = f" at {' or '.join(sites)}" if sites else ""
+    running = f", running {fixed.op}" if fixed.op and not re.match(r"aten\.(sym_)?(size|stride|numel)", fixed.op) \
+        else ""
+    if double:
+        inner = [line for create, line in _pending.get("inner_grads", []) if create]
+        through = (f"; torch.autograd.grad(..., create_graph=True) at {inner[0]} differentiates that backward"
+                   if inner else "")
+        return CaptureError(
+            f"tracing the gradients of the loss fixed the batch size: torch's double backward of {op}{at} (the "
+            f"derivative of its backward formula, autograd node {fixed.backward_of}{running}) reads the batch size "
+            f"as a number{through}. Fix: take the inner gradient with respect to an activation after that layer, "
+            "or compute that term outside the per-sample function" + torch_says)
+    return CaptureError(
+        f"tracing the gradients of the loss fixed the batch size: torch's backward formula of {op}{at} (autograd "
+        f"node {fixed.backward_of}{running}) reads the batch size as a number, so one graph cannot serve every "
+        "batch size. Fix: compute that op outside the per-sample function (on .detach()ed inputs if no "
+        "parameter's gradient flows through it), or write it with other torch ops" + torch_says)
+
+
+def _sites_of(forward: str) -> tuple[str, list[str]]:
+    """The op of the captured joint graph named like an autograd node's op (``fractional_max_pool2d`` for
+    ``FractionalMaxPool2D``, ``_native_batch_norm_legit`` for ``NativeBatchNorm``) and the user's lines of its
+    nodes (up to 3), when the graph exists; else the node's name and no line."""
+    gm = _pending.get("gm")
+    key = forward.lower()
+    found: dict[str, list[str]] = {}
+    for node in gm.graph.nodes if gm is not None else ():
+        name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+        plain = name.replace("_", "").lower()
+        if node.op == "call_function" and "backward" not in plain and plain.startswith(key) \
+                and "compiled_psg/_capture" not in (line := where(node)):  # not in the capture's own backward
+            found.setdefault(name, []).append(line)
+    if not found:
+        return forward, []
+    name = min(found, key=lambda n: (n.replace("_", "").lower() != key, n))  # the exact name first
+    sites = list(dict.fromkeys(found[name]))
+    return name, sites[:3]
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
@@ -774,7 +857,15 @@ def _graph_break(e: Exception) -> CaptureError:
     else:
         where = f"at {_show(user[-1])}" if user else "in the loss function"
         lowered = text.lower()
-        if "print" in lowered and "builtin" in lowered:
+        unsupported = _NO_FAKE_KERNEL.search(text)
+        if unsupported:
+            op = unsupported.group(1)
+            what = (f"torch's backward formula of {op.removeprefix('aten.').split('_backward')[0]} runs {op}"
+                    if "_backward" in op else f"the loss calls {op}")
+            fix = (f"{what}, which torch cannot run on the fake tensors a capture traces (it has no shape "
+                   "function), so no graph can hold it: compute that op outside the per-sample function, or write "
+                   "it with other torch ops")
+        elif "print" in lowered and "builtin" in lowered:
             fix = ("print outside the loss function: compiled_psg runs the captured graph, not the function's "
                    "Python code, so a print in the loss would not run on later calls anyway")
         elif "failed to bind arguments" in lowered or "argument mismatch" in lowered:
@@ -797,6 +888,7 @@ def _graph_break(e: Exception) -> CaptureError:
                         f"(a graph break) {where}: {reason}\nFix: {fix}. Details from Dynamo:\n{text}")
 
 
+_NO_FAKE_KERNEL = re.compile(r"unsupported operator: (\S+)")
 _RAISED = re.compile(r"raised exception (\w+(?:Error|Exception)\(.*?\))\n")
 _EXECUTING = re.compile(r"While executing %(\S+) : .*?target=([^\]]+)\]")
 _CAUSED_BY = re.compile(r"Caused by: \((\S+) in (\S+)\)")

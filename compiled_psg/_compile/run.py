@@ -11,6 +11,7 @@ they are copied into the user's tensors (the real argument, parameter or buffer,
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 
@@ -181,7 +182,7 @@ class CompiledGraph:
             except Exception as e:  # the graph ran ops the capture only saw on fake tensors
                 failed = _failed_check(e)
                 if failed is not None:  # an assertion the capture put where eager torch raises
-                    raise BatchInputError(failed) from e
+                    raise BatchInputError(failed + _failing_samples(self.rewritten, inputs, failed)) from e
                 if _dtype_mismatch(e):
                     raise BatchInputError(
                         f"the loss failed on this batch's dtypes ({type(e).__name__}: "
@@ -233,6 +234,65 @@ def _failed_check(e: Exception) -> str | None:
     if start < 0:
         return None
     return text[start + len(FAILED_CHECK):].strip().splitlines()[0].strip().rstrip("\"'")
+
+
+def _failing_samples(rw: Rewritten, inputs: list, failed: str) -> str:
+    """``. The samples at positions [2, 5] of the batch ...`` for a failed check of the capture
+    (``corrected_decompositions._assert_ok``): the joint graph run again up to the ``info`` of each check with that
+    message, which is nonzero for each matrix that fails, on the same inputs (the graph writes nothing: its
+    updates are outputs). Only after the failure, so the program itself does no more work; "" where the re-run
+    finds none (random ops before the check) or the batch is not one dimension of ``info``."""
+    captured = rw.captured
+    try:
+        infos = _check_infos(captured.joint, failed)
+        if not infos:
+            return ""
+        gm = copy.deepcopy(captured.joint)
+        by_name = {n.name: n for n in gm.graph.nodes}
+        gm.graph.output_node().args = (tuple(by_name[i.name] for i in infos),)
+        for node in list(gm.graph.nodes):  # the checks themselves (kept by dead-code elimination: they raise)
+            if node.target is torch.ops.aten._assert_async.msg and FAILED_CHECK in str(node.args[1]):
+                gm.graph.erase_node(node)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        with torch.no_grad():
+            values = gm(*inputs[:len(captured.roles)])
+        samples: set[int] = set()
+        for node, info in zip(infos, values, strict=True):
+            dim = _batch_dim(node.meta.get("val"), rw.batch.symbol)
+            if dim is None:
+                return ""
+            failing = (info != 0).movedim(dim, 0).reshape(info.shape[dim], -1).any(1)
+            samples |= set(failing.nonzero().flatten().tolist())
+    except Exception:  # naming the samples is a courtesy: the check's own message stands without it
+        return ""
+    if not samples:
+        return ""
+    return f". The samples at positions {sorted(samples)} of the batch (counting from 0) fail it, the others pass"
+
+
+def _check_infos(joint: torch.fx.GraphModule, failed: str) -> list[torch.fx.Node]:
+    """The ``info`` nodes of the checks ``_assert_async((info == 0).all(), msg)`` whose message is ``failed``."""
+    infos = []
+    for node in joint.graph.nodes:
+        if node.target is not torch.ops.aten._assert_async.msg or FAILED_CHECK not in str(node.args[1]):
+            continue
+        if str(node.args[1])[str(node.args[1]).find(FAILED_CHECK) + len(FAILED_CHECK):].strip() != failed:
+            continue
+        cond = node.args[0]
+        if getattr(cond, "target", None) is torch.ops.aten.all.default \
+                and getattr(cond.args[0], "target", None) is torch.ops.aten.eq.Scalar:
+            infos.append(cond.args[0].args[0])
+    return infos
+
+
+def _batch_dim(value, symbol) -> int | None:
+    """The dimension of ``value`` whose size is the batch size itself."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    dims = [d for d, size in enumerate(value.shape)
+            if isinstance(size, torch.SymInt) and size.node.expr == symbol]
+    return dims[0] if len(dims) == 1 else None
 
 
 def _dtype_mismatch(e: Exception) -> bool:
