@@ -499,3 +499,34 @@ def test_fractional_max_pool3d_is_refused_naming_the_op(samples):
     with pytest.raises(psg.CaptureError, match=r"backward formula of fractional_max_pool3d runs "
                                                r"aten\.fractional_max_pool3d_backward.*compute that op"):
         fn(*args)
+
+
+@pytest.mark.parametrize("factored", ["cholesky", "lu"])
+def test_a_solve_with_a_matrix_factored_from_a_parameter_names_the_op_the_fallback_cannot_batch(factored):
+    """The backward of cholesky / lu_factor solves with the factor (linalg_solve_triangular), whose vmap fallback
+    fails with a symbolic batch size in torch's shape function: an UnsupportedError naming that op and the forms
+    that work (the factor as the parameter, torch.linalg.solve), not a capture failure to report; the latter works."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3, dtype=torch.float64)
+    root = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    model = nn.ModuleDict({"lin": lin})
+    model.root = root
+
+    def matrix():
+        return root @ root.t() + 3 * torch.eye(3, dtype=torch.float64)
+
+    solve = {"cholesky": lambda h: torch.cholesky_solve(h, torch.linalg.cholesky(matrix())),
+             "lu": lambda h: torch.linalg.lu_solve(*torch.linalg.lu_factor(matrix()), h)}[factored]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    fn = psg.per_sample(model, backend="eager")(lambda x: solve(lin(x).t()).square().sum())
+    with pytest.raises(psg.UnsupportedError, match=r"linalg_solve_triangular.*vmap fallback for it fails with a "
+                                                   r"symbolic batch size.*torch\.linalg\.solve"):
+        fn(x)
+
+    def loss(x):
+        return torch.linalg.solve(matrix(), lin(x).t()).square().sum()
+
+    grads = psg.per_sample(model, backend="eager")(loss)(x)
+    want = reference_per_sample(loss, dict(model.named_parameters()), (x,))
+    for name, value in want.items():
+        torch.testing.assert_close(grads[name], value, rtol=1e-9, atol=1e-11)

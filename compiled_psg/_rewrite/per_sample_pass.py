@@ -23,7 +23,7 @@ from torch._guards import detect_fake_mode
 from .._analyze import ops
 from .._analyze.batch_dims import BatchDims, value_of
 from .._analyze.source import source_line
-from .._errors import InternalError, UnsupportedError
+from .._errors import InternalError, PerSampleError, UnsupportedError
 from .contraction import Contraction
 from .emit import emit
 from .fallback import fallback_contraction, fallback_lift
@@ -224,7 +224,8 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
                         "(docs/contributing.md) or open an issue with this message")
                 log.warning("compiled_psg: no rule for %s (%s); using the vmap fallback for this op",
                             op_node.target, source_line(node))
-            ps[node] = emit(graph, contraction.per_sample, contraction.inputs, tag=contraction.rule, before=after)
+            ps[node] = _emit_rule(graph, contraction.per_sample, contraction.inputs, contraction.rule, after, op_node,
+                                  node)
             if contraction.rule.startswith("fallback"):
                 _refuse_if_batch_pinned(ps[node], op_node, node, batch)
             result.contractions[node] = contraction
@@ -250,7 +251,7 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
             name = "fallback:vmap"
             log.warning("compiled_psg: no lift rule for %s (%s); using the vmap fallback for this op",
                         op_node.target, source_line(node))
-        ps[node] = emit(graph, fn, [ps.get(a, a) for a in lift_args], tag=name, before=after)
+        ps[node] = _emit_rule(graph, fn, [ps.get(a, a) for a in lift_args], name, after, op_node, node)
         if name.startswith("fallback"):
             _refuse_if_batch_pinned(ps[node], op_node, node, batch)
         result.records.append(RewriteRecord(node.name, str(op_node.target), name, "lift",
@@ -264,6 +265,28 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
                 raise InternalError(f"post-condition: per-sample {t.name} has shape {got}, expected {expected}")
     graph.lint()
     return result
+
+
+def _emit_rule(graph: fx.Graph, fn, inputs: list, tag: str, before: fx.Node, op_node: fx.Node, node: fx.Node):
+    """Emit a rule's per-sample form; where the vmap fallback's trace fails (torch's batching rule or shape
+    function of the op cannot take a symbolic batch size: ``linalg_solve_triangular`` in the backward of
+    ``cholesky`` and ``lu_factor``), refuse naming the op instead of failing the capture as a whole."""
+    if not tag.startswith("fallback"):
+        return emit(graph, fn, inputs, tag=tag, before=before)
+    try:
+        return emit(graph, fn, inputs, tag=tag, before=before)
+    except PerSampleError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        where = source_line(node)
+        where = "in the loss's backward" if where.startswith("unknown") else f"at {where}"
+        raise UnsupportedError(
+            f"no rule for {op_node.target} {where}, and the vmap fallback for it fails with a "
+            f"symbolic batch size ({type(e).__name__}: {first}). Fix: compute this step with ops that have rules "
+            "(docs/supported-ops.md; for a solve with a matrix factored from a parameter, make the factor the "
+            "parameter or use torch.linalg.solve), or add a rule in compiled_psg/_rewrite/rules "
+            "(docs/contributing.md)") from e
 
 
 def _refuse_if_batch_pinned(emitted: fx.Node, op_node: fx.Node, node: fx.Node, batch: BatchDims) -> None:
