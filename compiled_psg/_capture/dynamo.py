@@ -63,7 +63,7 @@ import re
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -519,19 +519,32 @@ _METRICS_LOGGER = "torch._dynamo.metrics_context"
 _METRICS_FAILURE = "Unexpected exception logging compilation metrics"
 
 
-class _DropMetricsFailure(logging.Filter):
+class _Drop(logging.Filter):
+    """Drops the records ``dropped(record)`` names."""
+
+    def __init__(self, dropped: Callable[[logging.LogRecord], bool]):
+        super().__init__()
+        self.dropped = dropped
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(_METRICS_FAILURE)
+        return not self.dropped(record)
 
 
-@contextlib.contextmanager
-def _metrics_failure_dropped() -> Iterator[None]:
-    logger, dropped = logging.getLogger(_METRICS_LOGGER), _DropMetricsFailure()
-    logger.addFilter(dropped)
-    try:
-        yield
-    finally:
-        logger.removeFilter(dropped)
+def _records_dropped(logger_name: str, dropped: Callable[[logging.LogRecord], bool]):
+    """A context manager that filters ``dropped`` records out of one logger, removing the filter on exit."""
+    @contextlib.contextmanager
+    def enter() -> Iterator[None]:
+        logger, drop = logging.getLogger(logger_name), _Drop(dropped)
+        logger.addFilter(drop)
+        try:
+            yield
+        finally:
+            logger.removeFilter(drop)
+    return enter
+
+
+_metrics_failure_dropped = _records_dropped(_METRICS_LOGGER,
+                                            lambda record: record.getMessage().startswith(_METRICS_FAILURE))
 
 
 patches.register(patches.Patch(
@@ -544,21 +557,10 @@ patches.register(patches.Patch(
 _GUARDS_LOGGER = "torch._guards"
 
 
-class _DropGuardFailure(logging.Filter):
-    """``Guard.create``'s records: the guard it failed to build, with the exception, then where it was made."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.funcName == "create" and record.pathname.replace("\\", "/").endswith("torch/_guards.py"))
-
-
-@contextlib.contextmanager
-def _guard_failures_dropped() -> Iterator[None]:
-    logger, dropped = logging.getLogger(_GUARDS_LOGGER), _DropGuardFailure()
-    logger.addFilter(dropped)
-    try:
-        yield
-    finally:
-        logger.removeFilter(dropped)
+# ``Guard.create``'s records: the guard it failed to build, with the exception, then where it was made
+_guard_failures_dropped = _records_dropped(
+    _GUARDS_LOGGER, lambda record: record.funcName == "create"
+    and record.pathname.replace("\\", "/").endswith("torch/_guards.py"))
 
 
 patches.register(patches.Patch(
