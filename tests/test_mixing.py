@@ -195,6 +195,11 @@ def solve_with_batch_statistics(lin, x, y):
     return F.cross_entropy(torch.linalg.solve(m, h.t()).t(), y)  # <solve_pooled>
 
 
+def positions_through_bfloat16(lin, x, y):
+    rows = torch.arange(x.shape[0]).to(torch.bfloat16).long()  # <bf16_positions>
+    return F.cross_entropy(lin(x)[rows], y)  # bfloat16 rounds 257 to 256: sample 257 would read sample 256's row
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -226,6 +231,7 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "channel_shuffle_of_the_batch": (channel_shuffle_across_blocks, (), "channel_shuffle"),
     "cosine_between_sample_and_step_major_rows": (cosine_between_layouts, (), "cosine_layouts"),
     "solve_with_a_matrix_of_the_batch": (solve_with_batch_statistics, (), "solve_pooled"),
+    "batch_positions_rounded_in_bfloat16": (positions_through_bfloat16, (), "bf16_positions"),
 }
 
 

@@ -530,3 +530,18 @@ def test_a_solve_with_a_matrix_factored_from_a_parameter_names_the_op_the_fallba
     want = reference_per_sample(loss, dict(model.named_parameters()), (x,))
     for name, value in want.items():
         torch.testing.assert_close(grads[name], value, rtol=1e-9, atol=1e-11)
+
+
+def test_a_singular_batch_after_a_random_draw_names_no_samples():
+    """Run again, a draw before the failed check would give other values: the message names no positions (it named
+    samples that had passed)."""
+    lin = nn.Linear(3, 3).double()
+
+    def loss(x):  # a sample's matrix is singular where dropout zeroed one of its diagonal entries
+        return torch.linalg.inv(torch.diag_embed(F.dropout(torch.ones_like(x), 0.5) * x) + 0 * lin.weight).sum()
+
+    fn = psg.per_sample(lin, backend="eager")(loss)
+    torch.manual_seed(1)
+    with pytest.raises(psg.BatchInputError, match="torch.linalg.inv raises here") as info:
+        fn(torch.ones(8, 3, dtype=torch.float64))
+    assert "The samples at positions" not in str(info.value)

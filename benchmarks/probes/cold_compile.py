@@ -29,6 +29,9 @@ with an empty Inductor cache (``--scratch``); in it ``backward_compile``'s first
 the compiler's one-time work (its check of the CPU's vector instructions, its worker pool, imports) is not
 charged to the first measured method. The page's first calls follow all the other methods of their model, so
 their seconds differ from these.
+
+``--warm`` runs each model's worker a second time on the cache the first filled: a new process whose Inductor
+(and AOT autograd) caches are warm, the case of a user's second run of the same script (rows ``cache: warm``).
 """
 
 from __future__ import annotations
@@ -161,10 +164,10 @@ def worker(model: str, batch: int, methods: list[str]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["model", "method", "first call (s)", "kernels", *PHASES]
+    head = ["model", "method", "cache", "first call (s)", "kernels", *PHASES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["model"], r["method"], f"{r['first_call_s']:.2f}", str(r["kernels"]),
+        cells = [r["model"], r["method"], r["cache"], f"{r['first_call_s']:.2f}", str(r["kernels"]),
                  *(f"{r['phases'][p]:.2f}" for p in PHASES)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS))
     p.add_argument("--scratch", default=None, help="folder for the empty Inductor caches (default: a temporary one)")
+    p.add_argument("--warm", action="store_true", help="also a second process per model on the filled cache")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -191,8 +195,9 @@ def main(argv: list[str] | None = None) -> None:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
         cmd = [sys.executable, "-m", "benchmarks.probes.cold_compile", "--worker", "--models", model,
                "--batch", str(args.batch), "--methods", *args.methods]
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-        rows += json.loads(out.strip().splitlines()[-1])
+        for cache_state in ("cold", "warm") if args.warm else ("cold",):
+            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+            rows += [dict(row, cache=cache_state) for row in json.loads(out.strip().splitlines()[-1])]
     print(table(rows))
 
 

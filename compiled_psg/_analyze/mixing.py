@@ -421,9 +421,22 @@ def _from_shape(an: Analysis, node: fx.Node) -> Fact:
     return tuple(facts) if isinstance(value, (tuple, list)) else facts[0]
 
 
+# dtypes that hold every batch position exactly (float64 up to 2^53): a narrower cast rounds positions together
+# (bfloat16 makes 257 into 256, and sample 257 would read sample 256's row)
+_EXACT_POSITIONS = (torch.int64, torch.int32, torch.float64)
+
+
+def _positions_kept(node: fx.Node, fact: Fact) -> Fact:
+    value = node.meta.get("val")
+    if isinstance(fact, SampleIndex) and isinstance(value, torch.Tensor) and value.dtype not in _EXACT_POSITIONS:
+        raise _mix(f"it holds batch positions as {value.dtype}, which rounds large positions together, so a "
+                   "sample could be paired with another's row", "keep torch.arange(n) in torch.long (the default)")
+    return fact
+
+
 @_handles(ops.IDENTITY)
 def _identity(an: Analysis, node: fx.Node) -> Fact:
-    return an.fact(node.args[0])
+    return _positions_kept(node, an.fact(node.args[0]))
 
 
 @_handles(ops.FACTORIES)
@@ -448,7 +461,7 @@ def _arange(an: Analysis, node: fx.Node) -> Fact:
     end_v = value_of(end) if isinstance(end, fx.Node) else end
     if start_v == 0 and isinstance(step_v, int) and step_v > 0 and isinstance(end_v, torch.SymInt):
         if sympy.simplify(end_v.node.expr - step_v * an.batch.symbol) == 0:
-            return SampleIndex(0, step_v)
+            return _positions_kept(node, SampleIndex(0, step_v))
     raise _mix("it makes batch positions into values (an arange whose length depends on the batch size)",
                "index with per-sample values, or use arange(n) only to pair each sample with itself "
                "(logits[torch.arange(n), y])")

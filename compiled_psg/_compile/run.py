@@ -241,7 +241,7 @@ def _failing_samples(rw: Rewritten, inputs: list, failed: str) -> str:
     (``corrected_decompositions._assert_ok``): the joint graph run again up to the ``info`` of each check with that
     message, which is nonzero for each matrix that fails, on the same inputs (the graph writes nothing: its
     updates are outputs). Only after the failure, so the program itself does no more work; "" where the re-run
-    finds none (random ops before the check) or the batch is not one dimension of ``info``."""
+    finds none, a random op comes before the check, or the batch is not one dimension of ``info``."""
     captured = rw.captured
     try:
         infos = _check_infos(captured.joint, failed)
@@ -254,6 +254,8 @@ def _failing_samples(rw: Rewritten, inputs: list, failed: str) -> str:
             if node.target is torch.ops.aten._assert_async.msg and FAILED_CHECK in str(node.args[1]):
                 gm.graph.erase_node(node)
         gm.graph.eliminate_dead_code()
+        if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes):
+            return ""  # a draw before the check: run again it would draw other values (and advance the generator)
         gm.recompile()
         with torch.no_grad():
             values = gm(*inputs[:len(captured.roles)])

@@ -226,9 +226,10 @@ class DPClip(Reduction):
     materialized per-sample gradients, or for a book-keeping sum the layer's output gradient, which the plain step
     frees at the layer, and on top of that one layer at a time forms and frees values of its own (a per-sample
     gradient for its norm alone, a ghost norm's float64 Grams); within a budget, layers move to strategies that
-    hold less, cheapest per byte freed first, under the lowest cap on what one layer forms that still fits
-    (``strategies.fit_memory``). ``psg.explain`` shows the plan, its peak and its held bytes. It does not bound
-    the low-precision path (bfloat16/float16 graphs materialize every parameter's gradient to upcast it).
+    hold less, cheapest per byte freed first, under each cap on what one layer forms, and the cheapest plan that
+    fits is taken, else the lowest peak (``strategies.fit_memory``). ``psg.explain`` shows the plan, its peak
+    and its held bytes. It does not bound the low-precision path (bfloat16/float16 graphs materialize every
+    parameter's gradient to upcast it).
     """
 
     mode: str = "flat"

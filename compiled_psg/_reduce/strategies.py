@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -170,57 +171,78 @@ def fit_memory(ctx: ReduceContext, quantity: str, params: list[ParamGrad], budge
 
     The peak is what the plan holds across the program (``Cost.held``, per sample, times ``batch_size``) plus the
     largest transient beyond it (``Cost.transient``: one layer's per-sample gradient formed for its norm alone, a
-    ghost norm's float64 Grams), since layers run one after another. For each cap on that transient, from the
-    smallest: the cheapest plan whose strategies stay under the cap, then, while it does not fit, the move to a
-    strategy holding less that costs least per byte freed. The result is the cheapest plan that fits, else the one
-    with the lowest peak (over ``budget`` where no strategy holding less applies)."""
+    ghost norm's float64 Grams), since layers run one after another. For each cap on that transient: the cheapest
+    plan whose strategies stay under the cap, then, while it does not fit, the move to a strategy holding less
+    that costs least per byte freed. The result is the cheapest of those plans that fits, else the one with the
+    lowest peak (over ``budget`` where no strategy holding less applies)."""
     options = {p.name: priced(ctx, quantity, p) for p in params}
-    # Cost counts ITEMSIZE bytes per value; the budget is in the gradient's own bytes
-    scale = {p.name: batch_size * (ITEMSIZE if p.grad is None else value_of(p.grad).dtype.itemsize) / ITEMSIZE
-             for p in params}
-
-    def held(name: str, j: int) -> float:
-        return options[name][j][1].held * scale[name]
-
-    def extra(name: str, j: int) -> float:
-        cost = options[name][j][1]
-        return max(0.0, cost.transient - cost.held) * scale[name]
+    # Cost counts ITEMSIZE bytes per value of the gradient's dtype; the budget is in bytes
+    scale = {p.name: batch_size * _itemsize(p) / ITEMSIZE for p in params}
+    held = {n: [c.held * scale[n] for _, c in choices] for n, choices in options.items()}
+    extra = {n: [max(0.0, c.transient - c.held) * scale[n] for _, c in choices] for n, choices in options.items()}
+    price = {n: [c.total for _, c in choices] for n, choices in options.items()}
 
     def peak(pick: dict[str, int]) -> float:
-        return sum(held(n, j) for n, j in pick.items()) + max((extra(n, j) for n, j in pick.items()), default=0.0)
+        return sum(held[n][j] for n, j in pick.items()) + max((extra[n][j] for n, j in pick.items()), default=0.0)
 
     def total(pick: dict[str, int]) -> float:
-        return sum(options[n][j][1].total for n, j in pick.items())
+        return sum(price[n][j] for n, j in pick.items())
+
+    def best_move(name: str, current: int, allowed: list[int]) -> tuple[float, int] | None:
+        """(extra cost per byte freed, option) of the cheapest move of ``name`` to an option holding less."""
+        moves = [((price[name][j] - price[name][current]) / (held[name][current] - held[name][j]), j)
+                 for j in allowed if held[name][j] < held[name][current]]
+        return min(moves) if moves else None
 
     def free_held(pick: dict[str, int], allowed: dict[str, list[int]]) -> None:
-        while peak(pick) > budget:
-            best = None  # (extra cost per byte freed, name, option)
-            for name, choices in allowed.items():
-                current = options[name][pick[name]][1]
-                for j in choices:
-                    cost = options[name][j][1]
-                    if cost.held < current.held:
-                        rate = (cost.total - current.total) / ((current.held - cost.held) * scale[name])
-                        if best is None or rate < best[0]:
-                            best = (rate, name, j)
-            if best is None:
+        """Greedy moves until ``pick`` fits, each in O(log P): heaps of the moves (a move changes its own
+        parameter's best move only) and of the transients, whose stale entries are skipped."""
+        held_total = sum(held[n][j] for n, j in pick.items())
+        moves = [(m[0], n, j, m[1]) for n, j in pick.items() if (m := best_move(n, j, allowed[n])) is not None]
+        extras = [(-extra[n][j], n, j) for n, j in pick.items()]
+        heapq.heapify(moves)
+        heapq.heapify(extras)
+        while True:
+            while extras and pick[extras[0][1]] != extras[0][2]:
+                heapq.heappop(extras)
+            if held_total - (extras[0][0] if extras else 0.0) <= budget:
                 return
-            pick[best[1]] = best[2]
+            while moves and pick[moves[0][1]] != moves[0][2]:
+                heapq.heappop(moves)
+            if not moves:
+                return
+            _, name, current, j = heapq.heappop(moves)
+            held_total += held[name][j] - held[name][current]
+            pick[name] = j
+            heapq.heappush(extras, (-extra[name][j], name, j))
+            if (move := best_move(name, j, allowed[name])) is not None:
+                heapq.heappush(moves, (move[0], name, j, move[1]))
 
     cheapest = dict.fromkeys(options, 0)
     plans = []
-    for cap in sorted({extra(n, j) for n in options for j in range(len(options[n]))}):
-        allowed = {n: [j for j in range(len(choices)) if extra(n, j) <= cap] for n, choices in options.items()}
+    for cap in sorted({e for values in extra.values() for e in values}):
+        allowed = {n: [j for j, e in enumerate(values) if e <= cap] for n, values in extra.items()}
         if not all(allowed.values()):
             continue
         pick = {n: js[0] for n, js in allowed.items()}  # ``priced`` lists the cheapest first
         free_held(pick, allowed)
         plans.append(pick)
     fitting = [pick for pick in plans if peak(pick) <= budget]
-    best = min(fitting, key=total) if fitting else min(plans, key=lambda pick: (peak(pick), total(pick)))
+    best = min(fitting, key=total) if fitting else min(plans, key=lambda pick: (peak(pick), total(pick)),
+                                                        default=cheapest)
     ctx.assign(quantity, {name: options[name][j][0].name for name, j in best.items()})
-    return MemoryFit(sum(held(n, j) for n, j in best.items()), peak(best),
-                     sum(held(n, j) for n, j in cheapest.items()), peak(cheapest))
+    return MemoryFit(sum(held[n][j] for n, j in best.items()), peak(best),
+                     sum(held[n][j] for n, j in cheapest.items()), peak(cheapest))
+
+
+def _itemsize(p: ParamGrad) -> int:
+    return ITEMSIZE if p.grad is None else value_of(p.grad).dtype.itemsize
+
+
+def _float64_values(p: ParamGrad, values: float) -> float:
+    """``values`` float64 values in ``Cost``'s unit, which ``fit_memory`` scales by the gradient's itemsize: the
+    ghost norm's Grams and factor copies are float64 whatever the model's dtype."""
+    return values * 8 * ITEMSIZE / _itemsize(p)
 
 
 @contextlib.contextmanager
@@ -325,7 +347,7 @@ def _ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
     # float64 (certified against cancellation, ``factored_sq_norms``): a float64 FLOP counts as two, and the
     # factors are read, converted and read again; their float64 copies and the two Grams exist at once
     return Cost(flops=2 * (2 * t * t * (o + i) + t * t), bytes=(3 * t * (o + i) + 2 * t * t) * 2 * ITEMSIZE,
-                transient=(t * (o + i) + 2 * t * t) * 2 * ITEMSIZE)
+                transient=_float64_values(p, t * (o + i) + 2 * t * t))
 
 
 def _summed_parts(ctx: ReduceContext, p: ParamGrad) -> list[tuple[Contraction, bool]] | None:
@@ -362,9 +384,9 @@ def _summed_ghost_cost(ctx: ReduceContext, p: ParamGrad) -> Cost | None:
                 for a, t in zip(sides, tokens, strict=True) for b, u in zip(sides, tokens, strict=True))
     reads = sum(t * (a[0] + a[1]) for a, t in zip(sides, tokens, strict=True))
     # alive at once: the float64 Grams of every pair, and two float64 slices of dense rows (``dense_gram``)
-    slices = min(reads * 2 * ITEMSIZE, 2 * GHOST_WIDTH_BYTES)
+    slices = min(reads, 2 * GHOST_WIDTH_BYTES / 8)
     return Cost(flops=2 * flops, bytes=(3 * reads + 2 * sum(tokens) ** 2) * 2 * ITEMSIZE,
-                transient=2 * sum(tokens) ** 2 * 2 * ITEMSIZE + slices)
+                transient=_float64_values(p, 2 * sum(tokens) ** 2 + slices))
 
 
 @strategy("sq_norm", "ghost", _ghost_cost)

@@ -277,7 +277,7 @@ def _emit_rule(graph: fx.Graph, fn, inputs: list, tag: str, before: fx.Node, op_
         return emit(graph, fn, inputs, tag=tag, before=before)
     except PerSampleError:
         raise
-    except Exception as e:
+    except (RuntimeError, NotImplementedError) as e:  # torch's; anything else is ours, reported as a capture failure
         first = (str(e).strip().splitlines() or [""])[0]
         where = source_line(node)
         where = "in the loss's backward" if where.startswith("unknown") else f"at {where}"
