@@ -545,3 +545,26 @@ def test_a_singular_batch_after_a_random_draw_names_no_samples():
     with pytest.raises(psg.BatchInputError, match="torch.linalg.inv raises here") as info:
         fn(torch.ones(8, 3, dtype=torch.float64))
     assert "The samples at positions" not in str(info.value)
+
+
+def test_a_batch_of_the_wrong_width_is_refused_without_torchs_meta_traceback():
+    """torch logs an op that fails on fake tensors with its whole traceback ('failed while attempting to run meta
+    for aten.mm') before the exception propagates: none of it reaches a handler of that logger during the
+    capture, whose own error names the cause; the user's filters are as before."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    mine = logging.Filter()
+    logger.addFilter(mine)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    try:
+        lin = nn.Linear(4, 3)
+        fn = psg.per_sample(lin, backend="eager")(lambda x, y: F.cross_entropy(lin(x), y))
+        fn(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+        with pytest.raises(psg.BatchInputError, match="the loss fails on this batch"):
+            fn(torch.randn(5, 6), torch.randint(0, 3, (5,)))
+        assert "failed while attempting to run meta" not in stream.getvalue(), stream.getvalue()[:2000]
+        assert logger.filters == [mine]
+    finally:
+        logger.removeFilter(mine)
+        logger.removeHandler(handler)

@@ -570,6 +570,18 @@ patches.register(patches.Patch(
     "its own error, naming the cause: those records dropped during a capture", ("capture",),
     "every thread's records of Guard.create, during a capture", "the filter removed on exit",
     enter=_guard_failures_dropped, current=lambda: tuple(logging.getLogger(_GUARDS_LOGGER).filters)))
+_FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+_META_FAILURE = "failed while attempting to run meta"
+_meta_failures_dropped = _records_dropped(_FAKE_TENSOR_LOGGER,
+                                          lambda record: str(record.msg).startswith(_META_FAILURE))
+patches.register(patches.Patch(
+    "meta failures unlogged", f"logging.getLogger({_FAKE_TENSOR_LOGGER!r}).filters",
+    "an op that fails on fake tensors (a batch of the wrong width, an op whose shape function cannot take a "
+    "symbolic size) is logged by torch with its whole traceback ('failed while attempting to run meta for ...') "
+    "before the exception propagates; the capture raises its own error, naming the cause: those records dropped "
+    "during a capture", ("capture",), "every thread's records of that message, during a capture",
+    "the filter removed on exit", enter=_meta_failures_dropped,
+    current=lambda: tuple(logging.getLogger(_FAKE_TENSOR_LOGGER).filters)))
 patches.register(patches.Patch(
     "mkldnn off", "torch._C._set_mkldnn_enabled", "float32 RNNs would become mkldnn_rnn_layer ops whose backward "
     "does not trace", ("capture",), "process-wide flag: another thread's eager RNN in that window runs the "
