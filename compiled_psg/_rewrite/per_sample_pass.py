@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 from dataclasses import dataclass, field
 
 import sympy
@@ -23,7 +24,7 @@ from torch._guards import detect_fake_mode
 from .._analyze import ops
 from .._analyze.batch_dims import BatchDims, value_of
 from .._analyze.source import source_line
-from .._errors import InternalError, PerSampleError, UnsupportedError
+from .._errors import InternalError, UnsupportedError
 from .contraction import Contraction
 from .emit import emit
 from .fallback import fallback_contraction, fallback_lift
@@ -267,6 +268,11 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
     return result
 
 
+# torch's words where a kernel or shape function needs a size as a number ("SymIntArrayRef expected to contain
+# only concrete integers", "Cannot call sizes() on tensor with symbolic sizes/strides")
+_SYMBOLIC_SIZE_FAILURE = re.compile(r"concrete integers|symbolic sizes|SymInt", re.IGNORECASE)
+
+
 def _emit_rule(graph: fx.Graph, fn, inputs: list, tag: str, before: fx.Node, op_node: fx.Node, node: fx.Node):
     """Emit a rule's per-sample form; where the vmap fallback's trace fails (torch's batching rule or shape
     function of the op cannot take a symbolic batch size: ``linalg_solve_triangular`` in the backward of
@@ -275,9 +281,9 @@ def _emit_rule(graph: fx.Graph, fn, inputs: list, tag: str, before: fx.Node, op_
         return emit(graph, fn, inputs, tag=tag, before=before)
     try:
         return emit(graph, fn, inputs, tag=tag, before=before)
-    except PerSampleError:
-        raise
-    except (RuntimeError, NotImplementedError) as e:  # torch's; anything else is ours, reported as a capture failure
+    except RuntimeError as e:
+        if not _SYMBOLIC_SIZE_FAILURE.search(str(e)):
+            raise  # a failure of the op itself (kthvalue(2) of one sample, sparse tensors): the capture names it
         first = (str(e).strip().splitlines() or [""])[0]
         where = source_line(node)
         where = "in the loss's backward" if where.startswith("unknown") else f"at {where}"
