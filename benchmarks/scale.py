@@ -287,7 +287,8 @@ def _profile(name: str, runs: dict, batch: tuple, out: Path, dev: Device, steps:
     tables, kernels = [f"{dev.name()}, torch {torch.__version__}, {name}"], {}
     for method, run in runs.items():
         dev.sync()
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
+        with profile(activities=activities, acc_events=True) as prof:
             for _ in range(steps):
                 run(*batch)
             dev.sync()
@@ -325,7 +326,7 @@ def cpu_memory_at_peak(run: Callable, batch: tuple, top: int = 30) -> dict:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True, acc_events=True) as prof:
         run(*batch)
     allocations = []
 

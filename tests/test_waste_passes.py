@@ -161,7 +161,7 @@ def test_clip_sum_after_materialized_norms_sums_the_same_values():
 
 
 def _train_foreach(make_opt, unroll: bool, monkeypatch):
-    import compiled_psg._train.fuse as fuse
+    import compiled_psg._train.foreach as foreach
     import compiled_psg._train.programs as programs
     from compiled_psg import compile_step
 
@@ -174,7 +174,7 @@ def _train_foreach(make_opt, unroll: bool, monkeypatch):
 
     monkeypatch.setattr(programs, "fuse_step", spy)
     if not unroll:
-        monkeypatch.setattr(fuse, "unroll_foreach", lambda graph: 0)
+        monkeypatch.setattr(foreach, "unroll_foreach", lambda graph: 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
     step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, make_opt(model.parameters()),

@@ -66,7 +66,8 @@ def category(name: str) -> str:
 def _profile(run, batch, calls: int) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # acc_events: one cycle either way; without it torch 2.11 warns that a cycle's events are cleared
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True) as prof:
         for _ in range(calls):
             with record_function(STEP):
                 run(*batch)

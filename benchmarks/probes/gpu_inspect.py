@@ -46,7 +46,7 @@ def main(model: str, size: int, out: Path) -> None:
         for _ in range(3):
             prepared.run(*batch)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
             for _ in range(STEPS):
                 prepared.run(*batch)
             torch.cuda.synchronize()

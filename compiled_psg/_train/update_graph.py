@@ -13,7 +13,9 @@ the identity of every tensor the graph reads: a changed value or a replaced tens
 
 from __future__ import annotations
 
+import collections
 import copy
+import logging
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +27,9 @@ from torch.utils import _pytree as pytree
 
 from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import InternalError
+from . import foreach
+
+log = logging.getLogger(__name__)
 
 
 class StateMissing(Exception):
@@ -42,6 +47,7 @@ class UpdateGraph:
     gm: fx.GraphModule
     sources: list[tuple[str, object]]
     signature: tuple
+    foreach_unrolled: int = 0  # foreach ops made one op per parameter (``foreach.unroll_foreach``)
 
 
 def raw_step(optimizer: torch.optim.Optimizer) -> Callable:
@@ -90,7 +96,7 @@ def _tensors_and_values(optimizer: torch.optim.Optimizer, trained: list[int]):
     j = 0
     for g, group in enumerate(optimizer.param_groups):
         for key in sorted(k for k in group if k != "params"):
-            add((g, key), group[key])
+            add(("group", g, key), group[key])
         for p in group["params"]:
             tensors.append((("param", j), p))
             if j in position:
@@ -98,7 +104,7 @@ def _tensors_and_values(optimizer: torch.optim.Optimizer, trained: list[int]):
             else:  # a frozen parameter: the step reads (and applies) a .grad it may still hold, like eager torch
                 add(("frozen_grad", j), p.grad)
             for key in sorted(optimizer.state.get(p, {})):
-                add((j, key), optimizer.state[p][key])
+                add(("state", j, key), optimizer.state[p][key])
             j += 1
     return tensors, values
 
@@ -122,15 +128,39 @@ def _hashable(value):
 def capture_update(optimizer: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype) -> UpdateGraph:
     """Trace ``p.grad = new_grad * scale; optimizer.step()`` for the parameters at positions ``trained`` of
     ``flat_params(optimizer)`` (their ``.grad`` must be allocated). Raises ``StateMissing`` if the step would
-    create optimizer state."""
+    create optimizer state.
+
+    One of torch's per-parameter optimizers (``PER_PARAMETER``) is traced for one parameter of each kind and
+    copied for the others (``_by_representatives``), where that graph shows each parameter's update reading only
+    its own tensors and its group's settings; any other optimizer, whole."""
+    kinds = _kinds(optimizer, trained)
+    if kinds is not None and len(set(kinds)) < len(kinds):
+        try:
+            return _by_representatives(optimizer, trained, dtype, kinds)
+        except StateMissing:
+            raise
+        except Exception as e:  # noqa: BLE001 -- the whole trace below fails with its own error, or succeeds
+            log.debug("compiled_psg: the update is traced whole: %s: %s", type(e).__name__, e)
+    return _whole(optimizer, trained, dtype)
+
+
+def _whole(optimizer: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype) -> UpdateGraph:
     shadow = copy.deepcopy(optimizer)
     for copied, p in zip(flat_params(shadow), flat_params(optimizer), strict=True):
         copied.grad = None if p.grad is None else p.grad.clone()  # deepcopy leaves .grad out
-    real_tensors, _ = _tensors_and_values(optimizer, trained)
-    shadow_tensors, shadow_values = _tensors_and_values(shadow, trained)
-    if [k for k, _ in real_tensors] != [k for k, _ in shadow_tensors]:
+    real = dict(_tensors_and_values(optimizer, trained)[0])
+    if list(real) != [k for k, _ in _tensors_and_values(shadow, trained)[0]]:
         raise InternalError("The optimizer's copy holds different tensors")
-    original = {id(s): (key, r) for (key, s), (_, r) in zip(shadow_tensors, real_tensors, strict=True)}
+    gm, traced = _trace(shadow, trained, dtype)
+    sources = [key if key[0] in ("grad", "scale", "dot_grad") else ("tensor", real[key]) for key in traced]
+    return UpdateGraph(gm, sources, signature(optimizer, trained))
+
+
+def _trace(shadow: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype) -> tuple[fx.GraphModule, list]:
+    """The update graph of ``shadow`` (a copy: the trace runs its step), and what feeds each placeholder: ``("grad",
+    i)``, ``("scale", None)``, or the key of one of ``shadow``'s tensors in ``_tensors_and_values``."""
+    shadow_tensors, shadow_values = _tensors_and_values(shadow, trained)
+    keys = {id(t): key for key, t in shadow_tensors}
     params = flat_params(shadow)
     trained_params = [params[j] for j in trained]
     new_grads = [torch.zeros_like(p) for p in trained_params]
@@ -170,20 +200,190 @@ def capture_update(optimizer: torch.optim.Optimizer, trained: list[int], dtype: 
     after_tensors, after_values = _tensors_and_values(shadow, trained)
     if ([k for k, _ in after_tensors] != [k for k, _ in shadow_tensors]
             or [k for k, _ in after_values] != [k for k, _ in shadow_values]):
-        raise StateMissing(f"{type(optimizer).__name__}.step creates state")
+        raise StateMissing(f"{type(shadow).__name__}.step creates state")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
         raise InternalError(f"{len(placeholders)} update placeholders for {len(inputs)} inputs")
     grad_index = {id(g): i for i, g in enumerate(new_grads)}
-    sources: list[tuple[str, object]] = []
+    fed: list = []
     for value in inputs:
         if id(value) in grad_index:
-            sources.append(("grad", grad_index[id(value)]))
+            fed.append(("grad", grad_index[id(value)]))
         elif value is scale:
-            sources.append(("scale", None))
-        elif id(value) in original:
-            key, real = original[id(value)]
-            sources.append(key if key[0] == "dot_grad" else ("tensor", real))
+            fed.append(("scale", None))
+        elif id(value) in keys:
+            fed.append(keys[id(value)])
         else:
             raise InternalError(f"The optimizer step reads an unknown input of type {type(value)}")
-    return UpdateGraph(gm, sources, signature(optimizer, trained))
+    return gm, fed
+
+
+# ----- one trace per kind of parameter -----
+#
+# Dynamo's and AOT autograd's time grows with the ops traced: a dozen per parameter for SGD with momentum, about
+# thirty for Adam, so most of a minute for ResNet-50's 161 parameters (docs/benchmarks-probes.md, "The update
+# traced once per kind of parameter"). torch's own optimizers update each parameter from its gradient, its state and its
+# group's settings alone (a loop, or foreach ops over the list). So one parameter of each kind (group, shape,
+# dtype, device, state) is traced, and its graph is copied for the others. Subclasses are not trusted with it (a
+# subclass may override ``step``); the traced graph must show the separation too (``_by_representatives``).
+PER_PARAMETER = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta") if hasattr(torch.optim, name))
+
+
+class NotSeparable(Exception):
+    """A parameter's traced update reads another parameter's tensors."""
+
+
+def _kind_of(value) -> tuple:
+    """What a traced update bakes in about ``value``: a tensor's layout, type and ``requires_grad``; a Python
+    value itself."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", type(value), tuple(value.shape), value.stride(), value.dtype, value.device,
+                value.requires_grad)
+    return ("value", _hashable(value))
+
+
+def _kinds(optimizer: torch.optim.Optimizer, trained: list[int]) -> list[tuple] | None:
+    """Each parameter's kind (in ``flat_params`` order), or None where the update is traced whole: an optimizer
+    outside ``PER_PARAMETER``, or one that also holds parameters the step does not train (it updates them from a
+    ``.grad`` they may hold)."""
+    if type(optimizer) not in PER_PARAMETER or sorted(trained) != list(range(len(flat_params(optimizer)))):
+        return None
+    kinds = []
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            kinds.append((g, _kind_of(p), _kind_of(p.grad),
+                          tuple((key, _kind_of(state[key])) for key in sorted(state, key=str))))
+    return kinds
+
+
+def _by_representatives(optimizer: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype,
+                        kinds: list[tuple]) -> UpdateGraph:
+    """Trace the update of a copy of ``optimizer`` over one parameter of each kind, then copy each one's part of
+    the graph for every parameter of its kind.
+
+    Pre: ``kinds`` from ``_kinds``. Post: the graph's placeholders are the shared ones (the scale, tensor
+    settings of a group) and then each parameter's own, in ``flat_params`` order; each parameter's nodes read
+    its own placeholders and the shared nodes only (else ``NotSeparable``)."""
+    params = flat_params(optimizer)
+    first: dict[tuple, int] = {}
+    for j, kind in enumerate(kinds):
+        first.setdefault(kind, j)
+    chosen = sorted(first.values())  # the representatives, by position in flat_params
+    shadow, group_of = _shadow_over(optimizer, chosen)
+    gm, fed = _trace(shadow, list(range(len(chosen))), dtype)
+    unrolled = foreach.unroll_foreach(gm.graph)  # one op per parameter, so that the parts separate
+
+    # whose each node of the traced graph is: the index of its representative, or None (shared)
+    owner: dict[fx.Node, int | None] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, key in zip(placeholders, fed, strict=True):
+        owner[node] = _owner(key)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        owners = {owner[n] for n in node.all_input_nodes} - {None}
+        if len(owners) > 1:
+            raise NotSeparable(f"{node.format_node()} reads the tensors of {len(owners)} parameters")
+        owner[node] = owners.pop() if owners else None
+        if owner[node] is None and node.op == "call_function" and _mutates(node):
+            raise NotSeparable(f"{node.format_node()} writes a tensor no one parameter owns")
+    if gm.graph.output_node().args[0] not in ((), []):
+        raise NotSeparable("the traced step returns values")
+
+    position = {j: i for i, j in enumerate(trained)}
+    real = dict(_tensors_and_values(optimizer, trained)[0])
+    rep_of = {j: chosen.index(first[kind]) for j, kind in enumerate(kinds)}
+    graph, sources = fx.Graph(), []
+    env_shared: dict[fx.Node, fx.Node] = {}
+    shared_by_source: dict[tuple, fx.Node] = {}
+    for node, key in zip(placeholders, fed, strict=True):
+        if owner[node] is None:
+            source = _source(key, None, group_of, position, real)
+            same = shared_by_source.get(_identity(source))
+            if same is None:
+                same = shared_by_source[_identity(source)] = graph.placeholder(node.name)
+                same.meta = dict(node.meta)
+                sources.append(source)
+            env_shared[node] = same
+    members = {j: [] for j in range(len(params))}
+    for node, key in zip(placeholders, fed, strict=True):
+        if owner[node] is not None:
+            for j in (j for j in range(len(params)) if rep_of[j] == owner[node]):
+                members[j].append((node, key))
+    env_of: dict[int, dict[fx.Node, fx.Node]] = {}
+    for j in range(len(params)):
+        env = env_of[j] = dict(env_shared)
+        for node, key in members[j]:
+            new = env[node] = graph.placeholder(f"p{j}_{node.name}")
+            new.meta = dict(node.meta)
+            sources.append(_source(key, j, group_of, position, real))
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    for node in body:
+        if owner[node] is None:
+            env_shared[node] = graph.node_copy(node, lambda n: env_shared[n])
+    for j in range(len(params)):
+        env = {**env_of[j], **env_shared}
+        for node in body:
+            if owner[node] == rep_of[j]:
+                env[node] = graph.node_copy(node, lambda n, env=env: env[n])
+    graph.output(())
+    graph.lint()
+    return UpdateGraph(fx.GraphModule(gm, graph), sources, signature(optimizer, trained), unrolled)
+
+
+def _shadow_over(optimizer: torch.optim.Optimizer, chosen: list[int]) -> tuple[torch.optim.Optimizer, list[int]]:
+    """A copy of ``optimizer`` over copies of the parameters at ``chosen`` (with their ``.grad`` and state), and
+    the optimizer's group of each of the copy's groups. Nothing of the user's is copied but those."""
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update(optimizer.__dict__)
+    wanted, groups, group_of = set(chosen), [], []
+    state: collections.defaultdict = collections.defaultdict(dict)
+    j = 0
+    for g, group in enumerate(optimizer.param_groups):
+        members = []
+        for p in group["params"]:
+            if j in wanted:
+                clone = copy.deepcopy(p)
+                clone.grad = None if p.grad is None else p.grad.clone()
+                state[clone] = copy.deepcopy(optimizer.state.get(p, {}))
+                members.append(clone)
+            j += 1
+        if members:
+            groups.append({**{k: copy.deepcopy(v) for k, v in group.items() if k != "params"}, "params": members})
+            group_of.append(g)
+    shadow.param_groups, shadow.state = groups, state
+    return shadow, group_of
+
+
+def _owner(key: tuple) -> int | None:
+    """The copy's parameter a traced placeholder belongs to (a key of ``_trace``), None if shared."""
+    return key[1] if key[0] in ("grad", "dot_grad", "param", "state") else None
+
+
+def _source(key: tuple, member: int | None, group_of: list[int], position: dict[int, int],
+            real: dict) -> tuple:
+    """What feeds a placeholder of the copy's graph for parameter ``member`` of the optimizer (None: shared)."""
+    if key[0] == "grad":
+        return ("grad", position[member])
+    if key[0] == "scale":
+        return ("scale", None)
+    if key[0] == "dot_grad":
+        return ("dot_grad", position[member])
+    if key[0] == "param":
+        return ("tensor", real[("param", member)])
+    if key[0] == "state":
+        return ("tensor", real[("state", member, *key[2:])])
+    if key[0] == "group":  # a tensor setting of a group (a tensor lr)
+        return ("tensor", real[("group", group_of[key[1]], *key[2:])])
+    raise NotSeparable(f"the update reads {key}")
+
+
+def _identity(source: tuple) -> tuple:
+    kind, value = source
+    return (kind, id(value)) if isinstance(value, torch.Tensor) else source
+
+
+def _mutates(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
