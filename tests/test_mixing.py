@@ -464,8 +464,8 @@ def tiled_rows_against_constant_targets(lin, x, y):
     layout), and class 0 as the target of every row."""
     m = torch.cat([lin(x), lin(x).tanh()])
     zeros = torch.zeros(2 * x.shape[0], dtype=torch.long)
-    return F.mse_loss(m, torch.zeros_like(m)) + F.cross_entropy(m, zeros) + F.mse_loss(lin(x).repeat(2, 1),
-                                                                                       torch.ones(2 * x.shape[0], C))
+    ones = torch.ones(2 * x.shape[0], C, dtype=x.dtype)
+    return F.mse_loss(m, torch.zeros_like(m)) + F.cross_entropy(m, zeros) + F.mse_loss(lin(x).repeat(2, 1), ones)
 
 
 def batch_major_rows_times_tiled_weights(lin, x, y):

@@ -27,15 +27,23 @@ _PROBE = 10007  # a stand-in batch size for grouping view dimensions; prime so n
 
 
 def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> Layout | None:
-    """The ``(outer, inner)`` layout of the batch inside dimension ``dim`` of ``node``, or None if unknown."""
+    """The ``(outer, inner)`` layout of the batch inside dimension ``dim`` of ``node``, or None if unknown; a
+    layout always covers the dimension (``outer * inner * B`` rows: a gather of fewer rows than its input has
+    none)."""
     value = value_of(node)
     if not isinstance(value, torch.Tensor) or depth > 64:
         return None
     dim = dim % value.dim()
     if batch.is_whole(value, dim):
         return (1, 1)
-    if batch.factor(value.shape[dim]) is None:
+    factor = batch.factor(value.shape[dim])
+    if factor is None:
         return None
+    found = _layout(node, value, dim, batch, depth)
+    return found if found is not None and found[0] * found[1] == factor else None
+
+
+def _layout(node: fx.Node, value: torch.Tensor, dim: int, batch: BatchDims, depth: int) -> Layout | None:
     target = node.target
     args = node.args
     if target in ops.VIEWS:
