@@ -200,6 +200,34 @@ def positions_through_bfloat16(lin, x, y):
     return F.cross_entropy(lin(x)[rows], y)  # bfloat16 rounds 257 to 256: sample 257 would read sample 256's row
 
 
+def step_major_rows_times_tiled_weights(lin, x, y):
+    rows = torch.stack([lin(x), lin(x).tanh()], 0).flatten(0, 1)  # [2n, c], step-major: row t*n + b
+    w = torch.tensor([1.0, 3.0], dtype=x.dtype)  # row k reads w[k % 2]: sample b reads w[b % 2] at step 0
+    return (rows.pow(2).sum(1) * w.repeat(x.shape[0])).sum()  # <tiled_weights>
+
+
+def step_major_rows_to_a_tiled_target(lin, x, y):
+    rows = torch.stack([lin(x), lin(x).tanh()], 0).flatten(0, 1)
+    target = torch.arange(2.0 * C, dtype=x.dtype).view(2, C)
+    return F.mse_loss(rows, target.repeat(x.shape[0], 1))  # <tiled_target>
+
+
+def slice_off_by_one_in_blocks(lin, x, y):
+    both = lin(torch.cat([x, 2 * x]))
+    return F.cross_entropy(both[1:x.shape[0] + 1], y)  # <block_off_by_one>
+
+
+def slice_across_two_blocks(lin, x, y):
+    both = lin(torch.cat([x, 2 * x]))
+    n = x.shape[0]
+    return F.cross_entropy(both[n // 2:n // 2 + n], y)  # <block_across>
+
+
+def slice_half_of_interleaved_rows(lin, x, y):
+    rows = torch.stack([lin(x), lin(x).tanh()], 1).flatten(0, 1)  # [2n, c], batch-major: row 2b + t
+    return F.cross_entropy(rows[x.shape[0]:], y)  # <interleaved_half>
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -232,6 +260,11 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "cosine_between_sample_and_step_major_rows": (cosine_between_layouts, (), "cosine_layouts"),
     "solve_with_a_matrix_of_the_batch": (solve_with_batch_statistics, (), "solve_pooled"),
     "batch_positions_rounded_in_bfloat16": (positions_through_bfloat16, (), "bf16_positions"),
+    "step_major_rows_times_weights_tiled_per_sample": (step_major_rows_times_tiled_weights, (), "tiled_weights"),
+    "step_major_rows_against_a_target_tiled_per_sample": (step_major_rows_to_a_tiled_target, (), "tiled_target"),
+    "slice_of_a_cat_off_by_one_row": (slice_off_by_one_in_blocks, (), "block_off_by_one"),
+    "slice_of_a_cat_across_two_blocks": (slice_across_two_blocks, (), "block_across"),
+    "slice_of_interleaved_rows_keeps_half_of_each_sample": (slice_half_of_interleaved_rows, (), "interleaved_half"),
 }
 
 
@@ -410,6 +443,39 @@ def put_nothing(lin, x, y):
     return F.cross_entropy(lin(x).put(none, torch.tensor([], dtype=x.dtype), accumulate=True), y)
 
 
+def whole_batch_slices(lin, x, y):
+    """Slices that keep every row: ``h[-n:]``, and ``h[:1000]`` under Dynamo's guard that the batch has at most
+    1000 samples (a larger batch is captured again, and refused)."""
+    n = x.shape[0]
+    h = lin(x)
+    return F.cross_entropy(h[-n:], y) + F.cross_entropy(h[:1000], y) + h[-1000:].narrow(0, 0, n).pow(2).sum()
+
+
+def whole_blocks_of_a_tiled_batch(lin, x, y):
+    """Whole blocks of a batch joined by ``cat`` or ``repeat``: ``[n:2n]``, ``[n:]``, ``[-2n:]``, ``narrow``."""
+    n = x.shape[0]
+    three = lin(torch.cat([x, 2 * x, x.tanh()]))
+    return (F.cross_entropy(three[n:2 * n], y) + F.cross_entropy(three[-2 * n:], y.repeat(2))
+            + F.cross_entropy(lin(x.repeat(2, 1)[n:]), y) + three.narrow(0, n, n).pow(2).sum())
+
+
+def tiled_rows_against_constant_targets(lin, x, y):
+    """``F.mse_loss(m, torch.zeros_like(m))`` over ``[2n]`` rows of a tiled batch (a constant target holds any
+    layout), and class 0 as the target of every row."""
+    m = torch.cat([lin(x), lin(x).tanh()])
+    zeros = torch.zeros(2 * x.shape[0], dtype=torch.long)
+    ones = torch.ones(2 * x.shape[0], C, dtype=x.dtype)
+    return F.mse_loss(m, torch.zeros_like(m)) + F.cross_entropy(m, zeros) + F.mse_loss(lin(x).repeat(2, 1), ones)
+
+
+def batch_major_rows_times_tiled_weights(lin, x, y):
+    """``w.repeat(n)`` beside batch-major rows (row ``2b + t``): each sample's rows read all of ``w``."""
+    rows = torch.stack([lin(x), lin(x).tanh()], 1).flatten(0, 1)
+    w = torch.tensor([1.0, 3.0], dtype=x.dtype)
+    target = torch.arange(2.0 * C, dtype=x.dtype).view(2, C)
+    return (rows.pow(2).sum(1) * w.repeat(x.shape[0])).sum() + F.mse_loss(rows, target.repeat(x.shape[0], 1))
+
+
 ACCEPTED = {
     "logits_at_arange": pick_own_target,
     "gather_within_sample": gather_within_sample,
@@ -433,6 +499,10 @@ ACCEPTED = {
     "roll_over_batch_by_zero": roll_batch_by_zero,
     "rot90_whole_turns_over_batch": rot90_whole_turns,
     "put_with_an_empty_index": put_nothing,
+    "whole_batch_slices": whole_batch_slices,
+    "whole_blocks_of_a_tiled_batch": whole_blocks_of_a_tiled_batch,
+    "tiled_rows_against_constant_targets": tiled_rows_against_constant_targets,
+    "batch_major_rows_times_weights_tiled_per_sample": batch_major_rows_times_tiled_weights,
 }
 
 
@@ -445,6 +515,116 @@ def test_accepted_exact(name):
     ref = reference_per_sample(lambda x, y: program(lin, x, y), dict(fn.params_source.named_parameters()), args)
     for key, r in ref.items():
         torch.testing.assert_close(got[key], r, **TOL, msg=lambda m, k=key: f"{name} {k}: {m}")
+
+
+# --------------------------------------------------------------- batches merged with frames or tiled tokens
+
+T, V = 2, 7  # frames per sample, vocabulary
+
+
+def merged_setup():
+    """Modules for ``[B, T, 3, 6, 6]`` frames folded into the batch (``frames.flatten(0, 1)``) and ``[B, 3]`` token
+    sequences, with the batched arguments of a merged program."""
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"conv": nn.Conv2d(3, 4, 3, padding=1), "gn": nn.GroupNorm(2, 4), "head": nn.Linear(4, C),
+                       "emb": nn.Embedding(V, 4)}).double()
+    g = torch.Generator().manual_seed(1)
+    frames = torch.randn(B, T, 3, 6, 6, generator=g, dtype=F64)
+    target = torch.randn(B, T, 4, 6, 6, generator=g, dtype=F64)
+    tok = torch.randint(0, V, (B, 3), generator=g)
+    y = torch.randint(0, C, (B,), generator=g)
+    return m, (frames, target, tok, y)
+
+
+def frames_sum_of_squares(m, frames, target, tok, y):
+    return m.conv(frames.flatten(0, 1)).pow(2).sum()
+
+
+def frames_through_spatial_ops(m, frames, target, tok, y):
+    """gelu, pooling, padding, GroupNorm, pixel_unshuffle, softmax and unfold over ``[B*T, ...]`` rows."""
+    h = m.gn(F.max_pool2d(F.gelu(m.conv(frames.flatten(0, 1))), 2))  # [B*T, 4, 3, 3]
+    a = F.pixel_unshuffle(F.pad(h, (0, 1, 0, 1), mode="reflect"), 2).softmax(1)
+    b = F.layer_norm(F.adaptive_avg_pool2d(h, 2), (2, 2))
+    return a.pow(2).sum() + b.pow(2).sum() + F.pad(h, (1, 1)).flip(3).roll(1, 2).pow(2).sum() + F.unfold(h, 2).sum()
+
+
+def frames_upsampled_against_a_target(m, frames, target, tok, y):
+    up = F.interpolate(m.conv(frames.flatten(0, 1)), scale_factor=2)
+    return F.mse_loss(up, F.interpolate(target.flatten(0, 1), scale_factor=2))
+
+
+def frames_classified_one_label_per_frame(m, frames, target, tok, y):
+    """Labels ``[B*T]`` in the rows' order (``y.repeat_interleave(T)``: frame ``t`` of sample ``b`` is row
+    ``b*T + t``), and per-frame weights ``w.repeat(n)``."""
+    logits = m.head(m.conv(frames.flatten(0, 1)).mean((2, 3)))
+    w = torch.tensor([1.0, 3.0], dtype=frames.dtype)
+    return F.cross_entropy(logits, y.repeat_interleave(T)) + (logits.pow(2).sum(1) * w.repeat(frames.shape[0])).sum()
+
+
+def embedding_of_two_views(m, frames, target, tok, y):
+    """Two views of each token sequence in one batch, looked up in one table; labels tiled alike."""
+    both = m.emb(torch.cat([tok, tok.flip(1)])).mean(1)
+    return F.cross_entropy(m.head(both), torch.cat([y, y])) + m.emb(tok.repeat(2, 1)).pow(2).sum()
+
+
+def frames_labels_step_major(m, frames, target, tok, y):
+    logits = m.head(m.conv(frames.flatten(0, 1)).mean((2, 3)))  # row b*T + t; the label of row k is y[k % n]
+    return F.cross_entropy(logits, y.repeat(T))  # <frames_step_major>
+
+
+def frames_weights_step_major(m, frames, target, tok, y):
+    rows = m.conv(frames.flatten(0, 1)).pow(2).sum((1, 2, 3))
+    w = torch.tensor([1.0, 3.0], dtype=frames.dtype)
+    return (rows * w.repeat_interleave(frames.shape[0])).sum()  # <frames_weights>
+
+
+def embedding_of_two_views_labels_interleaved(m, frames, target, tok, y):
+    both = m.emb(torch.cat([tok, tok.flip(1)])).mean(1)
+    return F.cross_entropy(m.head(both), y.repeat_interleave(2))  # <emb_interleaved>
+
+
+def embedding_of_interleaved_views_labels_in_blocks(m, frames, target, tok, y):
+    both = m.emb(torch.stack([tok, tok.flip(1)], 1).flatten(0, 1)).mean(1)
+    return F.cross_entropy(m.head(both), torch.cat([y, y]))  # <emb_blocks>
+
+
+MERGED_ACCEPTED = {
+    "conv_over_frames_sum_of_squares": frames_sum_of_squares,
+    "conv_over_frames_through_spatial_ops": frames_through_spatial_ops,
+    "conv_over_frames_upsampled_mse": frames_upsampled_against_a_target,
+    "conv_over_frames_one_label_per_frame": frames_classified_one_label_per_frame,
+    "embedding_of_concatenated_or_repeated_tokens": embedding_of_two_views,
+}
+
+MERGED_REFUSED = {  # name -> (program, marker)
+    "conv_over_frames_labels_in_step_major_order": (frames_labels_step_major, "frames_step_major"),
+    "conv_over_frames_weights_in_step_major_order": (frames_weights_step_major, "frames_weights"),
+    "embedding_of_tiled_tokens_labels_interleaved": (embedding_of_two_views_labels_interleaved, "emb_interleaved"),
+    "embedding_of_interleaved_tokens_labels_in_blocks": (embedding_of_interleaved_views_labels_in_blocks,
+                                                         "emb_blocks"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MERGED_ACCEPTED))
+def test_merged_batch_accepted_exact(name):
+    program = MERGED_ACCEPTED[name]
+    m, args = merged_setup()
+    got = psg.per_sample(m, backend="eager")(lambda *a: program(m, *a))(*args)
+    ref = reference_per_sample(lambda *a: program(m, *a), dict(m.named_parameters()), args)
+    for key, r in ref.items():
+        torch.testing.assert_close(got[key], r, **TOL, msg=lambda msg, k=key: f"{name} {k}: {msg}")
+
+
+@pytest.mark.parametrize("name", sorted(MERGED_REFUSED))
+def test_merged_batch_refused(name):
+    program, marker = MERGED_REFUSED[name]
+    m, args = merged_setup()
+    with pytest.raises(psg.SampleMixingError) as info:
+        psg.per_sample(m, backend="eager")(lambda *a: program(m, *a))(*args)
+    message = str(info.value)
+    assert re.search(rf"{re.escape(THIS.name)}\D{{1,12}}{line_of(marker)}\b", message), message
+    assert "(row b*2 + t) in one, 2 blocks of B rows (row t*B + b) in another" in message, message
+    assert "Fix: build both in one order" in message
 
 
 # --------------------------------------------------------------- gradients inside the loss

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -568,3 +569,48 @@ def test_a_batch_of_the_wrong_width_is_refused_without_torchs_meta_traceback():
     finally:
         logger.removeFilter(mine)
         logger.removeHandler(handler)
+
+
+def test_rows_merged_with_frames_through_an_op_without_a_layout_rule_name_the_merge_and_the_view_back():
+    """``[B*T, ...]`` rows through an op whose layout the rewrite cannot follow (an FFT's backward) are refused
+    with the merge named and the view back to ``[B, T, ...]`` as the fix, which is then exact."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, padding=1).double()
+    frames = torch.randn(3, 2, 3, 6, 6, dtype=torch.float64)
+
+    def merged(x):
+        return torch.fft.rfft2(conv(x.flatten(0, 1))).abs().pow(2).sum()  # <merged_fft>
+
+    def viewed_back(x):
+        h = conv(x.flatten(0, 1))
+        return torch.fft.rfft2(h.view(x.shape[0], -1, *h.shape[1:])).abs().pow(2).sum()
+
+    with pytest.raises(psg.UnsupportedError, match=r"merged with another one \(2\*B, 4, 6, 6\)") as info:
+        psg.per_sample(conv, backend="eager")(merged)(frames)
+    lines = Path(__file__).read_text().splitlines()
+    line = next(i + 1 for i, text in enumerate(lines) if text.endswith("# <merged_fft>"))
+    assert re.search(rf"test_refusal_causes.py\D{{1,12}}{line}\b", str(info.value)), str(info.value)
+    assert "Fix: view the merged rows back to [B, T, ...]" in str(info.value)
+    got = psg.per_sample(conv, backend="eager")(viewed_back)(frames)
+    want = reference_per_sample(viewed_back, dict(conv.named_parameters()), (frames,))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-10)
+
+
+def test_a_slice_to_a_constant_length_is_whole_only_for_batches_it_covers():
+    """``h[:1000]`` keeps every sample of a batch of at most 1000 (Dynamo guards on it): exact there; a batch of
+    1001 is captured again, and the slice that drops its last sample is refused."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3).double()
+
+    def loss(x, y):
+        return F.cross_entropy(lin(x)[:1000], y[:1000])
+
+    fn = psg.per_sample(lin, backend="eager")(loss)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    got = fn(x, y)
+    want = reference_per_sample(loss, dict(lin.named_parameters()), (x, y))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-10)
+    with pytest.raises(psg.SampleMixingError, match="keeps only some samples"):
+        fn(torch.randn(1001, 4, dtype=torch.float64), torch.randint(0, 3, (1001,)))

@@ -27,15 +27,23 @@ _PROBE = 10007  # a stand-in batch size for grouping view dimensions; prime so n
 
 
 def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> Layout | None:
-    """The ``(outer, inner)`` layout of the batch inside dimension ``dim`` of ``node``, or None if unknown."""
+    """The ``(outer, inner)`` layout of the batch inside dimension ``dim`` of ``node``, or None if unknown; a
+    layout always covers the dimension (``outer * inner * B`` rows: a gather of fewer rows than its input has
+    none)."""
     value = value_of(node)
     if not isinstance(value, torch.Tensor) or depth > 64:
         return None
     dim = dim % value.dim()
     if batch.is_whole(value, dim):
         return (1, 1)
-    if batch.factor(value.shape[dim]) is None:
+    factor = batch.factor(value.shape[dim])
+    if factor is None:
         return None
+    found = _layout(node, value, dim, batch, depth)
+    return found if found is not None and found[0] * found[1] == factor else None
+
+
+def _layout(node: fx.Node, value: torch.Tensor, dim: int, batch: BatchDims, depth: int) -> Layout | None:
     target = node.target
     args = node.args
     if target in ops.VIEWS:
@@ -45,6 +53,8 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
     if target is ATEN.repeat.default:  # x.repeat(r, ...) along the batch: r blocks of samples, as cat([x] * r)
         repeats = args[1]
         src_dim = dim - (len(repeats) - value_of(args[0]).dim())
+        if not batch.dims(args[0]):  # a shared value tiled n times: one copy per sample
+            return shared_tiled(args[0], src_dim, repeats[dim], batch)
         below = None if src_dim < 0 else batch_layout(args[0], src_dim, batch, depth + 1)
         return None if below is None or not isinstance(repeats[dim], int) else (below[0] * repeats[dim], below[1])
     if target in (ATEN.unsqueeze.default, ATEN.squeeze.dim, ATEN.select.int):
@@ -52,10 +62,73 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
         if target is ATEN.unsqueeze.default:
             return None if dim == k else batch_layout(args[0], dim if dim < k else dim - 1, batch, depth + 1)
         return batch_layout(args[0], dim if dim < k else dim + 1, batch, depth + 1)
-    if target is ATEN.slice.Tensor:  # along another dimension, or whole: every sample stays where it was
+    if target is ATEN.slice.Tensor:  # along another dimension every sample stays where it was
         k = (args[1] if len(args) > 1 else 0) % value.dim()
-        return batch_layout(args[0], dim, batch, depth + 1) if k != dim or same_size(
-            value.shape[dim], value_of(args[0]).shape[dim]) else None
+        below = batch_layout(args[0], dim, batch, depth + 1)
+        if k != dim or below is None:
+            return below
+        start, step = (args[2] if len(args) > 2 else 0), (args[4] if len(args) > 4 else 1)
+        return sliced_layout(below, value_of(args[0]).shape[dim], value.shape[dim], start, step, batch)
+    if target is ATEN.slice_backward.default:  # zeros shaped input_sizes, the slice's gradient at its blocks
+        g, sizes, k, start, _end, step = args[:6]
+        if k % value.dim() != dim:
+            return batch_layout(g, dim, batch, depth + 1)
+        below = batch_layout(g, dim, batch, depth + 1)
+        whole = batch.factor(value.shape[dim])
+        if below is None or whole is None or whole % below[1]:
+            return None
+        layout = (whole // below[1], below[1])
+        return layout if sliced_layout(layout, value.shape[dim], value_of(g).shape[dim], start, step,
+                                       batch) == below else None
+    if target in KEEP_LEADING:  # pooling, padding, upsampling: the leading dims stay as they are
+        if dim >= value_of(args[0]).dim() - KEEP_LEADING[target]:
+            return None
+        return batch_layout(args[0], dim, batch, depth + 1)
+    if target in ops.CONVOLUTIONS or target in ops.BATCH_FIRST:  # rows of dim 0 apart, the other dims mixed
+        return batch_layout(args[0], 0, batch, depth + 1) if dim == 0 else None
+    if target in SAME_DIMS:  # the other dims stay where they are
+        kw = _normalized(node)
+        rank = value_of(args[0]).dim()
+        over = SAME_DIMS[target]
+        moved = {d % rank for d in (over if isinstance(over, tuple) else _listed(kw.get(over) if kw else None))}
+        if kw is None or dim in moved or dim >= rank or (target is ATEN.roll.default and not moved):
+            return None  # a roll without dims rolls the flattened tensor
+        return batch_layout(args[0], dim, batch, depth + 1)
+    if target in SCATTERS:  # writes along dim k of x from a source shaped like x: the other dims stay
+        kw = _normalized(node)
+        if kw is None or dim == kw["dim"] % value.dim():
+            return None
+        found = batch_layout(args[0], dim, batch, depth + 1)
+        source = kw.get("source", kw.get("src"))
+        if found is None and isinstance(source, fx.Node) and value_of(source).dim() == value.dim():
+            found = batch_layout(source, dim, batch, depth + 1)  # into zeros (index_select's backward)
+        return found
+    if target in (ATEN.view_as_real.default, ATEN.view_as_complex.default):  # the (real, imag) pair is last
+        last = value.dim() - 1 if target is ATEN.view_as_real.default else value.dim()
+        return batch_layout(args[0], dim, batch, depth + 1) if dim < last else None
+    if target is ATEN.unfold_backward.default:  # (grad [.., windows, ..., size], input_sizes, dim, size, step)
+        return None if dim == args[2] % value.dim() else batch_layout(args[0], dim, batch, depth + 1)
+    if target is ATEN.diagonal_backward.default:  # (grad [kept dims..., diagonal], input_sizes, offset, d1, d2)
+        taken = {args[3] % value.dim(), args[4] % value.dim()}
+        kept = [d for d in range(value.dim()) if d not in taken]
+        return batch_layout(args[0], kept.index(dim), batch, depth + 1) if dim in kept else None
+    if target in (ATEN.diagonal.default, ATEN.diagonal_copy.default):  # the other dims in order, the diagonal last
+        kw = _normalized(node)
+        rank = value_of(args[0]).dim()
+        taken = {kw.get("dim1", 0) % rank, kw.get("dim2", 1) % rank} if kw is not None else set(range(rank))
+        kept = [d for d in range(rank) if d not in taken]
+        return batch_layout(args[0], kept[dim], batch, depth + 1) if dim < len(kept) else None
+    if target is ATEN.constant_pad_nd.default:  # a dimension padded by nothing stays as it is
+        pads = list(args[1])
+        j = value.dim() - 1 - dim
+        return batch_layout(args[0], dim, batch, depth + 1) if pads[2 * j: 2 * j + 2] in ([], [0, 0]) else None
+    if target is ATEN.embedding.default:  # embedding(weight, indices): a row of the table per index
+        indices = args[1]
+        return batch_layout(indices, dim, batch, depth + 1) if dim < value_of(indices).dim() else None
+    if target in (ATEN.index.Tensor, ATEN._unsafe_index.Tensor):
+        return _through_shared_index(args[0], list(args[1]), dim, batch, depth)
+    if target in (ATEN.index_put.default, ATEN._unsafe_index_put.default):  # x[indices] = values
+        return _shared_index_put(node, dim, batch, depth)
     if target is ATEN.t.default:
         return batch_layout(args[0], 1 - dim if value.dim() == 2 else dim, batch, depth + 1)
     if target is ATEN.transpose.int:
@@ -82,6 +155,88 @@ def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> L
     return None
 
 
+# op -> number of trailing dims it mixes: the dims before them are the input's, in order, with the same samples.
+# Pooling, padding and upsampling mix their spatial dims (ops.SPATIAL, channels too for ops.MIXES_CHANNELS);
+# their backwards read the gradient first.
+KEEP_LEADING: dict = {}
+for _op, _k in [*ops.SPATIAL.items(), *ops.SPATIAL_BACKWARDS.items()]:
+    KEEP_LEADING[_op] = _k + (_op in ops.MIXES_CHANNELS)
+
+# op -> the dims it moves values along (an argument's name, or the dims): every other dim of the output is the
+# input's dim (FFTs, rot90, channel_shuffle, flip, roll, index_select, gather, unfold's windows).
+SAME_DIMS: dict = dict(ops.OVER_DIMS)
+for _names, _over in [(("flip", "roll"), "dims"), (("index_select", "gather"), "dim"),
+                      (("unfold", "unfold_copy"), "dimension")]:
+    for _op in ops._overloads(*_names):
+        SAME_DIMS[_op] = _over
+
+
+SCATTERS = ops._overloads("scatter.src", "scatter.value", "scatter_add", "scatter_reduce.two", "index_add",
+                          "index_copy", "index_fill.int_Scalar", "index_fill.int_Tensor")
+
+
+def _normalized(node) -> dict | None:
+    pair = normalize_function(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
+    return None if pair is None else pair.kwargs
+
+
+def _listed(dims) -> list:
+    return [] if dims is None else list(dims) if isinstance(dims, (list, tuple)) else [dims]
+
+
+def uniform(node) -> bool:
+    """A value filled with one constant (``torch.zeros_like(h)``, ``torch.full((n * t,), 0)``): every layout
+    describes it, so it pairs with per-sample values of any layout (a loss's target of zeros)."""
+    target = getattr(node, "target", None)
+    return target in ops.FACTORIES and torch.Tag.nondeterministic_seeded not in target.tags and \
+        target.overloadpacket.__name__ not in ("empty", "empty_like", "empty_strided", "new_empty",
+                                               "new_empty_strided", "empty_permuted")
+
+
+def shared_tiled(src: fx.Node, src_dim: int, times, batch: BatchDims) -> Layout | None:
+    """``w.repeat(k * n)`` of a shared ``w`` of ``size`` entries along ``src_dim``: element ``j`` is
+    ``w[j % size]``, so each sample owns ``k * size`` consecutive rows holding the same values (layout
+    ``(1, k * size)``). In any other layout the samples read different entries of ``w`` (``w.repeat(n)`` beside
+    step-major rows). None when the count is not a multiple of ``n``, or when every layout fits (``tiled_uniform``):
+    a layout found here must be the one mixing.py proved."""
+    times = value_of(times)
+    k = batch.factor(times) if isinstance(times, torch.SymInt) else None
+    size = value_of(src).shape[src_dim] if src_dim >= 0 else 1
+    return None if k is None or not isinstance(size, int) or tiled_uniform(src, src_dim) else (1, k * size)
+
+
+def tiled_uniform(src: fx.Node, src_dim: int) -> bool:
+    """Copies of a constant fill, or of a dim of size 1 (``w.repeat(n, 1)`` of ``w`` ``[c]``), are the same in
+    every layout."""
+    return src_dim < 0 or value_of(src).shape[src_dim] == 1 or uniform(src)
+
+
+def sliced_layout(layout: Layout, in_size, out_size, start, step, batch: BatchDims) -> Layout | None:
+    """The layout of a slice along a dimension of ``in_size = outer*B*inner`` rows holding the samples with
+    ``layout``, the slice ``out_size`` rows long from ``start`` with ``step``: the input's layout when it keeps
+    every row (``h[-n:]``; ``h[:1000]`` under Dynamo's guard ``n <= 1000``), ``(k, inner)`` when it keeps ``k``
+    whole blocks of the samples (``torch.cat([a, b, c])[n:2 * n]``); None when it cuts into a block (some samples
+    only, or samples shifted against the others: ``h[1:]``)."""
+    outer, inner = layout
+    if step != 1:
+        return None
+    if same_size(out_size, in_size):
+        return layout
+    unit = batch.symbol * inner
+    first, count = _in_blocks(value_of(start) if start is not None else 0, unit), _in_blocks(out_size, unit)
+    if first is None or count is None:
+        return None
+    first += outer if first < 0 else 0  # h[-n:] starts n rows before the end
+    return (count, inner) if count >= 1 and 0 <= first and first + count <= outer else None
+
+
+def _in_blocks(size, unit) -> int | None:
+    """``size / unit`` when it is a whole number for every batch size (``2*n`` in blocks of ``n``), else None."""
+    expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size) if isinstance(size, int) else None
+    ratio = None if expr is None else sympy.simplify(expr / unit)
+    return int(ratio) if ratio is not None and ratio.is_Integer else None
+
+
 def same_size(a, b) -> bool:
     """Sizes equal for every batch size (integers, or symbolic expressions whose difference simplifies to 0),
     decided on the expressions: no guard is added."""
@@ -90,10 +245,54 @@ def same_size(a, b) -> bool:
     return sympy.simplify(ea - eb) == 0
 
 
+def _read_dims(x, indices, batch) -> tuple[dict[int, int], int] | None:
+    """For ``x[indices]`` with shared integer index tensors: where each dim of ``x`` that is not indexed lands in
+    the result (advanced indexing's rule), and the result's rank. None when an index holds the batch or a mask."""
+    rank = value_of(x).dim()
+    indices = list(indices) + [None] * (rank - len(indices))
+    positions = [p for p, i in enumerate(indices) if i is not None]
+    values = [value_of(indices[p]) for p in positions]
+    if not positions or any(batch.dims(v) or v.dtype == torch.bool for v in values):
+        return None
+    s_rank = max(v.dim() for v in values)
+    rest = [d for d in range(rank) if d not in positions]
+    if positions == list(range(positions[0], positions[-1] + 1)):  # the index dims replace the indexed ones
+        lands = {d: i if d < positions[0] else i + s_rank for i, d in enumerate(rest)}
+    else:  # the index dims go first
+        lands = {d: s_rank + i for i, d in enumerate(rest)}
+    return lands, len(rest) + s_rank
+
+
+def _through_shared_index(x, indices, dim, batch, depth):
+    """``x[indices]`` with shared indices on other dims (``F.interpolate`` gathers rows and columns so): the
+    dims not indexed keep their samples."""
+    found = _read_dims(x, indices, batch)
+    src = [d for d, out in found[0].items() if out == dim] if found is not None else []
+    return batch_layout(x, src[0], batch, depth + 1) if src else None
+
+
+def _shared_index_put(node, dim, batch, depth):
+    """``x[indices] = values`` with shared indices on other dims: the samples sit where ``x`` holds them, or, in a
+    value with no layout of its own (zeros: ``F.interpolate``'s backward), where ``values`` holds them, read at
+    ``x[indices]``."""
+    x, indices, values = node.args[:3]
+    found = _read_dims(x, indices, batch)
+    if found is None or dim not in found[0]:
+        return None
+    below = batch_layout(x, dim, batch, depth + 1)
+    if below is not None:
+        return below
+    lands, read_rank = found
+    src = lands[dim] - (read_rank - value_of(values).dim())
+    return batch_layout(values, src, batch, depth + 1) if src >= 0 else None
+
+
 def _through_cat(node, value, dim, batch, depth):
     """Along another dim the parts hold the samples alike; along the batch dim they are blocks of samples."""
     parts = [p for p in node.args[0] if tuple(value_of(p).shape) != (0,)]  # cat skips legacy empty 1-D parts
     k = (node.args[1] if len(node.args) > 1 else 0) % value.dim()
+    if dim != k:  # a constant fill beside the others holds any layout (zeros in a split's backward)
+        parts = [p for p in parts if not uniform(p)] or parts
     layouts = [batch_layout(p, dim, batch, depth + 1) for p in parts]
     if None in layouts:
         return None

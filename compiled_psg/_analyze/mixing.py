@@ -41,7 +41,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from . import ops
 from .batch_dims import BatchDims, value_of
-from .layout import Layout, same_size, view_layout
+from .layout import Layout, same_size, shared_tiled, sliced_layout, tiled_uniform, view_layout
 from .source import where
 
 ATEN = torch.ops.aten
@@ -333,9 +333,23 @@ def _merge_layouts(layouts) -> Layout | None:
     """The common layout of values that must hold the samples alike (None entries fit any layout)."""
     found = {lay for lay in layouts if lay is not None}
     if len(found) > 1:
+        first, second = sorted(found)[:2]
         raise _mix("it combines values whose elements belong to different samples (the batch is laid out "
-                   "differently in them)")
+                   f"differently in them: {_rows(first)} in one, {_rows(second)} in another)",
+                   "build both in one order: rows of x.flatten(0, 1) (row b*T + t) pair with y.repeat_interleave(T) "
+                   "and w.repeat(B); blocks of torch.cat([a, b]) or x.repeat(2, 1) (row t*B + b) pair with "
+                   "torch.cat([y, y]) and y.repeat(2)")
     return found.pop() if found else None
+
+
+def _rows(layout: Layout) -> str:
+    """A layout in words: which rows of the merged batch dimension belong to sample ``b``."""
+    outer, inner = layout
+    if outer == 1:
+        return "one row per sample" if inner == 1 else f"each sample's {inner} rows together (row b*{inner} + t)"
+    if inner == 1:
+        return f"{outer} blocks of B rows (row t*B + b)"
+    return f"{outer} blocks of B groups of {inner} rows"
 
 
 def _no_sample_index(facts) -> None:
@@ -560,10 +574,12 @@ def _dim_op(an: Analysis, node: fx.Node) -> Fact:
             return fact if not an.batch.is_batched(node) else _from_shape(an, node)
         return _moved(fact, lambda d: d + offset, "expands")
     if name == "repeat":
-        if isinstance(fact, Shared | Pooled):
-            return fact if not an.batch.is_batched(node) else _from_shape(an, node)
         repeats = kw["repeats"]
         offset = len(repeats) - rank
+        if isinstance(fact, Shared | Pooled):
+            if not an.batch.is_batched(node) or isinstance(fact, Pooled):
+                return fact
+            return _tiled_shared(an, node, repeats, offset)
         times = repeats[fact.dim + offset]
         if isinstance(fact, SampleIndex) or (times != 1 and not isinstance(times, int)):
             raise _mix("it repeats batch positions")
@@ -574,9 +590,8 @@ def _dim_op(an: Analysis, node: fx.Node) -> Fact:
         return _moved(fact, lambda d: None if d == k else d - (k < d), "picks one element of")
     if name in ("slice", "narrow"):
         k = _norm_dim(kw["dim"], rank)
-        if isinstance(fact, PerSample | SampleIndex) and k == fact.dim and not _whole_slice(node, kw, an):
-            raise _mix("it keeps only some samples, or shifts samples against each other (as h[1:] - h[:-1] "
-                       "does along the batch)", _FIX_DIM)
+        if isinstance(fact, PerSample | SampleIndex) and k == fact.dim:
+            return _sliced(an, node, kw, fact)
         return fact
     if name == "flip":
         dims = [_norm_dim(d, rank) for d in kw["dims"]]
@@ -613,6 +628,42 @@ def _dim_op(an: Analysis, node: fx.Node) -> Fact:
         _no_sample_index([fact])
         return fact
     raise _unknown(_op_name(node))
+
+
+def _tiled_shared(an: Analysis, node: fx.Node, repeats, offset: int) -> Fact:
+    """``w.repeat(n)`` of a shared ``w``: each sample's rows hold a copy of ``w`` only in the layout of
+    ``shared_tiled`` (``w.repeat(n) * h.flatten(0, 1)`` with ``h`` ``[n, t]``); step-major rows would each read
+    other entries of ``w``."""
+    dims = an.batch.dims(value_of(node))
+    if len(dims) != 1:
+        raise _unknown(_op_name(node), " (it tiles a shared value into more than one batch dimension)")
+    if tiled_uniform(node.args[0], dims[0] - offset):
+        return _from_shape(an, node)
+    layout = shared_tiled(node.args[0], dims[0] - offset, repeats[dims[0]], an.batch)
+    if layout is None:
+        raise _unknown(_op_name(node), " (it tiles a shared value by a count that is not a multiple of the batch "
+                                       "size)")
+    return PerSample(dims[0], layout)
+
+
+def _sliced(an: Analysis, node: fx.Node, kw: dict, fact: PerSample | SampleIndex) -> Fact:
+    """A slice along the batch dimension: every row (``h[-n:]``), or whole blocks of a batch that ``cat`` or
+    ``repeat`` tiled (``torch.cat([a, b])[n:]``, layout ``sliced_layout``). Positions and values the same for
+    every sample (no layout) only whole."""
+    src, out = value_of(node.args[0]), value_of(node)
+    layout = fact.layout if isinstance(fact, PerSample) and fact.layout is not None else None
+    blocks = layout or (an.batch.factor(src.shape[fact.dim]) or 1, 1)
+    start = kw.get("start")
+    found = sliced_layout(blocks, src.shape[fact.dim], out.shape[fact.dim], start, kw.get("step", 1), an.batch)
+    if found is not None and (layout is not None or found == blocks):
+        return fact if layout is None else PerSample(fact.dim, found)
+    if blocks[0] > 1:
+        raise _mix(f"it cuts into the {blocks[0]} blocks of samples that cat or repeat joined along the batch "
+                   "dimension, keeping only some samples of a block or shifting them against each other",
+                   "slice whole blocks (h[n:2 * n] of torch.cat([a, b, c]), n = the batch size), or slice each "
+                   "part before joining them")
+    raise _mix("it keeps only some samples, or shifts samples against each other (as h[1:] - h[:-1] does along "
+               "the batch)", _FIX_DIM)
 
 
 def _parts_of_the_batch() -> _Refuse:
@@ -1041,7 +1092,7 @@ def _cdist_backward(an: Analysis, node: fx.Node) -> Fact:
     return _distances(an, node, [grad, x1, x2, dist], ["pr", "pm", "rm", "pr"], "pm")
 
 
-@_handles(ops._overloads("convolution", "_convolution", "conv2d", "conv1d", "conv3d"))
+@_handles(ops.CONVOLUTIONS)
 def _convolution(an: Analysis, node: fx.Node) -> Fact:
     x, weight = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else None
@@ -1423,11 +1474,7 @@ def _bucketize(an: Analysis, node: fx.Node) -> Fact:
     raise _mix("it searches boundaries made from several samples")
 
 
-_BATCH_FIRST = ops._overloads("grid_sampler_2d", "grid_sampler_3d", "_prelu_kernel", "_thnn_fused_lstm_cell",
-                              "_thnn_fused_gru_cell", "max_unpool2d", "max_unpool3d")
-
-
-@_handles(_BATCH_FIRST)
+@_handles(ops.BATCH_FIRST)
 def _batch_first(an: Analysis, node: fx.Node) -> Fact:
     """Ops whose tensors all hold independent rows in dimension 0 (the batch of the op)."""
     facts = _tensor_facts(an, node)

@@ -224,6 +224,11 @@ for _names, _extra in [
         LOSSES[_op] = _extra
 NLL_LOSSES = _overloads("nll_loss_forward", "nll_loss2d_forward")
 
+CONVOLUTIONS = _overloads("convolution", "_convolution", "conv2d", "conv1d", "conv3d")
+# Ops whose tensors all hold independent rows in dimension 0 (the batch of the op); the other dims mix.
+BATCH_FIRST = _overloads("grid_sampler_2d", "grid_sampler_3d", "_prelu_kernel", "_thnn_fused_lstm_cell",
+                         "_thnn_fused_gru_cell", "max_unpool2d", "max_unpool3d")
+
 # Normalization layers: op -> (number of trailing normalized dims source, kind)
 LAYER_NORMS = _overloads("native_layer_norm", "_fused_rms_norm")
 GROUP_NORMS = _overloads("native_group_norm")

@@ -219,10 +219,7 @@ def lift_to_per_sample(graph: fx.Graph, targets: list[fx.Node], batch: BatchDims
             if contraction is None:
                 contraction = fallback_contraction(node, batch)
                 if contraction is None:
-                    raise UnsupportedError(
-                        f"no rule for {op_node.target} at {source_line(node)}, and the vmap fallback cannot find "
-                        "the batch dimension of its inputs. Add a rule in compiled_psg/_rewrite/rules "
-                        "(docs/contributing.md) or open an issue with this message")
+                    raise _no_layout(node, op_node, batch)
                 log.warning("compiled_psg: no rule for %s (%s); using the vmap fallback for this op",
                             op_node.target, source_line(node))
             ps[node] = _emit_rule(graph, contraction.per_sample, contraction.inputs, contraction.rule, after, op_node,
@@ -293,6 +290,39 @@ def _emit_rule(graph: fx.Graph, fn, inputs: list, tag: str, before: fx.Node, op_
             "(docs/supported-ops.md; for a solve with a matrix factored from a parameter, make the factor the "
             "parameter or use torch.linalg.solve), or add a rule in compiled_psg/_rewrite/rules "
             "(docs/contributing.md)") from e
+
+
+def _no_layout(node: fx.Node, op_node: fx.Node, batch: BatchDims) -> UnsupportedError:
+    """No rule, and no fallback: the layout of a batched input is unknown. Where the batch is merged with another
+    dimension (``[B*T, ...]`` rows of ``x.flatten(0, 1)``), the layout walk (``_analyze/layout.py``) lost which rows
+    belong to which sample at an op it has no fact for; the user can view the rows back to ``[B, T, ...]``."""
+    where = source_line(node)
+    where = f"in the backward of {_forward_line(node)}" if where.startswith("unknown") else f"at {where}"
+    merged = [a for a in flat_nodes(op_node) for d in batch.dims(a) if not batch.is_whole(a, d)]
+    if merged:
+        shape = ", ".join(str(s).replace(str(batch.symbol), "B") for s in value_of(merged[0]).shape)
+        return UnsupportedError(
+            f"{op_node.target} {where} reads a value whose batch dimension is merged with another one ({shape}), "
+            "and compiled_psg cannot tell which of its rows belong to which sample: an op between the merge "
+            "(x.flatten(0, 1), torch.cat, repeat) and here has no layout rule. Fix: view the merged rows back to "
+            "[B, T, ...] right after the layer that needs them merged (h = conv(x.flatten(0, 1)); h = "
+            "h.view(x.shape[0], -1, *h.shape[1:])), or open an issue naming the ops in between")
+    return UnsupportedError(
+        f"no rule for {op_node.target} {where}, and the vmap fallback cannot find the batch dimension of its "
+        "inputs. Add a rule in compiled_psg/_rewrite/rules (docs/contributing.md) or open an issue with this message")
+
+
+def _forward_line(node: fx.Node) -> str:
+    """A backward node carries no source line: the line of the nearest forward value it reads (a convolution's
+    backward reads the convolution's input)."""
+    seen, queue = {node}, list(node.all_input_nodes)
+    while queue:
+        n = queue.pop(0)
+        if n.meta.get("stack_trace"):
+            return source_line(n)
+        queue += [a for a in n.all_input_nodes if a not in seen]
+        seen.update(n.all_input_nodes)
+    return "the loss"
 
 
 def _refuse_if_batch_pinned(emitted: fx.Node, op_node: fx.Node, node: fx.Node, batch: BatchDims) -> None:

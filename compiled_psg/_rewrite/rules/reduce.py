@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..._analyze import ops
 from ..._analyze.batch_dims import BatchDims, value_of
-from ..._analyze.layout import batch_layout, split_batch
+from ..._analyze.layout import batch_layout, split_batch, uniform
 from ..._errors import InternalError
 from ..contraction import Contraction
 from ..registry import contraction_rule
@@ -16,10 +16,14 @@ from ..registry import contraction_rule
 ATEN = torch.ops.aten
 
 
-def _single_batched_dim(node: fx.Node, batch: BatchDims):
+def _single_batched_dim(node: fx.Node, batch: BatchDims, like=None):
+    """``(dim, layout)`` of the one batch dimension of ``node``; ``like``'s layout for a constant fill (a target of
+    zeros shaped like the batch fits any layout)."""
     dims = batch.dims(node)
     if len(dims) != 1:
         return None
+    if like is not None and uniform(node) and dims[0] == like[0]:
+        return like
     layout = batch_layout(node, dims[0], batch)
     return None if layout is None else (dims[0], layout)
 
@@ -88,7 +92,7 @@ def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
     if node.args[1] != 0:
         return None  # total_weight: only used by the backward
     found = _single_batched_dim(inp, batch)
-    tfound = _single_batched_dim(target, batch)
+    tfound = None if found is None else _single_batched_dim(target, batch, like=found)
     if found is None or tfound is None or found[0] != 0 or tfound[0] != 0 or found[1] != tfound[1]:
         return None
     layout = found[1]
@@ -144,7 +148,7 @@ def elementwise_loss(op: torch._ops.OpOverload):
         for k in tensors[1:]:  # batched operands: the input's shape and batch dimension
             other = values[k]
             if batch.dims(other) and (value_of(other).shape != value_of(inp).shape
-                                      or _single_batched_dim(other, batch) != found):
+                                      or _single_batched_dim(other, batch, like=found) != found):
                 return None
         bdim, layout = found
 
