@@ -569,3 +569,31 @@ def test_a_batch_of_the_wrong_width_is_refused_without_torchs_meta_traceback():
     finally:
         logger.removeFilter(mine)
         logger.removeHandler(handler)
+
+
+def _ctc(lin, x, targets, input_lengths, target_lengths):
+    return F.ctc_loss(lin(x).log_softmax(-1).transpose(0, 1), targets, input_lengths, target_lengths)
+
+
+@pytest.mark.parametrize("op", ["ctc_loss", "lstsq"])
+def test_an_op_with_a_data_dependent_output_shape_is_named_as_unsupported(op):
+    """F.ctc_loss (tensor lengths) and torch.linalg.lstsq have output shapes that depend on values, which Dynamo
+    does not trace: the refusal names the op, the user's line, the cause and docs/limits.md, not a graph break to
+    rewrite without Python control flow; lstsq's names the solve that gives its solution."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 6)
+    if op == "ctc_loss":
+        fn = psg.per_sample(lin, backend="eager")(lambda x, t, il, tl: _ctc(lin, x, t, il, tl))
+        args = (torch.randn(4, 8, 4), torch.randint(1, 6, (4, 3)), torch.tensor([8, 7, 8, 6]),
+                torch.tensor([3, 2, 1, 3]))
+        named, fix = r"aten\._ctc_loss\.Tensor", r"compute it outside the per-sample function"
+    else:
+        rhs = torch.randn(6, 2)
+        fn = psg.per_sample(lin, backend="eager")(lambda x: torch.linalg.lstsq(lin(x).t(), rhs).solution.sum())
+        args = (torch.randn(5, 4),)
+        named, fix = r"aten\.linalg_lstsq", r"torch\.linalg\.solve\(A\.mT @ A, A\.mT @ B\)"
+    with pytest.raises(psg.CaptureError, match=rf"the loss calls {named}\S* at \S*test_refusal_causes.py:\d+ .*the "
+                                               r"shape of its output depends on the values of its inputs.*"
+                                               rf"docs/limits\.md.*Fix: .*{fix}") as info:
+        fn(*args)
+    assert "Python control flow" not in str(info.value)

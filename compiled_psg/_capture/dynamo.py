@@ -898,8 +898,36 @@ def _graph_break(e: Exception) -> CaptureError:
                    "torch.where for data-dependent choices")
         else:
             fix = "rewrite this line with torch operations (no Python control flow on tensor values)"
+    dynamic = _DYNAMIC_SHAPE_OP.search(text)
+    if dynamic:
+        return _dynamic_shape_operator(dynamic.group(1) or dynamic.group(2), where, text)
     return CaptureError(f"compiled_psg needs the loss function as one graph, and Dynamo cannot capture it "
                         f"(a graph break) {where}: {reason}\nFix: {fix}. Details from Dynamo:\n{text}")
+
+
+#: Dynamo's graph break at an op whose output shape depends on its inputs' values (``aten._ctc_loss.Tensor``,
+#: ``aten.linalg_lstsq.default``; the same text on torch 2.11 to 2.15)
+_DYNAMIC_SHAPE_OP = re.compile(r"Operator `([^`]+)`'s output shape depends on input Tensor data"
+                               r"|dynamic shape operator: (\S+?);")
+
+#: op -> a form with the same values that the capture traces, where one exists
+_DYNAMIC_SHAPE_FIXES = {
+    "aten.linalg_lstsq": "for a matrix A of full column rank, torch.linalg.solve(A.mT @ A, A.mT @ B) (or "
+                         "torch.linalg.pinv(A) @ B) gives lstsq's solution with ops the capture traces",
+}
+
+
+def _dynamic_shape_operator(op: str, where: str, text: str) -> CaptureError:
+    """An op whose output shape depends on the values of its inputs: Dynamo does not trace it into a graph (it is
+    not the user's control flow), so compiled_psg does not support it (docs/limits.md)."""
+    packet = op.rsplit(".", 1)[0] if op.count(".") > 1 else op
+    fix = _DYNAMIC_SHAPE_FIXES.get(packet, "compute it outside the per-sample function, or write it with other "
+                                           "torch operations")
+    return CaptureError(
+        f"the loss calls {op} {where}: the shape of its output depends on the values of its inputs, and "
+        "torch.compile (Dynamo) does not trace such an op into a graph, so compiled_psg, which needs the loss as "
+        f"one graph, does not support it (docs/limits.md lists these ops). Fix: {fix}.\n"
+        f"(Dynamo: {' '.join(text.strip().splitlines()[:2]).strip()})")
 
 
 _NO_FAKE_KERNEL = re.compile(r"unsupported operator: (\S+)")
