@@ -344,6 +344,19 @@ def test_a_batch_that_does_not_fit_the_loss_at_any_size_is_a_batch_input_error(x
     torch.testing.assert_close(got["weight"], want["weight"])
 
 
+def test_a_loss_that_fails_for_every_batch_names_torchs_error_at_the_users_line():
+    """A shape bug in the loss (a parameter of the wrong width after a flatten that merges the batch with another
+    dimension): torch's error with the batch's own sizes, at the user's line, as the user's bug, not a capture
+    failure to report (the symbolic trace's sizes, [2*s, 108], differ from the fixed ones in more than numbers)."""
+    w = nn.Parameter(torch.randn(4, 27))
+    fn = psg.per_sample({"w": w}, backend="eager")(
+        lambda x: (x.flatten(0, 1).flatten(1) @ w.t()).pow(2).sum())  # the buggy line
+    with pytest.raises(psg.BatchInputError, match=r"(?s)the loss fails on this batch at \S*test_refusal_causes.py:\d+ "
+                                                  r".*# the buggy line: RuntimeError: .*\[6, 108\] X \[27, 4\].*"
+                                                  r"torch's own error.*a bug at this line"):
+        fn(torch.randn(3, 2, 3, 6, 6))
+
+
 @pytest.mark.parametrize(("size", "step"), [(2, 1), (3, 2)])
 def test_windows_over_the_batch_are_sample_mixing_at_the_unfold(size, step):
     """``x.unfold(0, ...)`` slides windows over the samples. The backward's size expression has no value at a batch

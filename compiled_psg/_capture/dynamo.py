@@ -990,10 +990,15 @@ def _abort_when_run(gm, example_inputs):
     return aborted
 
 
+_SYMBOLIC_SIZE = re.compile(r"(?<=[\[(,])[^\[\](),]*\bs\d+\b[^\[\](),]*")
+
+
 def _same_failure(a: BaseException, b: BaseException) -> bool:
-    """The same error of the same op, sizes aside (``[s27, 6]`` traced symbolically, ``[8, 6]`` with fixed sizes)."""
+    """The same error of the same op, sizes aside (``[s27, 6]`` or ``[2*s27, 6]`` traced symbolically, ``[8, 6]``
+    with fixed sizes)."""
     def words(e: BaseException) -> str:
-        return re.sub(r"\bs?\d+\b", "#", (str(e).strip().splitlines() or [""])[0])
+        first = (str(e).strip().splitlines() or [""])[0]
+        return re.sub(r"\bs?\d+\b", "#", _SYMBOLIC_SIZE.sub("#", first))
     return type(a) is type(b) and words(a) == words(b)
 
 
@@ -1041,10 +1046,13 @@ def _runtime_failure(e: Exception, fails_with_static_sizes=lambda: None) -> PerS
     if static is not None:
         return BatchInputError(
             f"the loss fails on this batch{where}: {type(static).__name__}: "
-            f"{(str(static).strip().splitlines() or [''])[0]}\nThe batch does not fit the "
-            "loss at any batch size (it fails the same way with every size fixed), so this is not a limit of "
-            "per-sample gradients. Fix: give the batch the shapes and dtypes the model takes (the loss must run "
-            "on it eagerly); if it does run eagerly on this batch, report this message to compiled_psg")
+            f"{(str(static).strip().splitlines() or [''])[0]}\nThis is torch's own error, raised with this "
+            "batch's own sizes too (it fails the same way with every size fixed), as the loss would fail without "
+            "compiled_psg: the batch does not fit the loss at any batch size, so this is not a limit of "
+            "per-sample gradients. Either the "
+            "batch does not have the shapes and dtypes the loss takes, or the loss has a bug at this line (a "
+            "tensor or parameter of the wrong shape). Fix: make the loss run eagerly on this batch "
+            "(loss_fn(*batch)); if it does, report this message to compiled_psg")
     return CaptureError(
         f"torch failed while tracing the loss on fake tensors with a symbolic batch size{where}: "
         f"{type(root).__name__}: {first}\nFix: check that the loss runs eagerly on this batch and on a batch of "
