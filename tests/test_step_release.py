@@ -201,3 +201,37 @@ def test_a_loss_that_writes_a_trained_parameter_is_refused_before_anything_chang
     with pytest.raises(psg.UnsupportedError, match=r"writes the parameter 'weight' in place.*p.clamp_"):
         step(*_batch())
     assert step.steps_taken == 0 and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+_STASH = torch.zeros(4)
+
+
+@pytest.mark.parametrize("where", ["global", "closure"])
+def test_a_tensor_outside_the_model_written_from_the_batch_is_named_as_such(where):
+    """A global or a tensor the loss closes over, written from the batch: refused before anything changes, named as
+    what it is (not "buffer 'a tensor'"), with a fix that applies to it (public_buffers takes model buffers only)."""
+    from test_step_transaction import _same_state, _state
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    local = torch.zeros(4)
+
+    def loss(x, y):
+        with torch.no_grad():
+            (_STASH if where == "global" else local).copy_(x.mean(0))  # the write
+        return F.cross_entropy(model(x), y)
+
+    gen = torch.Generator().manual_seed(1)
+    step = psg.compile_step(loss, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            max_grad_norm=1.0, noise_multiplier=1.0, backend="eager", generator=gen)
+    before, rng = _state(model, step, gen), torch.get_rng_state()
+    named = (r"the global tensor _STASH \(module \S*test_step_release\)" if where == "global"
+             else "the tensor local that the loss function closes over")
+    with pytest.raises(psg.DPConfigError, match=rf"into tensors outside the model.*{named}, written at "
+                                                r"\S*test_step_release.py:\d+ in loss: .*# the write.*No step was "
+                                                r"taken\. Fix: for a tensor outside the model.*model's buffers only"
+                       ) as info:
+        step(*_batch())
+    assert "buffer" not in str(info.value).split("Fix:")[0] and "public_buffers=[" not in str(info.value)
+    assert _same_state(before, _state(model, step, gen)) and torch.equal(rng, torch.get_rng_state())
+    assert _STASH.abs().sum() == 0 and local.abs().sum() == 0

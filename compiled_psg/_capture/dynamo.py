@@ -240,6 +240,9 @@ class Captured:
     batch_size_branches: list[str] = field(default_factory=list)
     #: in-place writes of parameters or buffers that read a batched argument, found once (``_train.release``)
     batch_dependent_writes: list | None = None
+    #: placeholder index -> how the user names a constant tensor the loss reads from outside the model (a global,
+    #: a tensor the loss closes over), from Dynamo's source of it (``tensor_names``)
+    tensor_names: dict[int, str] = field(default_factory=dict)
 
 
 class _Abort(Exception):
@@ -1120,7 +1123,40 @@ def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[
                     mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
                     guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins")),
                                   tensor_sources=_constant_sources(constants), extra=extra),
-                    inner_grads=_pending.get("inner_grads", []), batch_size_branches=branches)
+                    inner_grads=_pending.get("inner_grads", []), batch_size_branches=branches,
+                    tensor_names=tensor_names(_pending.get("sources") or [], constants, loss_fn))
+
+
+_IMPORTED_GLOBAL = re.compile(r"^G\['__import_(.+?)'\]\.(.+)$")
+_GLOBAL = re.compile(r"^G\['([^']+)'\](.*)$")
+_CLOSED_OVER = re.compile(r"^L\['loss_fn'\]\.__closure__\[(\d+)\]\.cell_contents(.*)$")
+
+
+def _dotted(path: str) -> str:
+    """``._buffers['mean']`` -> ``._buffers.mean``: item reads of a Dynamo source as attributes."""
+    return re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+
+
+def tensor_names(sources: list, constants: dict[int, object], loss_fn) -> dict[int, str]:
+    """For each constant tensor input, how the user's code names it, from Dynamo's source: ``the global tensor
+    stash (module __main__)``, ``the tensor stats.mean that the loss function closes over``; Dynamo's source
+    itself where it is another path."""
+    names = {}
+    freevars = getattr(getattr(loss_fn, "__code__", None), "co_freevars", ())
+    for i, value in constants.items():
+        source = sources[i] if i < len(sources) else None
+        if not isinstance(value, torch.Tensor) or not source:
+            continue
+        if (m := _IMPORTED_GLOBAL.match(source)) is not None:
+            names[i] = f"the global tensor {_dotted(m.group(2))} (module {m.group(1).replace('_dot_', '.')})"
+        elif (m := _GLOBAL.match(source)) is not None:
+            names[i] = f"the global tensor {m.group(1)}{_dotted(m.group(2))}"
+        elif (m := _CLOSED_OVER.match(source)) is not None and int(m.group(1)) < len(freevars):
+            names[i] = (f"the tensor {freevars[int(m.group(1))]}{_dotted(m.group(2))} that the loss function closes "
+                        "over")
+        else:
+            names[i] = f"the tensor at {source} (Dynamo's path to it)"
+    return names
 
 
 def _constant_sources(constants: dict[int, object]) -> list[tuple[str, torch.Tensor]]:
