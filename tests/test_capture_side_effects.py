@@ -40,25 +40,34 @@ def test_refused_batchnorm_leaves_running_stats_alone():
 class Counting(nn.Module):
     """Counts its calls in a buffer and keeps a running mean of its inputs: both updated in forward."""
 
-    def __init__(self):
+    def __init__(self, rebind=False):
         super().__init__()
         self.fc = nn.Linear(4, 3)
         self.register_buffer("calls", torch.zeros(1, dtype=torch.float64))  # not 0-dim: see docs/semantics.md
         self.register_buffer("ema", torch.zeros(4, dtype=torch.float64))
         self.seen = 0  # a Python attribute written in forward
+        self.rebind = rebind  # the buffers updated by rebinding them instead of in place
 
     def forward(self, x):
-        self.calls.add_(1)
-        with torch.no_grad():
-            self.ema.mul_(0.5).add_(0.5 * x.mean(0))
+        if self.rebind:
+            self.calls = self.calls + 1
+            with torch.no_grad():
+                self.ema = 0.5 * self.ema + 0.5 * x.mean(0)
+        else:
+            self.calls.add_(1)
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(0.5 * x.mean(0))
         self.seen = self.seen + 1
         return self.fc(x)
 
 
-def test_buffer_updates_apply_once_per_call_as_in_eager():
+@pytest.mark.parametrize("rebind", [False, True], ids=["in_place", "rebound"])
+def test_buffer_updates_apply_once_per_call_as_in_eager(rebind):
+    """In place (``self.ema.mul_(0.5).add_(...)``) or by rebinding the registered buffer (``self.ema = 0.5 *
+    self.ema + ...``): each call leaves in the buffers what one eager call does."""
     torch.manual_seed(0)
-    model = Counting().double()
-    twin = Counting().double()
+    model = Counting(rebind).double()
+    twin = Counting(rebind).double()
     twin.load_state_dict(model.state_dict())
     x, y = _data()
 
@@ -75,6 +84,40 @@ def test_buffer_updates_apply_once_per_call_as_in_eager():
     params = dict(model.named_parameters())
     _assert_matches(grads, reference_per_sample(lambda a, b: F.cross_entropy(model.fc(a), b), params, (x * 3, y)))
     assert loss.captures == 1
+
+
+class Rebinding(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.fc = nn.Linear(4, 3).double()
+        self.register_buffer("ema", torch.zeros(4, dtype=torch.float64))
+        self.how = how
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.how == "unread":
+                self.ema = x.mean(0)  # the rebinding
+            elif self.how == "shape":
+                self.ema = 0.5 * self.ema + x[:, :1]  # the rebinding
+            else:
+                self.ema = None  # the rebinding
+        return self.fc(x)
+
+
+@pytest.mark.parametrize(("how", "cause"), [
+    ("unread", "without reading it"), ("shape", r"another shape or dtype \(torch.float64\[s\d+, 4\]"),
+    ("none", "not a tensor computed in the loss")])
+def test_a_rebinding_that_cannot_be_written_into_the_buffer_is_refused(how, cause):
+    """A rebound buffer the runner cannot update as eager torch does is refused, naming the buffer, the line and
+    the in-place form, never dropped; the refused capture leaves the buffer alone."""
+    torch.manual_seed(0)
+    model = Rebinding(how)
+    fn = psg.per_sample(model, backend="eager")(lambda x, y: F.cross_entropy(model(x), y))
+    line = "" if how == "none" else r" \(\S*test_capture_side_effects.py:\d+ in forward: .*# the rebinding\)"
+    with pytest.raises(psg.UnsupportedError, match=rf"rebinds the buffer 'ema' of the model{line} .*{cause}.*"
+                                                   r"Fix: .*self\.ema\.copy_"):
+        fn(*_data())
+    assert torch.equal(model.ema, torch.zeros(4, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])

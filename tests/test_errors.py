@@ -88,12 +88,62 @@ def contrastive():
     return enc, loss, data()
 
 
+def batchnorm_eval_without_running_stats():
+    torch.manual_seed(0)
+    bn, head = nn.BatchNorm2d(2, track_running_stats=False).double().eval(), nn.Linear(2 * 4 * 4, 3).double()
+    model = nn.ModuleList([bn, head])
+
+    def loss(x, y):
+        return F.cross_entropy(head(bn(x).flatten(1)), y)  # <batchnorm_no_stats>
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 2, 4, 4, generator=g, dtype=F64)
+    return model, loss, (x, torch.randint(0, 3, (4,), generator=g))
+
+
+def instance_norm_over_the_batch():
+    torch.manual_seed(0)
+    norm, head = nn.InstanceNorm1d(2, affine=True).double(), nn.Linear(2 * 3, 3).double()
+    model = nn.ModuleList([norm, head])
+
+    def loss(x, y):
+        h = norm(x.permute(2, 1, 0)).permute(2, 1, 0)  # <instance_norm_batch>
+        return F.cross_entropy(head(h.flatten(1)), y)
+
+    g = torch.Generator().manual_seed(0)
+    return model, loss, (torch.randn(4, 2, 3, generator=g, dtype=F64), torch.randint(0, 3, (4,), generator=g))
+
+
+def write_at_batch_positions(op):
+    def build():
+        torch.manual_seed(0)
+        lin = nn.Linear(5, 3).double()
+
+        def loss(x, y):
+            n, h = x.shape[0], lin(x)
+            at = torch.arange(n)
+            out = {"index_add": lambda z: z.index_add(0, at, h),  # <index_add_at_arange>
+                   "index_copy": lambda z: z.index_copy(0, at, h),  # <index_copy_at_arange>
+                   "scatter": lambda z: z.scatter(0, at[:, None].expand(-1, 3), h),  # <scatter_at_arange>
+                   }[op](torch.zeros(n, 3, dtype=F64))
+            return F.cross_entropy(out, y)
+
+        return lin, loss, data()
+    return build
+
+
 MIXING = [
     # id, builder, marker, acceptable op names (one must appear), required fix words
     ("batchnorm_train", batchnorm_train, "batchnorm", ["batch_norm"], ["eval", "GroupNorm"]),
     ("center_over_batch", center_over_batch, "center", ["mean", "sum"], ["fix"]),
     ("softmax_dim0", softmax_over_batch, "softmax0", ["softmax"], ["fix"]),
     ("contrastive_z_zT", contrastive, "contrastive", ["mm", "matmul", "bmm"], ["fix"]),
+    ("batchnorm_eval_without_running_stats", batchnorm_eval_without_running_stats, "batchnorm_no_stats",
+     ["batch_norm"], ["in eval mode too", "track_running_stats=True", "GroupNorm"]),
+    ("instance_norm_over_the_batch", instance_norm_over_the_batch, "instance_norm_batch", ["batch_norm"],
+     ["InstanceNorm normalizes over the dimension that holds the batch", "in_dims"]),
+    *[(f"{op}_at_arange", write_at_batch_positions(op), f"{op}_at_arange", [op],
+       ["h[torch.arange(n)] = v", "accumulate=True"]) for op in ("index_add", "index_copy", "scatter")],
 ]
 
 

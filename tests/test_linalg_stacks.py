@@ -117,7 +117,8 @@ def test_a_singular_sample_raises_as_eager_torch_does(api):
     singular[2] = 0
     with pytest.raises(RuntimeError):
         loss(singular * p)
-    with pytest.raises(psg.BatchInputError, match=rf"{re.escape(api)} raises here.*{failure}.*Fix: .*{twin}.*"
+    with pytest.raises(psg.BatchInputError, match=rf"{re.escape(api)} raises at \S*test_linalg_stacks.py:\d+ "
+                                                  rf".*{failure}.*Fix: .*{twin}.*"
                                                   r"samples at positions \[2\] of the batch"):
         fn(singular)
 
@@ -130,5 +131,6 @@ def test_a_singular_sample_raises_under_inductor():
     fn(x)
     singular = x.clone()
     singular[1] = 0
-    with pytest.raises(psg.BatchInputError, match=r"torch.linalg.inv raises here.*is singular.*positions \[1\]"):
+    with pytest.raises(psg.BatchInputError, match=r"torch.linalg.inv raises at \S*test_linalg_stacks.py:\d+ "
+                                                  r".*is singular.*positions \[1\]"):
         fn(singular)

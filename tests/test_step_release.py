@@ -16,16 +16,19 @@ import compiled_psg as psg
 class Tracking(nn.Module):
     """A Linear that keeps a running mean of its input, its weight's snapshot and a call counter."""
 
-    def __init__(self):
+    def __init__(self, rebind=False):
         super().__init__()
         self.lin = nn.Linear(4, 3)
         self.register_buffer("running", torch.zeros(4))
         self.register_buffer("snapshot", torch.zeros(3, 4))
         self.register_buffer("calls", torch.zeros(()))
+        self.rebind = rebind  # the running mean updated by rebinding the buffer, not in place
 
     def forward(self, x, track_batch=True):
         with torch.no_grad():
-            if track_batch:
+            if track_batch and self.rebind:
+                self.running = 0.9 * self.running + 0.1 * x.mean(0)
+            elif track_batch:
                 self.running.mul_(0.9).add_(0.1 * x.mean(0))
             self.snapshot.copy_(self.lin.weight)
             self.calls.add_(1)
@@ -54,10 +57,26 @@ def _refusal_of_a_step(model, **options) -> str:
     return str(info.value)
 
 
-def test_a_buffer_written_from_the_batch_is_refused_before_anything_changes():
+@pytest.mark.parametrize("rebind", [False, True], ids=["in_place", "rebound"])
+def test_a_buffer_written_from_the_batch_is_refused_before_anything_changes(rebind):
+    """In place or by rebinding the registered buffer (``self.running = 0.9 * self.running + ...``): the same
+    refusal, naming the buffer and the line; nothing changes (parameters, grads, optimizer state, buffers,
+    generator, steps taken)."""
+    from test_step_transaction import _same_state, _state
+
     torch.manual_seed(0)
-    text = _refusal_of_a_step(Tracking())
-    assert "buffer 'running'" in text and "test_step_release.py" in text and "self.running.mul_" in text
+    model = Tracking(rebind)
+    gen = torch.Generator().manual_seed(1)
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                            torch.optim.Adam(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=1.0,
+                            backend="eager", generator=gen)
+    before, rng = _state(model, step, gen), torch.get_rng_state()
+    with pytest.raises(psg.DPConfigError) as info:
+        step(*_batch())
+    assert _same_state(before, _state(model, step, gen)) and torch.equal(rng, torch.get_rng_state())
+    text = str(info.value)
+    line = "self.running = 0.9 * self.running" if rebind else "self.running.mul_"
+    assert "buffer 'running'" in text and "test_step_release.py" in text and line in text
     assert "snapshot" not in text and "calls" not in text  # written, but not from the batch
     assert "public_buffers" in text and "eval mode" in text
 
@@ -89,9 +108,10 @@ def test_a_buffer_written_from_the_batch_size_is_refused():
     assert model.seen.item() == 5 and model.last.item() == 5
 
 
-def test_a_public_buffer_and_writes_that_do_not_read_the_batch_pass():
+@pytest.mark.parametrize("rebind", [False, True], ids=["in_place", "rebound"])
+def test_a_public_buffer_and_writes_that_do_not_read_the_batch_pass(rebind):
     torch.manual_seed(0)
-    model = Tracking()
+    model = Tracking(rebind)
     x, y = _batch()
     step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
                             torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, backend="eager",
@@ -201,3 +221,37 @@ def test_a_loss_that_writes_a_trained_parameter_is_refused_before_anything_chang
     with pytest.raises(psg.UnsupportedError, match=r"writes the parameter 'weight' in place.*p.clamp_"):
         step(*_batch())
     assert step.steps_taken == 0 and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+_STASH = torch.zeros(4)
+
+
+@pytest.mark.parametrize("where", ["global", "closure"])
+def test_a_tensor_outside_the_model_written_from_the_batch_is_named_as_such(where):
+    """A global or a tensor the loss closes over, written from the batch: refused before anything changes, named as
+    what it is (not "buffer 'a tensor'"), with a fix that applies to it (public_buffers takes model buffers only)."""
+    from test_step_transaction import _same_state, _state
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    local = torch.zeros(4)
+
+    def loss(x, y):
+        with torch.no_grad():
+            (_STASH if where == "global" else local).copy_(x.mean(0))  # the write
+        return F.cross_entropy(model(x), y)
+
+    gen = torch.Generator().manual_seed(1)
+    step = psg.compile_step(loss, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            max_grad_norm=1.0, noise_multiplier=1.0, backend="eager", generator=gen)
+    before, rng = _state(model, step, gen), torch.get_rng_state()
+    named = (r"the global tensor _STASH \(module \S*test_step_release\)" if where == "global"
+             else "the tensor local that the loss function closes over")
+    with pytest.raises(psg.DPConfigError, match=rf"into tensors outside the model.*{named}, written at "
+                                                r"\S*test_step_release.py:\d+ in loss: .*# the write.*No step was "
+                                                r"taken\. Fix: for a tensor outside the model.*model's buffers only"
+                       ) as info:
+        step(*_batch())
+    assert "buffer" not in str(info.value).split("Fix:")[0] and "public_buffers=[" not in str(info.value)
+    assert _same_state(before, _state(model, step, gen)) and torch.equal(rng, torch.get_rng_state())
+    assert _STASH.abs().sum() == 0 and local.abs().sum() == 0

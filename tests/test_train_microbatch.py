@@ -124,3 +124,39 @@ def test_a_forward_that_writes_buffers_writes_them_once_per_logical_step():
         results.append({k: v.clone() for k, v in model.state_dict().items()})
     for name, value in results[0].items():
         torch.testing.assert_close(results[1][name], value, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("physical", [None, 3, 5], ids=["whole", "micro3", "micro5"])
+def test_a_failing_sample_is_named_at_its_position_in_the_users_batch(physical):
+    """Sample 6 of 8 fails cholesky: the refusal names position 6 and the loss's line whether the batch runs whole
+    or in micro-batches (6 is the first sample of the third micro-batch of 3, in the eager first step and in the
+    fused program of a later one; with micro-batches of 5, in the fused program's last piece), and the refused
+    step changes nothing: parameters, grads, optimizer state, buffers, generator, steps taken."""
+    from test_step_transaction import _same_state, _state
+
+    import compiled_psg as psg
+
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 3).double()
+    gen = torch.Generator().manual_seed(2)
+
+    def loss_fn(x, y):
+        a = x[:, :, None] * x[:, None, :] + 0.1 * torch.eye(4, dtype=torch.float64)
+        return F.cross_entropy(lin(torch.linalg.cholesky(a).flatten(1)), y)  # the failing line
+
+    step = compile_step(loss_fn, lin, torch.optim.Adam(lin.parameters(), lr=0.1), max_grad_norm=1.0,
+                        noise_multiplier=1.0, expected_batch_size=8, backend="eager", generator=gen,
+                        max_physical_batch_size=physical)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    bad = x.clone()
+    bad[6] = float("nan")
+    for first in (True, False):  # the eager first step, then the fused program
+        before = _state(lin, step, gen)
+        with pytest.raises(psg.BatchInputError, match=r"torch.linalg.cholesky raises at \S*test_train_microbatch"
+                                                      r".py:\d+ in loss_fn: .*# the failing line.*positions \[6\] "
+                                                      r"of the batch"):
+            step(bad, y)
+        assert _same_state(before, _state(lin, step, gen)), "a refused step changed the state"
+        step(x, y)
+        assert step.steps_taken == (1 if first else 2)

@@ -42,7 +42,7 @@ from torch.fx.operator_schemas import normalize_function
 from . import ops
 from .batch_dims import BatchDims, value_of
 from .layout import Layout, same_size, shared_tiled, sliced_layout, tiled_uniform, view_layout
-from .source import where
+from .source import module_path, where
 
 ATEN = torch.ops.aten
 
@@ -1149,6 +1149,13 @@ def _batch_norm(an: Analysis, node: fx.Node) -> Fact:
     out = value_of(node)
     if not isinstance(fact, PerSample):
         return tuple(fact for _ in out)
+    if training and fact.dim != 1 and "InstanceNorm" in (module_path(node) or ""):
+        raise _mix("InstanceNorm normalizes over the dimension that holds the batch", _FIX_DIM)
+    if training and fact.dim != 1 and _without_running_stats(node, kw):
+        raise _Refuse("BatchNorm without running statistics (track_running_stats=False, or F.batch_norm with "
+                      "running_mean=None) normalizes each sample with statistics of the whole batch, in eval mode "
+                      "too", "replace BatchNorm with GroupNorm or LayerNorm, or keep running statistics "
+                      "(track_running_stats=True) and call model.eval()")
     if training and fact.dim != 1:
         raise _Refuse("BatchNorm in training mode normalizes each sample with statistics of the whole batch",
                       "call model.eval() so BatchNorm uses its running statistics, or replace BatchNorm with "
@@ -1160,6 +1167,13 @@ def _batch_norm(an: Analysis, node: fx.Node) -> Fact:
         dims = an.batch.dims(v) if isinstance(v, torch.Tensor) else ()
         facts.append(PerSample(0, fact.layout) if dims == (0,) else SHARED)
     return tuple(facts)
+
+
+def _without_running_stats(node: fx.Node, kw: dict) -> bool:
+    """A batch norm that has no running statistics to use (``_native_batch_norm_legit.no_stats``, or no
+    ``running_mean``): it normalizes with the batch's statistics whatever the module's mode."""
+    return node.target is ATEN._native_batch_norm_legit.no_stats or ("running_mean" in kw
+                                                                     and kw["running_mean"] is None)
 
 
 @_handles(ops.ATTENTIONS)
@@ -1401,10 +1415,16 @@ def _scatter(an: Analysis, node: fx.Node) -> Fact:
     if _fills_own_positions(an, node, k):
         return an.fact(x)
     facts = _tensor_facts(an, node)
+    name = node.target.overloadpacket.__name__
+    if isinstance(facts.get(node.args[2]), SampleIndex) and isinstance(facts[x], PerSample) and facts[x].dim == k:
+        # index_add(0, arange(n), v) into zeros(n, d): the index_put form proves it
+        raise _mix(f"{name} writes at batch positions (an index made from torch.arange(n)), which compiled_psg "
+                   "accepts in the indexing form only", "write h[torch.arange(n)] = v, or h.index_put("
+                   "(torch.arange(n),), v, accumulate=True) for an accumulation (index_add, scatter_add): each "
+                   "sample then writes its own position")
     _no_sample_index(facts.values())
     fx_ = facts[x]
     rest = [(a, f) for a, f in facts.items() if a is not x]
-    name = node.target.overloadpacket.__name__
     if isinstance(fx_, PerSample):
         if fx_.dim == k:
             raise _mix("it writes along the batch dimension, moving values between samples", _FIX_DIM)

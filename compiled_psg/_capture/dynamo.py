@@ -12,7 +12,10 @@ Side-effect free: the capture never runs the loss. The compiled function Dynamo 
 its first instruction (the graph call), so neither the graph (buffer updates, in-place ops on inputs) nor
 Dynamo's replay of Python side effects (list appends, attribute writes) happens; ``replay_side_effects`` is off
 as well. In-place updates of inputs and buffers come back as the joint graph's first outputs
-(``Captured.mutated``); the runner applies them on every call (``_compile/run.py``). ``F.embedding`` with
+(``Captured.mutated``); the runner applies them on every call (``_compile/run.py``). A registered buffer the
+loss rebinds (``self.running = 0.9 * self.running + ...``) is a write of the module's ``_buffers`` dict in Dynamo's
+side effects, which are not replayed: the backend appends its new value to the graph's outputs
+(``_buffer_rebinds``) and ``Captured.mutated`` carries it after the in-place updates. ``F.embedding`` with
 ``max_norm`` renorms its weight that way: in Dynamo's graph its lookup renorms the rows per sample
 (``_embedding_rows_renormed``), and the in-place renorm runs at the graph's end (``_embedding_max_norm_per_row``).
 
@@ -75,7 +78,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._analyze.source import where
+from .._analyze.source import readable_module_path, source_line, where
 from .._compat import logs_ignored_functions_in_metrics
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
 from . import (  # noqa: F401 - they register capture-phase changes
@@ -240,6 +243,9 @@ class Captured:
     batch_size_branches: list[str] = field(default_factory=list)
     #: in-place writes of parameters or buffers that read a batched argument, found once (``_train.release``)
     batch_dependent_writes: list | None = None
+    #: placeholder index -> how the user names a constant tensor the loss reads from outside the model (a global,
+    #: a tensor the loss closes over), from Dynamo's source of it (``tensor_names``)
+    tensor_names: dict[int, str] = field(default_factory=dict)
 
 
 class _Abort(Exception):
@@ -277,7 +283,78 @@ def _backend(gm, example_inputs):
     backward_semantics.detach_in_place(gm)
     _detach_values_from_no_grad(gm)
     _embedding_max_norm_per_row(gm)
+    _pending["rebinds"] = _buffer_rebinds(gm)
     return _aot_backend(gm, example_inputs)
+
+
+@dataclass(frozen=True)
+class _Rebind:
+    """A registered buffer the loss rebinds (``self.running = 0.9 * self.running + 0.1 * x.mean(0)``), seen in
+    Dynamo's side effects: ``nn.Module.__setattr__`` writes the module's ``_buffers`` dict, a write the capture
+    does not replay. ``placeholder``: the index of the graph input that holds the buffer, None where the loss does
+    not read it; ``output``: the index of the new value among the Dynamo graph's outputs (appended), None where
+    the new value is not a tensor of the graph (``self.running = None``)."""
+
+    module: str
+    buffer: str
+    placeholder: int | None
+    output: int | None
+    line: str  # "" where the new value is not a node of the graph
+
+
+_BUFFERS = re.compile(r"(?:\._buffers|\.__dict__\['_buffers'\])$")
+
+
+def _source_name(source) -> str | None:
+    """Dynamo's expression for a source (a property from torch 2.13 on, a method before), None for a source that
+    has none (it raises NotImplementedError)."""
+    try:
+        name = source.name
+        return name if isinstance(name, str) else name()
+    except NotImplementedError:
+        return None
+
+
+def _buffer_rebinds(gm: fx.GraphModule) -> list[_Rebind]:
+    """The buffers the traced loss rebinds, each new value appended (detached) to ``gm``'s outputs so that AOT
+    autograd traces it: the capture applies it as it applies an in-place write (``_finish``)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._dynamo.variables import ConstDictVariable, TensorVariable
+
+    side_effects = InstructionTranslator.current_tx().output.side_effects
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = gm.graph.output_node()
+    outs = list(output.args[0])
+    rebinds = []
+    for vt in list(side_effects.id_to_variable.values()):  # every Python object the trace wrote
+        if not isinstance(vt, ConstDictVariable) or getattr(vt, "source", None) is None \
+                or not side_effects.is_modified(vt):
+            continue
+        name = _source_name(vt.source)
+        if name is None or not _BUFFERS.search(name):
+            continue
+        original = getattr(vt, "original_items", {})
+        for key, value in vt.items.items():
+            before = original.get(key.vt)
+            if not vt.is_new_item(before, value):
+                continue
+            buffer = key.vt.as_python_constant()
+            module = readable_module_path(_BUFFERS.sub("", name)) or "the model"
+            read = before.as_proxy().node if isinstance(before, TensorVariable) and before.is_realized() else None
+            placeholder = placeholders.index(read) if read in placeholders else None
+            index, line = None, ""
+            if isinstance(value, TensorVariable) and value.as_proxy().node.graph is gm.graph:
+                node = value.as_proxy().node
+                with gm.graph.inserting_before(output):
+                    detached = gm.graph.call_method("detach", (node,))
+                detached.meta = dict(node.meta)
+                index, line = len(outs), source_line(node)
+                outs.append(detached)
+            rebinds.append(_Rebind(module, buffer, placeholder, index, line))
+    if rebinds:
+        output.args = (tuple(outs),)
+        gm.recompile()
+    return rebinds
 
 
 def _embedding_rows_renormed(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
@@ -898,8 +975,36 @@ def _graph_break(e: Exception) -> CaptureError:
                    "torch.where for data-dependent choices")
         else:
             fix = "rewrite this line with torch operations (no Python control flow on tensor values)"
+    dynamic = _DYNAMIC_SHAPE_OP.search(text)
+    if dynamic:
+        return _dynamic_shape_operator(dynamic.group(1) or dynamic.group(2), where, text)
     return CaptureError(f"compiled_psg needs the loss function as one graph, and Dynamo cannot capture it "
                         f"(a graph break) {where}: {reason}\nFix: {fix}. Details from Dynamo:\n{text}")
+
+
+#: Dynamo's graph break at an op whose output shape depends on its inputs' values (``aten._ctc_loss.Tensor``,
+#: ``aten.linalg_lstsq.default``; the same text on torch 2.11 to 2.15)
+_DYNAMIC_SHAPE_OP = re.compile(r"Operator `([^`]+)`'s output shape depends on input Tensor data"
+                               r"|dynamic shape operator: (\S+?);")
+
+#: op -> a form with the same values that the capture traces, where one exists
+_DYNAMIC_SHAPE_FIXES = {
+    "aten.linalg_lstsq": "for a matrix A of full column rank, torch.linalg.solve(A.mT @ A, A.mT @ B) (or "
+                         "torch.linalg.pinv(A) @ B) gives lstsq's solution with ops the capture traces",
+}
+
+
+def _dynamic_shape_operator(op: str, where: str, text: str) -> CaptureError:
+    """An op whose output shape depends on the values of its inputs: Dynamo does not trace it into a graph (it is
+    not the user's control flow), so compiled_psg does not support it (docs/limits.md)."""
+    packet = op.rsplit(".", 1)[0] if op.count(".") > 1 else op
+    fix = _DYNAMIC_SHAPE_FIXES.get(packet, "compute it outside the per-sample function, or write it with other "
+                                           "torch operations")
+    return CaptureError(
+        f"the loss calls {op} {where}: the shape of its output depends on the values of its inputs, and "
+        "torch.compile (Dynamo) does not trace such an op into a graph, so compiled_psg, which needs the loss as "
+        f"one graph, does not support it (docs/limits.md lists these ops). Fix: {fix}.\n"
+        f"(Dynamo: {' '.join(text.strip().splitlines()[:2]).strip()})")
 
 
 _NO_FAKE_KERNEL = re.compile(r"unsupported operator: (\S+)")
@@ -962,10 +1067,15 @@ def _abort_when_run(gm, example_inputs):
     return aborted
 
 
+_SYMBOLIC_SIZE = re.compile(r"(?<=[\[(,])[^\[\](),]*\bs\d+\b[^\[\](),]*")
+
+
 def _same_failure(a: BaseException, b: BaseException) -> bool:
-    """The same error of the same op, sizes aside (``[s27, 6]`` traced symbolically, ``[8, 6]`` with fixed sizes)."""
+    """The same error of the same op, sizes aside (``[s27, 6]`` or ``[2*s27, 6]`` traced symbolically, ``[8, 6]``
+    with fixed sizes)."""
     def words(e: BaseException) -> str:
-        return re.sub(r"\bs?\d+\b", "#", (str(e).strip().splitlines() or [""])[0])
+        first = (str(e).strip().splitlines() or [""])[0]
+        return re.sub(r"\bs?\d+\b", "#", _SYMBOLIC_SIZE.sub("#", first))
     return type(a) is type(b) and words(a) == words(b)
 
 
@@ -1013,10 +1123,13 @@ def _runtime_failure(e: Exception, fails_with_static_sizes=lambda: None) -> PerS
     if static is not None:
         return BatchInputError(
             f"the loss fails on this batch{where}: {type(static).__name__}: "
-            f"{(str(static).strip().splitlines() or [''])[0]}\nThe batch does not fit the "
-            "loss at any batch size (it fails the same way with every size fixed), so this is not a limit of "
-            "per-sample gradients. Fix: give the batch the shapes and dtypes the model takes (the loss must run "
-            "on it eagerly); if it does run eagerly on this batch, report this message to compiled_psg")
+            f"{(str(static).strip().splitlines() or [''])[0]}\nThis is torch's own error, raised with this "
+            "batch's own sizes too (it fails the same way with every size fixed), as the loss would fail without "
+            "compiled_psg: the batch does not fit the loss at any batch size, so this is not a limit of "
+            "per-sample gradients. Either the "
+            "batch does not have the shapes and dtypes the loss takes, or the loss has a bug at this line (a "
+            "tensor or parameter of the wrong shape). Fix: make the loss run eagerly on this batch "
+            "(loss_fn(*batch)); if it does, report this message to compiled_psg")
     return CaptureError(
         f"torch failed while tracing the loss on fake tensors with a symbolic batch size{where}: "
         f"{type(root).__name__}: {first}\nFix: check that the loss runs eagerly on this batch and on a batch of "
@@ -1071,6 +1184,7 @@ def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[
                                   {"call_args": args, "loss_fn": loss_fn, "tensors": list(params.values()),
                                    "batched": batched}, _evaluable)
     mutated = _mutated_inputs(_pending["meta"], roles)
+    rebound, rebound_values = _rebound(gm, len(mutated), constants)
     outputs = gm.graph.output_node().args[0]
     loss = outputs[len(mutated)] if len(outputs) > len(mutated) else None
     if not isinstance(loss, fx.Node) or not isinstance(loss.meta.get("val"), torch.Tensor):
@@ -1080,11 +1194,47 @@ def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[
                               "Fix: mark arguments the loss does not slice per sample None in in_dims, and pass the "
                               "batch as an argument (not through a closure or global)")
     _refuse_parameter_writes(gm, mutated, roles)
+    written = [*outputs[:len(mutated)], *rebound_values]
+    mutation_graph = _mutation_graph(gm, written) if written else None
+    _drop_outputs(gm, rebound_values)
     return Captured(joint=gm, roles=roles, constants=constants, fake_inputs=fake, loss_output=len(mutated),
-                    mutated=mutated, mutation_graph=_mutation_graph(gm, len(mutated)) if mutated else None,
+                    mutated=[*mutated, *rebound], mutation_graph=mutation_graph,
                     guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins")),
                                   tensor_sources=_constant_sources(constants), extra=extra),
-                    inner_grads=_pending.get("inner_grads", []), batch_size_branches=branches)
+                    inner_grads=_pending.get("inner_grads", []), batch_size_branches=branches,
+                    tensor_names=tensor_names(_pending.get("sources") or [], constants, loss_fn))
+
+
+_IMPORTED_GLOBAL = re.compile(r"^G\['__import_(.+?)'\]\.(.+)$")
+_GLOBAL = re.compile(r"^G\['([^']+)'\](.*)$")
+_CLOSED_OVER = re.compile(r"^L\['loss_fn'\]\.__closure__\[(\d+)\]\.cell_contents(.*)$")
+
+
+def _dotted(path: str) -> str:
+    """``._buffers['mean']`` -> ``._buffers.mean``: item reads of a Dynamo source as attributes."""
+    return re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+
+
+def tensor_names(sources: list, constants: dict[int, object], loss_fn) -> dict[int, str]:
+    """For each constant tensor input, how the user's code names it, from Dynamo's source: ``the global tensor
+    stash (module __main__)``, ``the tensor stats.mean that the loss function closes over``; Dynamo's source
+    itself where it is another path."""
+    names = {}
+    freevars = getattr(getattr(loss_fn, "__code__", None), "co_freevars", ())
+    for i, value in constants.items():
+        source = sources[i] if i < len(sources) else None
+        if not isinstance(value, torch.Tensor) or not source:
+            continue
+        if (m := _IMPORTED_GLOBAL.match(source)) is not None:
+            names[i] = f"the global tensor {_dotted(m.group(2))} (module {m.group(1).replace('_dot_', '.')})"
+        elif (m := _GLOBAL.match(source)) is not None:
+            names[i] = f"the global tensor {m.group(1)}{_dotted(m.group(2))}"
+        elif (m := _CLOSED_OVER.match(source)) is not None and int(m.group(1)) < len(freevars):
+            names[i] = (f"the tensor {freevars[int(m.group(1))]}{_dotted(m.group(2))} that the loss function closes "
+                        "over")
+        else:
+            names[i] = f"the tensor at {source} (Dynamo's path to it)"
+    return names
 
 
 def _constant_sources(constants: dict[int, object]) -> list[tuple[str, torch.Tensor]]:
@@ -1141,12 +1291,72 @@ def _reads_renorm(value) -> bool:
     return False
 
 
-def _mutation_graph(joint: fx.GraphModule, count: int) -> fx.GraphModule:
-    """``joint`` returning only its first ``count`` outputs (the mutated inputs' new values); every placeholder
-    kept, so it takes the same inputs."""
+def _rebound(joint: fx.GraphModule, mutated: int, constants: dict[int, object]) -> tuple[list[int], list[fx.Node]]:
+    """The placeholder of each buffer the loss rebinds (``_buffer_rebinds``) and the joint graph's node of its new
+    value, which the runner writes into the buffer as it writes an in-place update. Refused where that would not
+    be what eager torch leaves in the buffer: the loss does not read the buffer (no placeholder to write), the new
+    value is not a tensor, or it has another shape or dtype."""
+    rebinds = _pending.get("rebinds") or []
+    if not rebinds:
+        return [], []
+    outputs = joint.graph.output_node().args[0]
+    dynamo_outputs = len(_pending["dynamo_graph"].graph.output_node().args[0])
+    if len(outputs) != mutated + dynamo_outputs:
+        raise InternalError(f"the joint graph has {len(outputs)} outputs, not {mutated} updated inputs and "
+                            f"{dynamo_outputs} of Dynamo's graph")
+    indices, values = [], []
+    for r in rebinds:
+        at = f" ({r.line})" if r.line else ""
+        what = f"the loss rebinds the buffer {r.buffer!r} of {r.module}{at}"
+        fix = (f"Fix: update the buffer in place, under torch.no_grad(): self.{r.buffer}.copy_(new_value) (or "
+               f"self.{r.buffer}.mul_(0.9).add_(...)), which compiled_psg applies on every call as eager torch does")
+        if r.output is None:
+            raise UnsupportedError(f"{what} to a value that is not a tensor computed in the loss: compiled_psg "
+                                   f"applies a buffer's new value by writing it into the buffer. {fix}")
+        value = outputs[mutated + r.output]
+        index = r.placeholder
+        if index is None or not isinstance(constants.get(index), torch.Tensor):
+            raise UnsupportedError(f"{what} without reading it: compiled_psg applies a rebound buffer's new value "
+                                   f"by writing it into the buffer the loss reads. {fix}")
+        new, old = value.meta.get("val"), constants[index]
+        if not isinstance(new, torch.Tensor) or tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
+            shape = (f"{new.dtype}{list(new.shape)}" if isinstance(new, torch.Tensor) else type(new).__name__)
+            raise UnsupportedError(f"{what} to a tensor of another shape or dtype ({shape}, the buffer is "
+                                   f"{old.dtype}{list(old.shape)}): compiled_psg applies a rebound buffer's new "
+                                   f"value by writing it into the buffer. {fix}, or keep the buffer's shape and "
+                                   "dtype")
+        indices.append(index)
+        values.append(value)
+    return indices, values
+
+
+def _drop_outputs(joint: fx.GraphModule, values: list[fx.Node]) -> None:
+    """``joint`` without the rebound buffers' values appended to its outputs (the mutation graph computes them),
+    and the nodes only they used: the joint's outputs are again the updated inputs, the loss and the gradients."""
+    if not values:
+        return
+    output = joint.graph.output_node()
+    outs = list(output.args[0])
+    output.args = (tuple(outs[:len(outs) - len(values)]),)
+    stack = list(values)
+    while stack:
+        node = stack.pop()
+        if node.op in ("placeholder", "output") or node.users or node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        joint.graph.erase_node(node)
+        stack.extend(inputs)
+    joint.graph.lint()
+    joint.recompile()
+
+
+def _mutation_graph(joint: fx.GraphModule, values: list[fx.Node]) -> fx.GraphModule:
+    """``joint`` returning only ``values`` (the written inputs' new values); every placeholder kept, so it takes
+    the same inputs."""
     gm = copy.deepcopy(joint)
     graph = gm.graph
-    outputs = graph.output_node().args[0][:count]
+    by_name = {n.name: n for n in graph.nodes}
+    outputs = [by_name[v.name] for v in values]
     graph.output_node().args = (tuple(outputs),)
     graph.eliminate_dead_code()
     graph.lint()

@@ -19,6 +19,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
+from .._analyze.source import source_line
 from .._capture import patches, torch_caches
 from .._capture.corrected_decompositions import FAILED_CHECK
 from .._capture.dynamo import CAPTURE_LOCK
@@ -182,7 +183,8 @@ class CompiledGraph:
             except Exception as e:  # the graph ran ops the capture only saw on fake tensors
                 failed = _failed_check(e)
                 if failed is not None:  # an assertion the capture put where eager torch raises
-                    raise BatchInputError(failed + _failing_samples(self.rewritten, inputs, failed)) from e
+                    raise failed_check_error(_at_user_line(self.rewritten, failed),
+                                             _failing_samples(self.rewritten, inputs, failed)) from e
                 if _dtype_mismatch(e):
                     raise BatchInputError(
                         f"the loss failed on this batch's dtypes ({type(e).__name__}: "
@@ -236,17 +238,41 @@ def _failed_check(e: Exception) -> str | None:
     return text[start + len(FAILED_CHECK):].strip().splitlines()[0].strip().rstrip("\"'")
 
 
-def _failing_samples(rw: Rewritten, inputs: list, failed: str) -> str:
-    """``. The samples at positions [2, 5] of the batch ...`` for a failed check of the capture
-    (``corrected_decompositions._assert_ok``): the joint graph run again up to the ``info`` of each check with that
-    message, which is nonzero for each matrix that fails, on the same inputs (the graph writes nothing: its
-    updates are outputs). Only after the failure, so the program itself does no more work; "" where the re-run
-    finds none, a random op comes before the check, or the batch is not one dimension of ``info``."""
+def failed_check_error(failed: str, samples: list[int], offset: int = 0) -> BatchInputError:
+    """The ``BatchInputError`` of a failed check of the capture, naming the samples that fail it (positions in
+    a batch whose first sample is at ``offset`` of the user's batch: a micro-batch's). It keeps ``failed`` and
+    ``samples`` so that a step running micro-batches can name the positions in the user's batch
+    (``_train.paths``)."""
+    at = sorted(offset + s for s in samples)
+    text = (f". The samples at positions {at} of the batch (counting from 0) fail it, the others pass"
+            if at else "")
+    error = BatchInputError(failed + text)
+    error.failed_check, error.failing_samples = failed, at
+    return error
+
+
+def _at_user_line(rw: Rewritten, failed: str) -> str:
+    """``failed`` with ``raises here`` made ``raises at <the user's line>`` where the check's node carries it."""
+    for node in rw.captured.joint.graph.nodes:
+        if node.target is torch.ops.aten._assert_async.msg and str(node.args[1]).strip().endswith(failed):
+            line = source_line(node)
+            if line != "unknown source line" and "compiled_psg" not in line.split(":", 1)[0]:
+                return failed.replace(" raises here,", f" raises at {line},", 1)
+            break
+    return failed
+
+
+def _failing_samples(rw: Rewritten, inputs: list, failed: str) -> list[int]:
+    """The samples that fail a check of the capture (``corrected_decompositions._assert_ok``): the joint graph run
+    again up to the ``info`` of each check with that message, which is nonzero for each matrix that fails, on the
+    same inputs (the graph writes nothing: its updates are outputs). Only after the failure, so the program itself
+    does no more work; [] where the re-run finds none, a random op comes before the check, or the batch is not one
+    dimension of ``info``."""
     captured = rw.captured
     try:
         infos = _check_infos(captured.joint, failed)
         if not infos:
-            return ""
+            return []
         gm = copy.deepcopy(captured.joint)
         by_name = {n.name: n for n in gm.graph.nodes}
         gm.graph.output_node().args = (tuple(by_name[i.name] for i in infos),)
@@ -255,7 +281,7 @@ def _failing_samples(rw: Rewritten, inputs: list, failed: str) -> str:
                 gm.graph.erase_node(node)
         gm.graph.eliminate_dead_code()
         if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes):
-            return ""  # a draw before the check: run again it would draw other values (and advance the generator)
+            return []  # a draw before the check: run again it would draw other values (and advance the generator)
         gm.recompile()
         with torch.no_grad():
             values = gm(*inputs[:len(captured.roles)])
@@ -263,14 +289,12 @@ def _failing_samples(rw: Rewritten, inputs: list, failed: str) -> str:
         for node, info in zip(infos, values, strict=True):
             dim = _batch_dim(node.meta.get("val"), rw.batch.symbol)
             if dim is None:
-                return ""
+                return []
             failing = (info != 0).movedim(dim, 0).reshape(info.shape[dim], -1).any(1)
             samples |= set(failing.nonzero().flatten().tolist())
     except Exception:  # naming the samples is a courtesy: the check's own message stands without it
-        return ""
-    if not samples:
-        return ""
-    return f". The samples at positions {sorted(samples)} of the batch (counting from 0) fail it, the others pass"
+        return []
+    return sorted(samples)
 
 
 def _check_infos(joint: torch.fx.GraphModule, failed: str) -> list[torch.fx.Node]:

@@ -14,10 +14,14 @@ Both record on the step what it reports (``last_norms``, ``last_batch_size``) an
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch.utils import _pytree as pytree
 
-from .._compile.run import CompiledGraph
+from .._compile.run import CompiledGraph, failed_check_error
+from .._errors import BatchInputError
 from .config import DPConfig
 from .eager import eager_update
 from .fuse import StepProgram, commit
@@ -59,13 +63,28 @@ class _SameBuffers:
         self.started = True
 
 
+@contextlib.contextmanager
+def _positions_from(offset: int) -> Iterator[None]:
+    """A failed check of the loss (a singular matrix) inside a micro-batch whose first sample is at ``offset`` of
+    the user's batch names the failing samples' positions in the user's batch."""
+    try:
+        yield
+    except BatchInputError as e:
+        if not offset or not getattr(e, "failing_samples", None):
+            raise
+        raise failed_check_error(e.failed_check, e.failing_samples, offset) from e.__cause__
+
+
 def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry, buffers: _SameBuffers | None = None):
     """The per-sample graph on each micro-batch of ``pieces``: their losses, norms and summed results."""
     losses, norms, partial = [], [], None
+    offset = 0
     for c in pieces:
         if buffers is not None:
             buffers.before_piece()
-        loss, _, result = run_per_sample(step.inputs, runner(c.entry), config, c.params, c.args, c.batch_size)
+        with _positions_from(offset):
+            loss, _, result = run_per_sample(step.inputs, runner(c.entry), config, c.params, c.args, c.batch_size)
+        offset += c.batch_size
         sums, piece_norms = split_result(result, step.binding.names, step.binding.params)
         partial = add_into(partial, sums, step.binding.names)
         losses.append(loss)
@@ -83,7 +102,9 @@ def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph],
     step.binding.install()
     extra = step.inputs.for_program(config, program.inputs, batch_size, partial=partial)
     step.released_config = config
-    outputs = dict(zip(program.outputs, compiled.run(last.params, last.args, last.batch_size, extra), strict=True))
+    with _positions_from(batch_size - last.batch_size):
+        outputs = dict(zip(program.outputs, compiled.run(last.params, last.args, last.batch_size, extra),
+                           strict=True))
     # the update, written into the user's tensors only now that the program has run whole (``fuse.commit``)
     commit([_target(step, last.params, kind, key) for kind, key in program.commits],
            [outputs[f"commit_{k}"] for k in range(len(program.commits))], step.snapshot)

@@ -70,30 +70,44 @@ def _reads_any(node: fx.Node, sources: set[fx.Node]) -> bool:
 
 
 def refuse_private_writes(captured: Captured, model: nn.Module, public_buffers: Iterable[str]) -> None:
-    """Raise ``DPConfigError`` naming each parameter or buffer (not in ``public_buffers``) that the loss writes
-    from the batch, the line that writes it and the fixes."""
+    """Raise ``DPConfigError`` naming each parameter or buffer (not in ``public_buffers``) and each tensor outside
+    the model (a global, a tensor the loss closes over) that the loss writes from the batch, the line that writes
+    it and the fixes that apply to it."""
     writes = batch_dependent_writes(captured)
     if not writes:
         return
     names = {id(t): n for n, t in model.named_parameters(remove_duplicate=False)}
     names.update({id(t): n for n, t in model.named_buffers(remove_duplicate=False)})
     public = set(public_buffers)
-    sites = []
+    in_model, outside = [], []
     for index, value in writes:
         role = captured.roles[index]
-        name = role.key if role.kind == "param" else names.get(id(captured.constants.get(index)), "a tensor")
+        name = role.key if role.kind == "param" else names.get(id(captured.constants.get(index)))
         if name in public:
             continue
         where = _writer_line(value)
-        sites.append(f"{'parameter' if role.kind == 'param' else 'buffer'} {name!r}, written at {where}")
-    if not sites:
+        if name is None:
+            what = captured.tensor_names.get(index, "a tensor outside the model")
+            outside.append(f"{what}, written at {where}")
+        else:
+            in_model.append(f"{'parameter' if role.kind == 'param' else 'buffer'} {name!r}, written at {where}")
+    if not in_model and not outside:
         return
+    into = " and ".join(w for w, sites in (("the model", in_model), ("tensors outside it" if in_model else
+                                                                      "tensors outside the model", outside)) if sites)
+    fixes = []
+    if in_model:
+        fixes.append("put the module that writes it in eval mode, freeze it (compute it outside the DP step, from "
+                     "public data), or, for a buffer whose value you declare public, name it in compile_step(..., "
+                     "public_buffers=[...]). Embedding(max_norm=...) renorms the rows the batch looked up: use "
+                     "max_norm=None in DP training")
+    if outside:
+        fixes.append("for a tensor outside the model, remove the write from the loss, or compute that value "
+                     "outside the DP step from public data (public_buffers takes the model's buffers only)")
     raise DPConfigError(
-        "the loss writes values computed from the batch into the model, which a DP step would release un-noised "
-        "with it: " + "; ".join(sites) + ". No step was taken. Fix: put the module that writes it in eval mode, "
-        "freeze it (compute it outside the DP step, from public data), or, for a buffer whose value you declare "
-        "public, name it in compile_step(..., public_buffers=[...]). Embedding(max_norm=...) renorms the rows "
-        "the batch looked up: use max_norm=None in DP training")
+        f"the loss writes values computed from the batch into {into}, which a DP step would release un-noised "
+        "(they keep the values after the step): " + "; ".join(in_model + outside) + ". No step was taken. Fix: "
+        + "; ".join(fixes))
 
 
 def _writer_line(value: fx.Node) -> str:
