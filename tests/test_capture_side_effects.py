@@ -92,6 +92,9 @@ class Rebinding(nn.Module):
         self.fc = nn.Linear(4, 3).double()
         self.register_buffer("ema", torch.zeros(4, dtype=torch.float64))
         self.how = how
+        self.other = nn.Module()
+        if how == "shared":
+            self.other.register_buffer("twin", self.ema)
 
     def forward(self, x):
         with torch.no_grad():
@@ -99,14 +102,16 @@ class Rebinding(nn.Module):
                 self.ema = x.mean(0)  # the rebinding
             elif self.how == "shape":
                 self.ema = 0.5 * self.ema + x[:, :1]  # the rebinding
+            elif self.how == "shared":  # the tensor is also the buffer 'twin' of another module
+                self.ema = 0.5 * self.ema + 1.0  # the rebinding
             else:
                 self.ema = None  # the rebinding
         return self.fc(x)
 
 
 @pytest.mark.parametrize(("how", "cause"), [
-    ("unread", "without reading it"), ("shape", r"another shape or dtype \(torch.float64\[s\d+, 4\]"),
-    ("none", "not a tensor computed in the loss")])
+    ("unread", "without reading it"), ("shape", r"another shape, dtype or device \(torch.float64\[s\d+, 4\]"),
+    ("none", "not a tensor computed in the loss"), ("shared", "also registered under another name")])
 def test_a_rebinding_that_cannot_be_written_into_the_buffer_is_refused(how, cause):
     """A rebound buffer the runner cannot update as eager torch does is refused, naming the buffer, the line and
     the in-place form, never dropped; the refused capture leaves the buffer alone."""

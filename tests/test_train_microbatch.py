@@ -160,3 +160,31 @@ def test_a_failing_sample_is_named_at_its_position_in_the_users_batch(physical):
         assert _same_state(before, _state(lin, step, gen)), "a refused step changed the state"
         step(x, y)
         assert step.steps_taken == (1 if first else 2)
+
+
+@pytest.mark.parametrize(("physical", "named"), [
+    (None, r"positions \[1, 5\] of the batch \(counting from 0\) fail it, the others pass"),
+    (3, r"positions \[1\] of the batch \(counting from 0\) fail it, the others before position 3 pass, and the "
+        r"samples from position 3 on were not checked"),
+    (4, r"positions \[1\] .* before position 4 pass, and the samples from position 4 on were not checked")],
+    ids=["whole", "micro3", "micro4"])
+def test_failing_samples_in_two_micro_batches_name_what_was_checked(physical, named):
+    """Samples 1 and 5 fail: the step stops at the first micro-batch that fails, so the refusal names the failing
+    samples it saw and says which samples were not checked, not that the others pass."""
+    import compiled_psg as psg
+
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 3).double()
+
+    def loss_fn(x, y):
+        a = x[:, :, None] * x[:, None, :] + 0.1 * torch.eye(4, dtype=torch.float64)
+        return F.cross_entropy(lin(torch.linalg.cholesky(a).flatten(1)), y)
+
+    step = compile_step(loss_fn, lin, torch.optim.SGD(lin.parameters(), lr=0.1), max_grad_norm=1.0,
+                        noise_multiplier=1.0, expected_batch_size=8, backend="eager",
+                        generator=torch.Generator().manual_seed(2), max_physical_batch_size=physical)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    x[1] = x[5] = float("nan")
+    with pytest.raises(psg.BatchInputError, match=named):
+        step(x, y)

@@ -151,3 +151,23 @@ def test_a_step_that_creates_state_is_refused_before_the_representatives_are_cop
     with pytest.raises(update_graph.StateMissing):
         update_graph.capture_update(opt, list(range(len(list(model.parameters())))), torch.float32)
     assert not opt.state  # the user's optimizer got no state from the trace
+
+
+@pytest.mark.parametrize("where", ["one_group", "two_groups"])
+def test_a_parameter_listed_twice_is_traced_whole(where, monkeypatch):
+    """torch warns about a parameter listed twice in a group and allows one edited into a second group; copies of
+    its update would each update their own tensor, so the whole step is traced, as eager torch runs it."""
+    params = list(_model().parameters())
+    if where == "one_group":
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            opt = torch.optim.SGD([*params, params[2]], lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        opt.param_groups.append({**opt.param_groups[0], "params": [params[2]], "lr": 0.01})
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    flat = update_graph.flat_params(opt)
+    sizes = _traced_sizes(monkeypatch)
+    update_graph.capture_update(opt, list(range(len(flat))), torch.float32)
+    assert sizes == [len(flat)]

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import inspect
 import logging
 import re
@@ -72,6 +73,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo
 import torch.fx as fx
+import torch.nn as nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.comptime import comptime
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -1319,15 +1321,44 @@ def _rebound(joint: fx.GraphModule, mutated: int, constants: dict[int, object]) 
             raise UnsupportedError(f"{what} without reading it: compiled_psg applies a rebound buffer's new value "
                                    f"by writing it into the buffer the loss reads. {fix}")
         new, old = value.meta.get("val"), constants[index]
-        if not isinstance(new, torch.Tensor) or tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
-            shape = (f"{new.dtype}{list(new.shape)}" if isinstance(new, torch.Tensor) else type(new).__name__)
-            raise UnsupportedError(f"{what} to a tensor of another shape or dtype ({shape}, the buffer is "
-                                   f"{old.dtype}{list(old.shape)}): compiled_psg applies a rebound buffer's new "
-                                   f"value by writing it into the buffer. {fix}, or keep the buffer's shape and "
-                                   "dtype")
+        if not isinstance(new, torch.Tensor) or tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype \
+                or new.device != old.device:
+            shape = (f"{new.dtype}{list(new.shape)} on {new.device}" if isinstance(new, torch.Tensor)
+                     else type(new).__name__)
+            raise UnsupportedError(f"{what} to a tensor of another shape, dtype or device ({shape}, the buffer is "
+                                   f"{old.dtype}{list(old.shape)} on {old.device}): compiled_psg applies a rebound "
+                                   f"buffer's new value by writing it into the buffer. {fix}, or keep the buffer's "
+                                   "shape, dtype and device")
+        if _registered_elsewhere(old):
+            raise UnsupportedError(f"{what} whose tensor is also registered under another name (a buffer or "
+                                   "parameter of another module, or of this one): eager torch rebinds this name "
+                                   "alone, while compiled_psg applies the new value by writing it into the tensor, "
+                                   f"which the other name would see. {fix}, if the other name should see it too; "
+                                   "or register a copy of the tensor under each name")
         indices.append(index)
         values.append(value)
     return indices, values
+
+
+def _registered_elsewhere(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is registered under more than one name: held by two entries of modules' ``_buffers`` or
+    ``_parameters`` dicts. Found from the objects that refer to it: a rebinding is rare, and only it searches."""
+    names = 0
+    for holder in gc.get_referrers(tensor):
+        if isinstance(holder, dict) and _is_module_registry(holder):
+            names += sum(value is tensor for value in holder.values())
+    return names > 1
+
+
+def _is_module_registry(mapping: dict) -> bool:
+    """``mapping`` is a module's ``_buffers`` or ``_parameters`` (held by the module, or by its ``__dict__``)."""
+    for owner in gc.get_referrers(mapping):
+        if isinstance(owner, nn.Module):
+            if owner._buffers is mapping or owner._parameters is mapping:
+                return True
+        elif isinstance(owner, dict) and (owner.get("_buffers") is mapping or owner.get("_parameters") is mapping):
+            return True
+    return False
 
 
 def _drop_outputs(joint: fx.GraphModule, values: list[fx.Node]) -> None:

@@ -238,14 +238,17 @@ def _failed_check(e: Exception) -> str | None:
     return text[start + len(FAILED_CHECK):].strip().splitlines()[0].strip().rstrip("\"'")
 
 
-def failed_check_error(failed: str, samples: list[int], offset: int = 0) -> BatchInputError:
+def failed_check_error(failed: str, samples: list[int], offset: int = 0,
+                       unchecked_from: int | None = None) -> BatchInputError:
     """The ``BatchInputError`` of a failed check of the capture, naming the samples that fail it (positions in
-    a batch whose first sample is at ``offset`` of the user's batch: a micro-batch's). It keeps ``failed`` and
-    ``samples`` so that a step running micro-batches can name the positions in the user's batch
-    (``_train.paths``)."""
+    a batch whose first sample is at ``offset`` of the user's batch: a micro-batch's; the samples from
+    ``unchecked_from`` on, later micro-batches', did not run). It keeps ``failed`` and ``samples`` so that a step
+    running micro-batches can name the positions in the user's batch (``_train.paths``)."""
     at = sorted(offset + s for s in samples)
-    text = (f". The samples at positions {at} of the batch (counting from 0) fail it, the others pass"
-            if at else "")
+    others = ("the others pass" if unchecked_from is None else
+              f"the others before position {unchecked_from} pass, and the samples from position {unchecked_from} "
+              "on were not checked (the step stops at the first micro-batch that fails)")
+    text = f". The samples at positions {at} of the batch (counting from 0) fail it, {others}" if at else ""
     error = BatchInputError(failed + text)
     error.failed_check, error.failing_samples = failed, at
     return error

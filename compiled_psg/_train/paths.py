@@ -64,25 +64,30 @@ class _SameBuffers:
 
 
 @contextlib.contextmanager
-def _positions_from(offset: int) -> Iterator[None]:
-    """A failed check of the loss (a singular matrix) inside a micro-batch whose first sample is at ``offset`` of
-    the user's batch names the failing samples' positions in the user's batch."""
+def _positions_from(offset: int, size: int, total: int) -> Iterator[None]:
+    """A failed check of the loss (a singular matrix) inside a micro-batch of ``size`` samples whose first is at
+    ``offset`` of the user's batch of ``total`` names the failing samples' positions in the user's batch, and says
+    that the later micro-batches' samples were not checked."""
     try:
         yield
     except BatchInputError as e:
-        if not offset or not getattr(e, "failing_samples", None):
+        if size == total or not getattr(e, "failing_samples", None):
             raise
-        raise failed_check_error(e.failed_check, e.failing_samples, offset) from e.__cause__
+        unchecked = offset + size if offset + size < total else None
+        raise failed_check_error(e.failed_check, e.failing_samples, offset, unchecked) from e.__cause__
 
 
-def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry, buffers: _SameBuffers | None = None):
-    """The per-sample graph on each micro-batch of ``pieces``: their losses, norms and summed results."""
+def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry, buffers: _SameBuffers | None = None,
+             total: int | None = None):
+    """The per-sample graph on each micro-batch of ``pieces`` (the first ones of a batch of ``total`` samples;
+    None: all of it): their losses, norms and summed results."""
     losses, norms, partial = [], [], None
     offset = 0
+    total = sum(c.batch_size for c in pieces) if total is None else total
     for c in pieces:
         if buffers is not None:
             buffers.before_piece()
-        with _positions_from(offset):
+        with _positions_from(offset, c.batch_size, total):
             loss, _, result = run_per_sample(step.inputs, runner(c.entry), config, c.params, c.args, c.batch_size)
         offset += c.batch_size
         sums, piece_norms = split_result(result, step.binding.names, step.binding.params)
@@ -97,12 +102,12 @@ def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph],
     program, compiled = built
     *head, last = pieces
     buffers = _SameBuffers(step, pieces)
-    losses, norms, partial = _sums_of(step, config, head, buffers=buffers)
+    losses, norms, partial = _sums_of(step, config, head, buffers=buffers, total=batch_size)
     buffers.before_piece()
     step.binding.install()
     extra = step.inputs.for_program(config, program.inputs, batch_size, partial=partial)
     step.released_config = config
-    with _positions_from(batch_size - last.batch_size):
+    with _positions_from(batch_size - last.batch_size, last.batch_size, batch_size):
         outputs = dict(zip(program.outputs, compiled.run(last.params, last.args, last.batch_size, extra),
                            strict=True))
     # the update, written into the user's tensors only now that the program has run whole (``fuse.commit``)

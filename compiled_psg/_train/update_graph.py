@@ -246,8 +246,14 @@ def _kind_of(value) -> tuple:
 def _kinds(optimizer: torch.optim.Optimizer, trained: list[int]) -> list[tuple] | None:
     """Each parameter's kind (in ``flat_params`` order), or None where the update is traced whole: an optimizer
     outside ``PER_PARAMETER``, or one that also holds parameters the step does not train (it updates them from a
-    ``.grad`` they may hold)."""
-    if type(optimizer) not in PER_PARAMETER or sorted(trained) != list(range(len(flat_params(optimizer)))):
+    ``.grad`` they may hold), or one that lists a parameter twice or shares a state tensor between two (the copies
+    would each update their own)."""
+    params = flat_params(optimizer)
+    if type(optimizer) not in PER_PARAMETER or sorted(trained) != list(range(len(params))):
+        return None
+    held = [id(p) for p in params] + [id(v) for p in params for v in optimizer.state.get(p, {}).values()
+                                      if isinstance(v, torch.Tensor)]
+    if len(set(held)) < len(held):
         return None
     kinds = []
     for g, group in enumerate(optimizer.param_groups):
