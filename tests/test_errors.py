@@ -41,9 +41,10 @@ def data(B=4, n_in=5, n_classes=3, seed=0):
 # ---------------------------------------------------------------- sample mixing
 
 
-def batchnorm_train():
+def _batchnorm(bn: nn.Module):
+    """A BatchNorm2d ``bn`` then a linear head; the loss line is tagged ``<batchnorm>``."""
     torch.manual_seed(0)
-    bn, head = nn.BatchNorm2d(2).double().train(), nn.Linear(2 * 4 * 4, 3).double()
+    bn, head = bn.double(), nn.Linear(2 * 4 * 4, 3).double()
     model = nn.ModuleList([bn, head])
 
     def loss(x, y):
@@ -52,6 +53,10 @@ def batchnorm_train():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 2, 4, 4, generator=g, dtype=F64)
     return model, loss, (x, torch.randint(0, 3, (4,), generator=g))
+
+
+def batchnorm_train():
+    return _batchnorm(nn.BatchNorm2d(2).train())
 
 
 def center_over_batch():
@@ -89,16 +94,7 @@ def contrastive():
 
 
 def batchnorm_eval_without_running_stats():
-    torch.manual_seed(0)
-    bn, head = nn.BatchNorm2d(2, track_running_stats=False).double().eval(), nn.Linear(2 * 4 * 4, 3).double()
-    model = nn.ModuleList([bn, head])
-
-    def loss(x, y):
-        return F.cross_entropy(head(bn(x).flatten(1)), y)  # <batchnorm_no_stats>
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 2, 4, 4, generator=g, dtype=F64)
-    return model, loss, (x, torch.randint(0, 3, (4,), generator=g))
+    return _batchnorm(nn.BatchNorm2d(2, track_running_stats=False).eval())
 
 
 def instance_norm_over_the_batch():
@@ -138,7 +134,7 @@ MIXING = [
     ("center_over_batch", center_over_batch, "center", ["mean", "sum"], ["fix"]),
     ("softmax_dim0", softmax_over_batch, "softmax0", ["softmax"], ["fix"]),
     ("contrastive_z_zT", contrastive, "contrastive", ["mm", "matmul", "bmm"], ["fix"]),
-    ("batchnorm_eval_without_running_stats", batchnorm_eval_without_running_stats, "batchnorm_no_stats",
+    ("batchnorm_eval_without_running_stats", batchnorm_eval_without_running_stats, "batchnorm",
      ["batch_norm"], ["in eval mode too", "track_running_stats=True", "GroupNorm"]),
     ("instance_norm_over_the_batch", instance_norm_over_the_batch, "instance_norm_batch", ["batch_norm"],
      ["InstanceNorm normalizes over the dimension that holds the batch", "in_dims"]),
