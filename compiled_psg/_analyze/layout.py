@@ -309,13 +309,11 @@ def _through_reduction(node, dim, batch, depth):
     dim_name, keep_name = ops.REDUCTIONS[node.target]
     src = node.args[0]
     rank = value_of(src).dim()
-    pair = normalize_function(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
-    if dim_name is None or pair is None:
+    kw = _normalized(node)
+    if dim_name is None or kw is None:
         return None
-    dims = pair.kwargs.get(dim_name)
-    reduced = set(range(rank)) if dims is None or dims == [] else {
-        d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
-    kept = list(range(rank)) if pair.kwargs.get(keep_name) else [d for d in range(rank) if d not in reduced]
+    reduced = {d % rank for d in _listed(kw.get(dim_name))} or set(range(rank))
+    kept = list(range(rank)) if kw.get(keep_name) else [d for d in range(rank) if d not in reduced]
     if dim >= len(kept) or kept[dim] in reduced:
         return None
     return batch_layout(src, kept[dim], batch, depth + 1)
