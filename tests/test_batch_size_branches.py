@@ -122,6 +122,27 @@ def test_branch_on_a_size_other_than_the_batch_is_accepted():
     torch.testing.assert_close(got["weight"], ref["weight"], rtol=1e-10, atol=1e-12)
 
 
+def test_a_branch_on_the_batch_size_equal_to_another_size_is_named_at_the_batch_that_fixes_it():
+    """``x.shape[0] == x.shape[1]`` is False for a batch of one and for most batches, which are exact; a batch as
+    large as the other dimension takes the branch and fixes the batch size: the refusal names the branch, not a
+    reshape to a fixed size."""
+    m = _model()
+
+    def loss(x):
+        out = m(x).pow(2).sum()
+        if x.shape[0] == x.shape[1]:
+            out = 2 * out
+        return out
+
+    fn = psg.per_sample(m, backend="eager")(loss)
+    x = torch.randn(4, 3, 3, dtype=torch.float64)
+    ref = reference_per_sample(loss, dict(m.named_parameters()), (x,))
+    torch.testing.assert_close(fn(x)["weight"], ref["weight"], rtol=1e-10, atol=1e-12)
+    with pytest.raises(psg.CaptureError, match="batch of one takes the other branch") as info:
+        fn(torch.randn(3, 3, 3, dtype=torch.float64))
+    assert "x.shape[0] == x.shape[1]" in str(info.value) and "view" not in str(info.value)
+
+
 @pytest.mark.parametrize("squeeze", [lambda h: h.squeeze(0), lambda h: torch.squeeze(h, (0,)),
                                      lambda h: h.T.squeeze(1).T, lambda h: h.squeeze_(0)],
                          ids=["squeeze_0", "squeeze_dims", "squeeze_after_transpose", "squeeze_in_place"])

@@ -656,3 +656,34 @@ def test_an_op_with_a_data_dependent_output_shape_is_named_as_unsupported(op):
                                                rf"docs/limits\.md.*Fix: .*{fix}") as info:
         fn(*args)
     assert "Python control flow" not in str(info.value)
+
+
+@pytest.mark.parametrize("loss_of", [
+    lambda h, t: F.poisson_nll_loss(h, t.abs()),
+    lambda h, t: F.kl_div(h.log_softmax(-1), t.softmax(-1), reduction="batchmean"),
+    lambda h, t: F.hinge_embedding_loss(h, t.sign()),
+], ids=["poisson_nll_loss", "kl_div_batchmean", "hinge_embedding_loss"])
+def test_losses_of_torch_functional_that_docs_list_are_exact(loss_of):
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 2).double()
+
+    def loss(x, t):
+        return loss_of(lin(x), t)
+
+    x, t = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    got = psg.per_sample(lin, backend="eager")(loss)(x, t)
+    want = reference_per_sample(loss, dict(lin.named_parameters()), (x, t))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-10)
+
+
+def test_a_value_check_inside_a_library_function_is_named_with_the_function_and_the_users_line():
+    """``F.gaussian_nll_loss`` checks ``torch.any(var < 0)`` in Python: the refusal names that function, not the
+    user's control flow, which has none."""
+    lin = nn.Linear(5, 2)
+    x, t = torch.randn(4, 5), torch.randn(4, 2)
+    fn = psg.per_sample(lin, backend="eager")(lambda x, t: F.gaussian_nll_loss(lin(x), t, torch.ones_like(t)))
+    with pytest.raises(psg.CaptureError, match="gaussian_nll_loss .*functional.py:\\d+.* branches on a tensor's "
+                       "values") as info:
+        fn(x, t)
+    assert f"{Path(__file__).name}:" in str(info.value) and "formula" in str(info.value)

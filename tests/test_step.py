@@ -309,6 +309,37 @@ def test_any_optimizer_runs_fused(name):
     assert max_diff(ours, ref) < 1e-5 * max_diff(ref, small_cnn().double())
 
 
+class _DecayingSGD(torch.optim.Optimizer):
+    """Keeps its step count as a Python int in the state, as several of timm's optimizers do."""
+
+    def __init__(self, params, lr=1.0):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["t"] = state.get("t", 0) + 1
+                    p.add_(p.grad, alpha=-group["lr"] / state["t"])
+
+
+def test_an_optimizer_that_changes_python_numbers_in_its_state_runs_eagerly_and_exactly():
+    """A graph would hold ``state["t"]`` as the constant it was when traced, so every later step would divide by
+    the same t: the update runs eagerly, and says why."""
+    ours, ref = small_cnn().double(), small_cnn().double()
+    opt_ours, opt_ref = _DecayingSGD(ours.parameters()), _DecayingSGD(ref.parameters())
+    step = compile_step(lambda x, y: ce_mean(ours, x, y), ours, opt_ours, max_grad_norm=None, backend="eager")
+    for n in (6, 11, 3, 6):
+        x, y = batch(n, seed=n)
+        step(x.double(), y)
+        plain_step(ref, opt_ref, ce_mean, x.double(), y)
+    assert not step.fused and "Python numbers" in step.fallback_reason and "state['t']" in step.fallback_reason
+    assert [s["t"] for s in opt_ours.state.values()] == [4] * len(opt_ours.state)
+    assert max_diff(ours, ref) < 1e-14
+
+
 @pytest.mark.parametrize("name", ["Adam", "NAdam"])
 def test_fused_update_is_exactly_the_traced_optimizer(name):
     """The ~1e-7 relative gap to eager Adam above is torch's, not ours: against ``torch.compile(optimizer.step)``

@@ -26,6 +26,7 @@ import sympy
 import torch
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
+from .._errors import CaptureError
 from . import patches
 
 # The shape environment between a decision's maker and the evaluation.
@@ -147,6 +148,17 @@ patches.register(patches.Patch(
     "this file added once, so that a guard is attributed to the code that made the decision, not to our wrapper",
     ("process",), "all threads; only names in guard messages change", "permanent: torch caches the set and "
     "offers no removal; the file holds only our wrapper, which no user frame is"))
+
+
+def refusal(decision: str) -> CaptureError:
+    """The refusal of a loss that decides on the batch size as a batch of one would not (``decision``, as
+    ``watched`` records it)."""
+    return CaptureError(
+        "the loss branches on the batch size, and a batch of one takes the other branch: "
+        f"{decision}. A sample's gradient is the gradient of the loss on the batch made "
+        "of that sample alone, so the batch's branch would give wrong per-sample gradients. Fix: keep the "
+        "batch size out of the loss's control flow (no x.shape[0] == 1, x.shape[0] == x.shape[1] or len(x) > 1 "
+        "tests; torch.where on tensors is fine)")
 
 
 class Decisions(list):

@@ -808,7 +808,7 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         manager = entries[0].guard_manager if len(entries) == 1 else None
     except torch._dynamo.exc.Unsupported as e:  # torch 2.11 stops at BatchNorm's cumulative average here
         raise _batchnorm_cumulative_average(str(e)) or global_guards.backward_hook_refusal(str(e)) \
-            or _graph_break(e) from None
+            or _value_checked_in_a_library(str(e)) or _graph_break(e) from None
     except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the fake (symbolic) values
         raise _runtime_failure(
             e, lambda failure=e: _fails_with_static_sizes(loss_fn, tensors, batched, args, failure)) from None
@@ -816,11 +816,15 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         text = str(e)
         if (mixing := _batchnorm_cumulative_average(text)) is not None:
             raise mixing from None
+        if (checked := _value_checked_in_a_library(text)) is not None:
+            raise checked from None
         if "ConstraintViolation" not in text and "marked dynamic" not in text:
             raise CaptureError(
                 "compiled_psg needs the loss function as one graph, and Dynamo could not capture it:\n"
                 f"{text}\nFix: keep tensor values out of Python control flow (no .item() or bool(tensor) in "
                 "branches); use torch.where for data-dependent choices.") from None
+        if branches:  # a branch (x.shape[0] == x.shape[1]) at a batch size that fixed it
+            raise batch_size_branches.refusal(branches[0]) from None
         raise CaptureError(
             "the loss function fixes the batch size, so one graph cannot serve every batch size:\n"
             f"{text}\nFix: use x.view(x.shape[0], -1) or x.flatten(1).") from None
@@ -829,6 +833,8 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         if "GuardOnDataDependentSymNode" in text:
             raise _data_dependent_shape(text) from None
         if "ConstraintViolation" in type(e).__name__ or "marked dynamic" in text or "specialize" in text:
+            if branches:  # a branch (x.shape[0] == x.shape[1]) at a batch size that fixed it
+                raise batch_size_branches.refusal(branches[0]) from None
             raise _fixed_batch_size(text, getattr(branches, "fixed_by", None)) from None
         raise
     finally:
@@ -1013,6 +1019,26 @@ _NO_FAKE_KERNEL = re.compile(r"unsupported operator: (\S+)")
 _RAISED = re.compile(r"raised exception (\w+(?:Error|Exception)\(.*?\))\n")
 _EXECUTING = re.compile(r"While executing %(\S+) : .*?target=([^\]]+)\]")
 _CAUSED_BY = re.compile(r"Caused by: \((\S+) in (\S+)\)")
+
+
+_LIBRARY_FRAME = re.compile(r"Caused by: .*\((\S+:\d+) in (\w+)\)\s*$", re.MULTILINE)
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in')
+
+
+def _value_checked_in_a_library(text: str) -> CaptureError | None:
+    """A function the loss calls (``F.gaussian_nll_loss``: ``if torch.any(var < 0): raise``) that branches on a
+    tensor's values in Python: Dynamo cannot guard on the value (``Could not guard on data-dependent expression``)
+    and names that function's frame after the user's. None for other errors."""
+    frame = _LIBRARY_FRAME.search(text)
+    if "Could not guard on data-dependent expression" not in text or frame is None:
+        return None
+    user = [f"{path}:{line}" for path, line in _USER_FRAME.findall(text) if "compiled_psg" not in path]
+    called = f", called by the loss at {user[-1]}," if user else ""
+    return CaptureError(
+        f"{frame.group(2)} ({frame.group(1)}){called} branches on a tensor's values in Python (a check such as "
+        "if torch.any(t < 0): raise): one graph for every batch cannot hold a decision known only when it runs. "
+        f"Fix: write {frame.group(2)}'s formula with torch ops in the loss (without the check), or compute it "
+        "outside the per-sample function\n(torch: " + text.strip().splitlines()[0] + ")")
 
 
 def _data_dependent_shape(text: str) -> CaptureError:

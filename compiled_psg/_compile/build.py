@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
 from .._analyze.source import group_sites, source_line
-from .._capture import patches
+from .._capture import batch_size_branches, patches
 from .._capture.dynamo import Captured, Role, capture_joint, shape_from_values
 from .._capture.retrace import forward_slice, retrace_joint
 from .._compat import reconnects_inner_gradients
@@ -164,12 +164,7 @@ def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> N
     Comparisons with 1 that Dynamo decided without a guard were recorded while tracing. Checked after the mixing
     analysis: BatchNorm in training mode also branches on a batch of one, and mixing is the real cause there."""
     if captured.batch_size_branches:
-        raise CaptureError(
-            "the loss branches on the batch size, and a batch of one takes the other branch: "
-            f"{captured.batch_size_branches[0]}. A sample's gradient is the gradient of the loss on the batch made "
-            "of that sample alone, so the batch's branch would give wrong per-sample gradients. Fix: keep the "
-            "batch size out of the loss's control flow (no x.shape[0] == 1 or len(x) > 1 tests; torch.where on "
-            "tensors is fine)")
+        raise batch_size_branches.refusal(captured.batch_size_branches[0])
     env = getattr(detect_fake_mode(captured.fake_inputs), "shape_env", None)
     if env is None:
         return

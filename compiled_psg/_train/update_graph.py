@@ -36,6 +36,21 @@ class StateMissing(Exception):
     """The traced step created optimizer state (momentum buffers, moments): run one eager step first."""
 
 
+class PythonValuesChange(Exception):
+    """The traced step changed a Python number it keeps (``state["step"] += 1`` on an int, as several of timm's
+    optimizers do): the graph would hold the first value as a constant, so the update stays eager."""
+
+
+def _readable(key: tuple) -> str:
+    """``("state", 0, "step", 0)`` as ``state["step"] of parameter 0``; ``("group", 0, "lr", 0)`` as
+    ``param_groups[0]["lr"]``."""
+    if key[0] == "state":
+        return f'state[{key[2]!r}] of parameter {key[1]}'
+    if key[0] == "group":
+        return f"param_groups[{key[1]}][{key[2]!r}]"
+    return repr(key)
+
+
 @dataclass
 class UpdateGraph:
     """``gm(*inputs)`` performs one optimizer step. ``sources[k]`` says what feeds placeholder ``k``:
@@ -201,6 +216,12 @@ def _trace(shadow: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype
     if ([k for k, _ in after_tensors] != [k for k, _ in shadow_tensors]
             or [k for k, _ in after_values] != [k for k, _ in shadow_values]):
         raise StateMissing(f"{type(shadow).__name__}.step creates state")
+    changed = [key for (key, before), (_, after) in zip(shadow_values, after_values, strict=True)
+               if repr(before) != repr(after)]
+    if changed:  # Dynamo baked the value in as a constant; the graph would replay the first step's forever
+        raise PythonValuesChange(
+            f"{type(shadow).__name__}.step changes Python numbers it keeps (state or settings: "
+            f"{', '.join(_readable(key) for key in changed[:3])}), which a graph can only hold as constants")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
         raise InternalError(f"{len(placeholders)} update placeholders for {len(inputs)} inputs")
