@@ -57,6 +57,7 @@ def _params_and_modes(params: nn.Module | Mapping[str, torch.Tensor]) -> tuple[d
                 f"params names one tensor twice, as {first_name[id(p)]!r} and {name!r}: its gradient would be "
                 "returned under one of them only. Fix: name each tensor once (a weight shared by two layers has "
                 "one gradient, the sum of both uses)")
+    _refuse_views_of_each_other(named)
     frozen = [name for name, p in named.items() if not p.requires_grad]
     if frozen and isinstance(params, Mapping):
         raise BatchInputError(
@@ -67,6 +68,25 @@ def _params_and_modes(params: nn.Module | Mapping[str, torch.Tensor]) -> tuple[d
     if not named:
         raise BatchInputError("no parameters to differentiate: every parameter is frozen or the dict is empty")
     return named, modes
+
+
+def _refuse_views_of_each_other(named: dict[str, torch.Tensor]) -> None:
+    """An entry that is an autograd view of another (``{"a": w, "b": w.view(...)}``): autograd's gradient of
+    ``a`` includes the uses of ``b``, but the capture differentiates each tensor the loss reads as an input of its
+    own, so ``a`` would get only its direct uses. (Two views of a third tensor are separate inputs, as for
+    autograd.)"""
+    name_of = {id(p): name for name, p in named.items()}
+    for name, p in named.items():
+        base = p._base
+        while base is not None:
+            if id(base) in name_of:
+                owner = name_of[id(base)]
+                raise BatchInputError(
+                    f"params holds {name!r}, a view of {owner!r}: the gradient of {owner!r} includes the uses of "
+                    f"{name!r}, which per_sample differentiates as an input of its own. Fix: name the base tensor "
+                    f"only, and take the view inside the loss ({owner}.view(...)): its uses count toward the base's "
+                    "gradient")
+            base = base._base
 
 
 class _Unusual(Exception):

@@ -369,6 +369,28 @@ def test_adaptive_resumes_bit_for_bit():
         assert torch.equal(a, b)
 
 
+def test_flat_clipping_follows_a_parameter_group_added_between_steps():
+    """After ``add_param_group`` the next step clips the norm over the parameters the optimizer holds now (the
+    first step after it raised an InternalError: the clipping was built from the old list)."""
+    model = mlp()
+    opt = torch.optim.SGD(model[2].parameters(), lr=1.0)
+    loss = lambda x, y: F.cross_entropy(model(x), y, reduction="sum")  # noqa: E731
+    with pytest.warns(UserWarning, match="require grad but the optimizer"):
+        step = compile_step(loss, model, opt, loss_reduction="sum", max_grad_norm=0.05, backend="eager")
+    step(*data(6, seed=2))
+    opt.add_param_group({"params": list(model[0].parameters())})
+    x, y = data(6)
+    params = dict(model.named_parameters())
+    grads = reference_per_sample(loss, params, (x, y))
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()]).norm(dim=0)
+    factors = torch.clamp(0.05 / norms, max=1.0)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    step(x, y)
+    for n, p in params.items():
+        torch.testing.assert_close(before[n] - p.detach(), torch.tensordot(factors, grads[n], dims=1),
+                                   rtol=1e-10, atol=1e-12)
+
+
 def test_per_layer_with_an_optimizer_on_some_parameters():
     """Trainable parameters the optimizer does not update belong to no group: they neither get a sum nor change
     another group's factor."""

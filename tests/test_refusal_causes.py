@@ -304,6 +304,16 @@ def test_a_params_dict_that_names_one_tensor_twice_is_refused():
         psg.per_sample({"enc": w, "dec": w}, backend="eager")(lambda x: (x @ w.t()).sum())(torch.randn(2, 4))
 
 
+def test_a_params_dict_that_holds_a_view_of_another_entry_is_refused():
+    """Autograd's gradient of ``w`` includes the uses of ``w.view(...)``; the capture differentiates each entry as
+    an input of its own, so ``w`` would get only its direct uses (a silent wrong result before)."""
+    w = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    view = w.view(6, 4)
+    with pytest.raises(psg.BatchInputError, match="holds 'b', a view of 'a'"):
+        psg.per_sample({"a": w, "b": view}, backend="eager")(lambda x: (x @ w.t() + x @ view.t()).pow(2).sum())(
+            torch.randn(5, 4, dtype=torch.float64))
+
+
 def test_fold_col2im_keeps_samples_apart_and_is_exact():
     """``F.fold`` (``aten.col2im``) sums patches within a sample: a spatial op over its last two dimensions."""
     torch.manual_seed(0)

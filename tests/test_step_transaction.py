@@ -441,6 +441,24 @@ def test_a_step_called_from_inside_a_step_is_refused_and_the_outer_one_completes
     assert step.steps_taken == 1
 
 
+def test_a_private_step_called_from_inside_a_step_is_counted_once_by_the_accountant():
+    """The inner ``PrivateTraining.step`` is refused by the step; the accountant counted it as the outer call's
+    noise (the outer step's released settings were in flight)."""
+    model, gen, x, y, private = _after_one_step()
+    refused = []
+
+    def hook(optimizer, args, kwargs):
+        try:
+            private.step(x[8:], y[8:])
+        except DPConfigError as e:
+            refused.append(str(e))
+
+    private.dp_step.optimizer.register_step_post_hook(hook)
+    for _ in range(2):
+        private.step(x[:8], y[:8])
+    assert len(refused) == 2 and private.dp_step.steps_taken == 3 and private.accountant.steps == 3
+
+
 def test_steps_called_from_two_threads_take_turns():
     """Two threads stepping one DP step: every call is a whole step on the parameters and state the previous one
     left (Adam's step count equals the steps taken), none is lost."""

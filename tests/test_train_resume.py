@@ -120,3 +120,31 @@ def test_step_state_dict_restores_settings_and_refuses_a_mismatch():
                             max_grad_norm=1.0, noise_multiplier=1.0, backend="eager")
     with pytest.raises(DPConfigError, match="generator"):
         unseeded.load_state_dict(state)
+
+
+@pytest.mark.parametrize("mismatch", ["wider_model", "other_groups"])
+def test_a_state_of_another_model_or_optimizer_loads_nothing(mismatch):
+    """``nn.Module.load_state_dict`` copies the entries that fit before it raises: everything is checked first, so
+    a refused load leaves the settings, the parameters, the optimizer and the generator as they were."""
+    def built(width, groups):
+        torch.manual_seed(width)
+        model = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 3))
+        params = [{"params": list(m.parameters())} for m in (model[0], model[2])] if groups else model.parameters()
+        step = compile_step(lambda x: model(x).pow(2).sum(), model, torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                            max_grad_norm=1.0, noise_multiplier=1.0, backend="eager",
+                            generator=torch.Generator().manual_seed(0))
+        step(torch.randn(5, 4))
+        return model, step
+
+    _, saved = built(16 if mismatch == "wider_model" else 8, groups=mismatch == "other_groups")
+    saved.noise_multiplier, saved.max_grad_norm = 3.0, 0.5
+    state = saved.state_dict()
+    model, step = built(8, groups=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer_before, generator_before = repr(step.optimizer.state_dict()), step.noise.generator.get_state()
+    with pytest.raises(DPConfigError, match="Nothing was loaded"):
+        step.load_state_dict(state)
+    assert (step.noise_multiplier, step.max_grad_norm, step.steps_taken) == (1.0, 1.0, 1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert repr(step.optimizer.state_dict()) == optimizer_before
+    assert torch.equal(step.noise.generator.get_state(), generator_before)

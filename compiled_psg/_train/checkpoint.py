@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+import torch.nn as nn
+
 from .._errors import DPConfigError
 
 
@@ -23,11 +26,20 @@ def step_state(step) -> dict:
 def load_step_state(step, state: dict) -> None:
     """Restore what ``state_dict`` saved, into a step built the same way (same model class, optimizer and
     arguments). The next step continues exactly where the saved run stopped (same noise with a seeded
-    ``generator``)."""
+    ``generator``). Everything is checked before anything is loaded: a state of another model or optimizer
+    changes nothing."""
     if (state["generator"] is not None) != (step.noise.generator is not None):
         raise DPConfigError("the saved step and this one disagree on generator=: build the step with a "
                             "torch.Generator exactly when the saved one had one")
-    step.config = step.config.replace(**state["config"])
+    config = step.config.replace(**state["config"])
+    _check_model_state(step.model, state["model"])
+    _check_optimizer_state(step.optimizer, state["optimizer"])
+    if step.noise.generator is not None and (
+            not isinstance(state["generator"], torch.Tensor)
+            or state["generator"].shape != step.noise.generator.get_state().shape):
+        raise DPConfigError("the saved generator state is not one of this step's generator: build the step with "
+                            "a generator of the same kind (device) as the saved run's")
+    step.config = config
     step.model.load_state_dict(state["model"])
     step.optimizer.load_state_dict(state["optimizer"])
     if step.noise.generator is not None:
@@ -37,3 +49,29 @@ def load_step_state(step, state: dict) -> None:
     # that has stepped has that state (none at all for a stateless optimizer, plain SGD): resume on the
     # program, as the uninterrupted run would.
     step.state_ready = step.steps_taken > 0 or bool(step.optimizer.state)
+
+
+def _check_model_state(model: nn.Module, saved: dict) -> None:
+    """``model.load_state_dict(saved)`` would load all of it (``nn.Module.load_state_dict`` copies the entries
+    that fit before it raises on the others)."""
+    live = model.state_dict()
+    missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+    shapes = [f"{k}: saved {tuple(saved[k].shape)}, model {tuple(live[k].shape)}" for k in live
+              if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != live[k].shape]
+    if missing or unexpected or shapes:
+        problems = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
+                    f"other shapes ({'; '.join(shapes[:5])})" if shapes else ""]
+        raise DPConfigError("the saved model state is not one of this model: "
+                            + ", ".join(p for p in problems if p) + ". Nothing was loaded. Fix: build the model "
+                            "exactly as the saved run did before loading")
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """The checks of ``Optimizer.load_state_dict`` that can fail, made before the model is loaded."""
+    groups = saved.get("param_groups", []) if isinstance(saved, dict) else None
+    if groups is None or len(groups) != len(optimizer.param_groups) or any(
+            len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, optimizer.param_groups, strict=True)):
+        raise DPConfigError("the saved optimizer state holds other parameter groups than this optimizer: "
+                            f"{[len(g['params']) for g in groups or []]} parameters per group saved, "
+                            f"{[len(g['params']) for g in optimizer.param_groups]} here. Nothing was loaded. Fix: "
+                            "build the optimizer with the same parameter groups as the saved run")

@@ -83,6 +83,10 @@ class PrivateTraining:
 
     def step(self, *batch) -> torch.Tensor:
         """One DP-SGD step on a (logical) batch; the accountant records the noise multiplier it used."""
+        if getattr(self.dp_step, "running_here", lambda: False)():
+            # called from inside the running step (an optimizer hook): the step refuses it before anything
+            # changes, and the step in flight is counted by its own call, not by this one
+            return self.dp_step(*batch)
         try:
             loss = self.dp_step(*batch)
         except BaseException:

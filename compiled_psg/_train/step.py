@@ -249,8 +249,12 @@ class DPStep(StepSettings):
         return self._eager_runners[id(entry)]
 
     # --- one step ------------------------------------------------------------------------------------------
+    def running_here(self) -> bool:
+        """Whether this thread is inside this step (a call now would come from a hook, a scheduler or the loss)."""
+        return self._running_thread == threading.get_ident()
+
     def __call__(self, *batch) -> torch.Tensor:
-        if self._running_thread == threading.get_ident():
+        if self.running_here():
             raise DPConfigError(
                 "the DP step was called while it is running (from an optimizer hook, a scheduler or the loss): "
                 "the inner step would be counted, then undone if the outer one failed, and its noise drawn again. "
@@ -310,9 +314,9 @@ class DPStep(StepSettings):
     def _step(self, config: DPConfig, batch: tuple) -> torch.Tensor:
         from .._api import batch_dims_of
 
+        self._bind()  # first: the per-sample function's clipping covers the parameters the optimizer holds now
         f = self._per_sample_for(config)
         _, batch_size = batch_dims_of(batch, f.in_dims)
-        self._bind()
         if batch_size == 0:  # a step of noise alone (Poisson sampling draws empty batches)
             loss, _, result = f.with_losses(*batch)
             sums, self.last_norms = split_result(result, self.binding.names, self.binding.params)
