@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .._capture.dynamo import own_compilation
 from .._compile.run import CompiledGraph
 from .._errors import DPConfigError
 from .._reduce.reductions import Reduction
@@ -249,6 +250,7 @@ class DPStep(StepSettings):
         return self._eager_runners[id(entry)]
 
     # --- one step ------------------------------------------------------------------------------------------
+    @own_compilation
     def __call__(self, *batch) -> torch.Tensor:
         if self._running_thread == threading.get_ident():
             raise DPConfigError(
