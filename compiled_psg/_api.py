@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ._capture import backward_semantics, torch_caches
-from ._capture.dynamo import CAPTURE_LOCK
+from ._capture.dynamo import CAPTURE_LOCK, own_compilation
 from ._compile.build import Rewritten, build
 from ._compile.run import BACKENDS, CompiledGraph
 from ._errors import BatchInputError, CaptureError, PerSampleError
@@ -363,6 +363,7 @@ class PerSampleFunction:
         dump_if_asked(rewritten)
         return rewritten
 
+    @own_compilation
     def with_losses(self, *args, **kwargs):
         """``(loss, per_sample_losses [B], result)``: the loss as the function computes it, and each sample's
         batch-of-one loss. Under ``torch.inference_mode()`` as under ``torch.no_grad()``: the gradients are the

@@ -252,3 +252,96 @@ def test_graph_break_is_capture_error(builder, marker):
     with pytest.raises(psg.CaptureError) as info:
         fn(*data())
     assert_points_at(str(info.value), *(marker if isinstance(marker, tuple) else (marker,)))
+
+
+# ---------------------------------------------------------------- the loss raises
+
+
+class _LossError(Exception):
+    """A user's own exception class."""
+
+
+_MADE_OUTSIDE = ValueError("labels missing")
+
+
+def raises_own_class(x, y):
+    raise _LossError("mine")  # <raise_own>
+
+
+def raises_made_outside(x, y):
+    raise _MADE_OUTSIDE  # <raise_outside>
+
+
+def calls_with_wrong_arguments(x, y):
+    return F.cross_entropy(x, y, 3, 4, 5, 6, 7, 8, 9)  # <wrong_call>
+
+
+# pytest rewrites a test module's asserts into its own reporting code, which Dynamo traces otherwise (torch 2.11):
+# this loss is compiled from the text below as Python would, with its lines numbered as in this file
+_ASSERTS_A_SHAPE = '''
+def asserts_a_shape(x, y):
+    assert x.shape[1] == 7, "expected 7 features"  # <assert_shape>
+    return F.cross_entropy(x, y)
+'''
+exec(compile("\n" * (line_of("assert_shape") - 3) + _ASSERTS_A_SHAPE, str(THIS), "exec"))
+
+
+@pytest.mark.parametrize("loss,marker,says,cause", [
+    (raises_own_class, "raise_own", "_LossError('mine')", _LossError),
+    (raises_made_outside, "raise_outside", "made outside the loss function", None),
+    (calls_with_wrong_arguments, "wrong_call", "takes from 2 to 8 positional arguments", TypeError),
+    (asserts_a_shape, "assert_shape", "AssertionError", None),  # noqa: F821 - defined by exec above
+], ids=["own_class", "made_outside", "wrong_call", "assert"])
+def test_an_exception_the_loss_raises_is_named_with_its_line(loss, marker, says, cause):
+    """What the loss itself raises is the user's error, not a graph break: the message names it and its line,
+    keeps the user's exception as the cause where it can be rebuilt, and gives none of the graph-break Fixes
+    (rewrite with torch operations, no .item(), "raises TypeError when run without compiled_psg")."""
+    model = _mlp()
+    fn = psg.per_sample(model, backend="eager")(loss)
+    with pytest.raises(psg.BatchInputError) as info:
+        fn(*data())
+    message = str(info.value)
+    assert "the loss function raised" in message and says in message, message
+    assert_points_at(message, marker)
+    assert "torch operations" not in message and ".item()" not in message and "must derive" not in message, message
+    if cause is not None:
+        assert type(info.value.__cause__) is cause, repr(info.value.__cause__)
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+def test_keyboard_interrupt_and_system_exit_raised_by_the_loss_propagate(kind):
+    """An interrupt or exit asked for by the loss is not an error to report: it leaves the call as itself, and
+    the next call works (the capture's switches are undone)."""
+    model = _mlp()
+
+    def loss(x, y):
+        raise kind
+
+    with pytest.raises(kind):
+        psg.per_sample(model, backend="eager")(loss)(*data())
+    fn = psg.per_sample(model, backend="eager")(lambda x, y: F.cross_entropy(model(x), y))
+    assert fn(*data())["0.weight"].shape[0] == 4
+
+
+# ---------------------------------------------------------------- inside the user's torch.compile
+
+
+def test_a_per_sample_function_and_a_step_called_inside_torch_compile_run_as_themselves():
+    """A training step wrapped in torch.compile is common. Dynamo must not trace compiled_psg's own capture (it
+    failed inside it, "exception table entry", reported as a compiled_psg bug): the compiled region breaks its
+    graph at the call and runs it as is, with the same gradients; fullgraph=True, which refuses any break, says to
+    call it outside the region."""
+    model = _mlp()
+    x, y = data()
+    fn = psg.per_sample(model, backend="eager")(lambda x, y: F.cross_entropy(model(x), y))
+    expected = fn(x, y)
+    got = torch.compile(lambda x, y: {k: 2 * v for k, v in fn(x, y).items()}, backend="eager")(x, y)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], 2 * value)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"call it outside the torch.compile\(fullgraph=True\)"):
+        torch.compile(lambda x, y: fn(x, y), backend="eager", fullgraph=True)(x, y)
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=0.0,
+                            backend="eager")
+    torch.compile(lambda x, y: step(x, y), backend="eager")(x, y)
+    assert step.steps_taken == 1

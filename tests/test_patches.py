@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from reference import reference_per_sample
 from torch._dynamo.comptime import comptime
 
 import compiled_psg as psg
@@ -47,6 +49,7 @@ def test_every_phase_has_entries_and_each_entry_says_how_it_is_undone():
     assert {"Dynamo settings", "mkldnn off", "opt_einsum off", "stand-ins", "corrected decompositions",
             "traceable decompositions", "batch-size decisions", "membership on sizes"} <= by_phase["capture"]
     assert by_phase["guard check"] == {"stand-ins"}
+    assert by_phase["rewrite"] == {"anomaly mode off"}
     assert {"index simplification", "Inductor settings"} <= by_phase["compile"]
     assert {"guard source", "guard finalizers", "memo caches released", "heap keeps freed memory"} <= by_phase[
         "process"]
@@ -201,3 +204,23 @@ def test_the_metrics_failure_of_old_torch_is_dropped_and_nothing_else():
     assert not logger.filters
     entry = patches.REGISTRY["metrics failure unlogged"]
     assert entry.in_force_here() == (torch.__version__ < "2.13"), "in force on torch 2.11 and 2.12 only"
+
+
+def test_anomaly_mode_is_off_during_a_rewrite_and_restored_after_it():
+    """torch.autograd.set_detect_anomaly(True) is a common debugging switch; its NaN check of every gradient is a
+    data-dependent guard that stopped every capture ("Could not guard on data-dependent expression" at
+    compiled_psg's own line). The rewrite runs without it and gives the loop's exact gradients; the user's
+    setting is back afterwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    with torch.autograd.set_detect_anomaly(True):
+        got = psg.per_sample(model, backend="eager")(loss)(x, y)
+        assert torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
+    expected = reference_per_sample(loss, dict(model.named_parameters()), (x, y))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -180,3 +182,34 @@ def test_a_frame_without_its_code_line_does_not_swallow_the_next_frame():
     node.meta["stack_trace"] = ('  File "/site/compiled_psg/_capture/dynamo.py", line 613, in joint\n'
                                 '  File "/home/me/train.py", line 144, in loss\n    return F.cross_entropy(x)\n')
     assert source_line(node) == "/home/me/train.py:144 in loss: return F.cross_entropy(x)"
+
+
+class _Norms(nn.Module):
+    """Three BatchNorms of other names run by one line of code, then a repeated block whose norms run another."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.third = (nn.BatchNorm1d(4) for _ in range(3))
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(3)])
+
+    def forward(self, x):
+        for norm in (self.first, self.second, self.third):
+            x = norm(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_sites_are_grouped_by_op_and_source_line_and_a_shared_reason_is_said_once():
+    """A ResNet's BatchNorms (bn1, bn2, downsample.1 in each block) gave one line per module name pattern, each
+    repeating the same reason and Fix (13 lines, 5 KB, for 4 lines of code). One line per op and source line,
+    with the count and the modules in brief; the reason and Fix once."""
+    model = _Norms().double()
+    with pytest.raises(psg.SampleMixingError) as info:
+        psg.per_sample(model, backend="eager")(lambda x: model(x).sum())(torch.randn(5, 4, dtype=torch.float64))
+    lines = str(info.value).splitlines()[1:]
+    assert len(lines) == 2, lines
+    assert re.search(r"\[module (model\.)?first, (model\.)?second, (model\.)?third \(BatchNorm1d\)\] \(x3\): "
+                     r"BatchNorm in training mode .* Fix: call model\.eval\(\)", lines[0]), lines
+    assert re.search(r"\[module (model\.)?blocks\.N\.1 \(BatchNorm1d\)\] \(x3\): the same reason and Fix as above$",
+                     lines[1]), lines

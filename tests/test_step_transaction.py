@@ -499,3 +499,24 @@ def test_a_parameter_replaced_after_the_optimizer_was_built_is_refused():
         step(x[8:16], y[8:16])
     assert step.steps_taken == 1
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_parameters_whose_dtype_changed_under_the_optimizers_state_are_named_and_nothing_changes():
+    """model.double() after Adam took steps leaves its float32 moments under float64 weights, which Adam cannot
+    step. The step said that the batch did not fit a sample's own loss ("kthvalue"); it names the parameter, both
+    dtypes and the state entry, and takes no step. A step with state of the parameters' dtype goes on."""
+    x, y = _data(8)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.Adam(model.parameters()),
+                        max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, backend="eager")
+    step(x, y)
+    model.double()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DPConfigError, match=r"0\.weight is torch\.float64.*'exp_avg'\) is torch\.float32"):
+        step(x.double(), y)
+    assert step.steps_taken == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    model.float()
+    step(x, y)
+    assert step.steps_taken == 2

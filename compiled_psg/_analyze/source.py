@@ -70,35 +70,44 @@ def where(node: fx.Node) -> str:
 _INDEX = re.compile(r"(?<=\.)\d+(?=[.\s]|$)|^\d+(?=\.)")
 
 
-def _generic_module(source: str) -> str:
-    """``... [module layers.3.mlp (MLP)]`` -> ``... [module layers.N.mlp (MLP)]``: repeated blocks look alike."""
-    head, sep, module = source.partition("[module ")
-    return head + sep + _INDEX.sub("N", module) if sep else source
-
-
 def group_sites(sites) -> list[str]:
-    """One line per kind of mixing site: sites that differ only in the index of a repeated block (a layer of a
-    ``ModuleList``) read ``op at ... [module layers.N.norm (BatchNorm1d)] (x12): reason``."""
+    """One line per op and source line, with how many sites and their modules in brief: the BatchNorms of a
+    ResNet that run one line of code read ``op at resnet.py:147 ... [module layerN.N.bn1 (BatchNorm2d)] (x8)``.
+    A reason and Fix shared with an earlier line are not repeated."""
     groups: dict[tuple, list] = {}
     for site in sites:
         if not all(hasattr(site, a) for a in ("op", "source", "reason", "fix")):
             groups.setdefault((str(site),), []).append(site)
             continue
-        groups.setdefault((site.op, _generic_module(site.source), site.reason, site.fix), []).append(site)
-    lines = []
+        line, _, _ = site.source.partition(" [module ")
+        groups.setdefault((site.op, line, site.reason, site.fix), []).append(site)
+    lines, said = [], set()
     for key, members in groups.items():
-        if len(members) == 1:
+        if len(key) == 1:
+            lines.append(key[0])
+            continue
+        op, line, reason, fix = key
+        repeated = (reason, fix) in said
+        said.add((reason, fix))
+        if len(members) == 1 and not repeated:
             lines.append(str(members[0]))
-        else:
-            op, _, reason, fix = key
-            lines.append(f"{op} at {_common_source([m.source for m in members])} (x{len(members)}): {reason}. "
-                         f"Fix: {fix}")
+            continue
+        modules = [m.source.partition(" [module ")[2].removesuffix("]") for m in members]
+        where = f"{line} [module {_common_modules(modules)}]" if any(modules) else line
+        count = f" (x{len(members)})" if len(members) > 1 else ""
+        lines.append(f"{op} at {where}{count}: " + ("the same reason and Fix as above" if repeated
+                                                   else f"{reason}. Fix: {fix}"))
     return lines
 
 
-def _common_source(sources: list[str]) -> str:
-    """The sources of one group with each index that differs among them written ``N``: ``layers.N.1``."""
-    split = [re.split(r"(\d+)", s) for s in sources]
-    if len({len(parts) for parts in split}) != 1:
-        return _generic_module(sources[0])
-    return "".join(parts[0] if len(set(parts)) == 1 else "N" for parts in zip(*split, strict=True))
+def _common_modules(modules: list[str]) -> str:
+    """Module names in brief: ``layerN.N.bn1 (BatchNorm2d)`` (each number that differs among them written ``N``)
+    where they differ in their numbers only, else each distinct name with its block indices written ``N``."""
+    split = [re.split(r"(\d+)", m) for m in modules]
+    if len({tuple(parts[::2]) for parts in split}) == 1:  # the same text between the numbers
+        return "".join(parts[0] if len(set(parts)) == 1 else "N" for parts in zip(*split, strict=True))
+    names = dict.fromkeys(_INDEX.sub("N", m) for m in modules)
+    kinds = {name.rpartition(" (")[2] for name in names}
+    if len(kinds) == 1:  # one type: said once, after the names
+        return ", ".join(name.rpartition(" (")[0] for name in names) + f" ({kinds.pop()}"
+    return ", ".join(names)

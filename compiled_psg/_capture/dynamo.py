@@ -58,6 +58,7 @@ docs/semantics.md ("Every change inside torch") carries the registry's table, ch
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import gc
@@ -96,6 +97,18 @@ from . import (  # noqa: F401 - they register capture-phase changes
 #: Held while capturing (and while compiling a captured graph): Dynamo is not thread-safe, and the switches above
 #: are process-wide. Re-entrant, so a loss that calls another per-sample function still works.
 CAPTURE_LOCK = threading.RLock()
+
+_OWN_COMPILATION = (
+    "compiled_psg's per-sample functions and DP steps capture and compile the loss themselves (with Dynamo), so "
+    "torch.compile cannot trace them: call it outside the torch.compile(fullgraph=True) region (a region without "
+    "fullgraph=True runs it as is), and compile only the code around it")
+
+
+def own_compilation(fn: Callable) -> Callable:
+    """``fn``, an entry point (a per-sample function's call, a DP step), skipped by a user's ``torch.compile``:
+    traced there, Dynamo would trace compiled_psg's own capture. A compiled region breaks its graph at the call and
+    runs it as is; ``fullgraph=True`` refuses that break with torch's error carrying ``_OWN_COMPILATION``."""
+    return torch._dynamo.disable(fn, reason=_OWN_COMPILATION)
 
 
 @dataclass(frozen=True)
@@ -668,6 +681,15 @@ patches.register(patches.Patch(
     enter=patches.flag_set(torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled, False),
     current=lambda: (torch._C._get_mkldnn_enabled(),)))
 patches.register(patches.Patch(
+    "anomaly mode off", "torch.set_anomaly_enabled",
+    "under anomaly mode autograd checks each gradient's values for NaN, a data-dependent guard that stops the "
+    "capture's and the retrace's traces of torch.autograd.grad; the graphs are the same without it", ("rewrite",),
+    "process-wide flag: another thread's backward in that window runs without anomaly checks",
+    "the flag (and its check_nan) restored on exit",
+    enter=patches.flag_set(lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+                           lambda v: torch.set_anomaly_enabled(*v), (False, True)),
+    current=lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())))
+patches.register(patches.Patch(
     "opt_einsum off", "torch.backends.opt_einsum.enabled", "opt_einsum plans contractions from concrete sizes, "
     "which would fix the batch size", ("capture",), "process-wide flag: another thread's eager einsum in that "
     "window uses the default contraction order (same values)", "the attribute restored on exit",
@@ -807,6 +829,9 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
         entries = _debug_get_cache_entry_list(joint.__code__)
         manager = entries[0].guard_manager if len(entries) == 1 else None
     except torch._dynamo.exc.Unsupported as e:  # torch 2.11 stops at BatchNorm's cumulative average here
+        raised = _raised_by_the_loss(e)
+        if raised is not None:
+            raise raised[0] from raised[1]
         raise _batchnorm_cumulative_average(str(e)) or global_guards.backward_hook_refusal(str(e)) \
             or _value_checked_in_a_library(str(e)) or _graph_break(e) from None
     except torch._dynamo.exc.TorchRuntimeError as e:  # an op failed on the fake (symbolic) values
@@ -829,6 +854,8 @@ def _capture(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: 
             "the loss function fixes the batch size, so one graph cannot serve every batch size:\n"
             f"{text}\nFix: use x.view(x.shape[0], -1) or x.flatten(1).") from None
     except Exception as e:  # ConstraintViolationError: the batch size got fixed
+        if (raised := _raised_by_the_loss(e)) is not None:  # torch 2.11: an AssertionError handling a raise
+            raise raised[0] from raised[1]
         text = str(e)
         if "GuardOnDataDependentSymNode" in text:
             raise _data_dependent_shape(text) from None
@@ -942,19 +969,98 @@ def _show(frame) -> str:
     return f"{frame[0]}:{frame[1]} in {frame[2]}: {frame[3].strip()}"
 
 
+def _located(text: str) -> tuple[str, bool]:
+    """Where a Dynamo message says the trace stopped: ``at`` the user's line, or ``inside library code at`` a
+    library's line ``called from`` the user's; and whether that is library code."""
+    frames = [f for f in _frames(text) if not _is_tracer(f[0])]
+    user = [f for f in frames if not _is_library(f[0])]
+    if frames and _is_library(frames[-1][0]):
+        called = f", called from {_show(user[-1])}" if user else ""
+        return f"inside library code at {_show(frames[-1])}{called}", True
+    return (f"at {_show(user[-1])}" if user else "in the loss function"), False
+
+
+#: Dynamo's text of what the traced code raised: ``raised exception ValueError('msg')`` (torch 2.13 on),
+#: ``raised exception ValueError([ConstantVariable(str: 'msg')])`` (2.11)
+_RAISED_REPR = re.compile(r"raised exception (\w+\(.*\))\s*$", re.MULTILINE)
+_CONSTANT_VARIABLE = re.compile(r"ConstantVariable\(\w+: (.*?)\)")
+#: Dynamo's reading of ``raise err`` for an exception object made outside the traced code: a TypeError it raises
+#: (``, not ValueError`` on torch 2.13, no type on 2.15), a graph break of its own on 2.11
+_NOT_AN_EXCEPTION = re.compile(r"exceptions must derive from BaseException(?:, not (\w+))?"
+                               r"|Attempted to raise a non-Exception type/value")
+#: a call of a function with arguments it does not take: Dynamo keeps Python's own TypeError as the cause
+_FAKE_CALL_FAILED = "when making fake tensor call"
+_ASSERT_FAILED = "Data-dependent assertion failed"
+
+
+def _raised_by_the_loss(e: Exception) -> tuple[BaseException, BaseException | None] | None:
+    """``(error, cause)`` where Dynamo stopped because the loss's own code raised, as it would run without
+    compiled_psg on this batch: a ``raise``, a call with arguments the callee does not take, a failing ``assert``.
+    A ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) is rebuilt and
+    re-raised as is; other exceptions become a ``BatchInputError`` naming the exception and the line, with the
+    user's exception as the cause where it can be rebuilt without running user code. None for other stops."""
+    chain = _chain(e)
+    text = "\n".join(map(str, chain))  # torch 2.11 raises an AssertionError while handling a graph break
+    observed = next((c for c in chain if isinstance(c, torch._dynamo.exc.ObservedException)), None)
+    cause, what = None, None
+    if (made_outside := _NOT_AN_EXCEPTION.search(text)) is not None:  # Dynamo cannot show that object's message
+        what = f"the {made_outside.group(1) or 'exception'} object it was given (made outside the loss function)"
+    elif observed is not None:
+        kind = next((t for t, c in torch._dynamo.exc.observed_exception_map.items() if c is type(observed)), None)
+        name, args = _shown_call(text)
+        what = f"{name}({', '.join(map(repr, args))})" if args is not None else name or getattr(kind, "__name__", "")
+        if kind is not None and args is not None:
+            cause = _rebuilt(kind, args)
+            if not issubclass(kind, Exception):  # KeyboardInterrupt, SystemExit: not an error to report
+                return (cause if cause is not None else kind()), None
+    elif _FAKE_CALL_FAILED in text and isinstance(chain[-1], TypeError):
+        cause = chain[-1]
+        what = f"{type(cause).__name__}: {cause}"
+    elif _ASSERT_FAILED in text and "ConstantVariable(bool: False)" in text:
+        what = "AssertionError (an assert that fails on this batch)"
+    else:
+        return None
+    where, _ = _located(text)
+    return BatchInputError(
+        f"the loss function raised {what} {where}. The capture runs the loss's Python code once (on fake tensors), "
+        "and this raise would happen without compiled_psg too, on this batch. Fix: make loss_fn(*batch) run "
+        "without raising on this batch" + (" (the exception is this error's __cause__)" if cause is not None
+                                           else "")), cause
+
+
+def _shown_call(text: str) -> tuple[str, list | None]:
+    """The exception's name and its arguments (None where they are not literals) in Dynamo's text of it."""
+    shown = _RAISED_REPR.search(text)
+    if shown is None:
+        return "", None
+    try:
+        call = ast.parse(_CONSTANT_VARIABLE.sub(r"\1", shown.group(1)), mode="eval").body
+        args = [ast.literal_eval(a) for a in call.args]
+    except (SyntaxError, ValueError):
+        return shown.group(1).split("(", 1)[0], None
+    if len(args) == 1 and isinstance(args[0], (list, tuple)) and "ConstantVariable" in shown.group(1):
+        args = list(args[0])  # torch 2.11 shows the arguments as one list or tuple
+    return ast.unparse(call.func), args
+
+
+def _rebuilt(kind: type, args: list) -> BaseException | None:
+    """``kind(*args)`` where neither ``kind`` nor a base class of the user's defines ``__init__`` or ``__new__``
+    (rebuilding runs no user code); else None."""
+    if any(k.__module__ != "builtins" and ("__init__" in vars(k) or "__new__" in vars(k)) for k in kind.__mro__):
+        return None
+    return kind(*args)
+
+
 def _graph_break(e: Exception) -> CaptureError:
     """A graph break: where it is (the user's line, or a library's line and the user's call of it) and the fix."""
     text = str(e)
     reason = " ".join(text.strip().splitlines()[:2]).strip()
-    frames = [f for f in _frames(text) if not _is_tracer(f[0])]
-    user = [f for f in frames if not _is_library(f[0])]
-    if frames and _is_library(frames[-1][0]):
-        where = f"inside library code at {_show(frames[-1])}" + (f", called from {_show(user[-1])}" if user else "")
+    where, in_library = _located(text)
+    if in_library:
         fix = ("call that library function outside the loss function and pass its result in, or use a version "
                "of it without the construct above; logging and warnings.warn are ignored during the capture "
                "already (docs/limits.md, Graph breaks)")
     else:
-        where = f"at {_show(user[-1])}" if user else "in the loss function"
         lowered = text.lower()
         unsupported = _NO_FAKE_KERNEL.search(text)
         if unsupported:
@@ -974,9 +1080,6 @@ def _graph_break(e: Exception) -> CaptureError:
             fix = (f"torch {torch.__version__.split('+')[0]}'s Dynamo does not trace requires_grad_() inside a "
                    "compiled function (torch 2.13 and later do): upgrade torch, or compute what needs it outside "
                    "the loss")
-        elif _RAISED.search(text):  # Dynamo saw the user's code raise (torch 2.15: "Observed exception")
-            fix = (f"this line raises {_RAISED.search(text).group(1)} when run without compiled_psg too: fix "
-                   "that error first")
         elif any(k in lowered for k in (".item()", "item()", "tolist", "data-dependent", "data dependent",
                                         "numpy")):
             fix = ("keep tensor values as tensors: no .item(), .tolist(), float(t) or bool(t) in the loss; use "
@@ -1016,7 +1119,6 @@ def _dynamic_shape_operator(op: str, where: str, text: str) -> CaptureError:
 
 
 _NO_FAKE_KERNEL = re.compile(r"unsupported operator: (\S+)")
-_RAISED = re.compile(r"raised exception (\w+(?:Error|Exception)\(.*?\))\n")
 _EXECUTING = re.compile(r"While executing %(\S+) : .*?target=([^\]]+)\]")
 _CAUSED_BY = re.compile(r"Caused by: \((\S+) in (\S+)\)")
 

@@ -1,9 +1,10 @@
 """Every change compiled_psg makes inside torch, in one table.
 
-Each entry says what it changes (``target``), why, when it is in force (``when``: during a capture, while a call
-checks a capture's guards, during a compile, or for the whole process), which threads see it (``threads``), how
-it is undone (``undo``) and the torch versions it was checked on (``checked_on``). A capture, a guard check and
-a compile each enter ``applied(phase)``, built from the table: the entries of that phase, in the order they were
+Each entry says what it changes (``target``), why, when it is in force (``when``: during a whole rewrite, its
+capture included, during a capture, while a call checks a capture's guards, during a compile, or for the whole
+process), which threads see it (``threads``), how it is undone (``undo``) and the torch versions it was checked on
+(``checked_on``). A rewrite, a capture, a guard check and a compile each enter ``applied(phase)``, built from the
+table: the entries of that phase, in the order they were
 registered, under Dynamo's own compile lock (``torch._dynamo.convert_frame.compile_lock``, re-entrant), which
 every ``torch.compile`` of another thread also takes before it traces or compiles. So a user's ``torch.compile``
 running beside a capture waits for it and then sees torch as it was; a compiled function it already built runs
@@ -23,7 +24,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-PHASES = ("capture", "guard check", "compile", "process", "kernel")
+PHASES = ("rewrite", "capture", "guard check", "compile", "process", "kernel")
 CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 
 
@@ -79,8 +80,8 @@ def applied(phase: str, **arguments) -> Iterator[dict[str, object]]:
     """Every entry of ``phase`` in force, under Dynamo's compile lock; yields what each entry's context gave, by
     name. Pre: ``arguments`` holds every name an entry of the phase ``takes``. Post: on any exit, every entry
     entered is undone, in reverse order, before the lock is released."""
-    if phase not in PHASES[:3]:
-        raise ValueError(f"phase must be one of {PHASES[:3]}, got {phase!r}")
+    if phase not in PHASES[:4]:
+        raise ValueError(f"phase must be one of {PHASES[:4]}, got {phase!r}")
     from torch._dynamo.convert_frame import compile_lock
 
     with compile_lock, contextlib.ExitStack() as stack:
@@ -89,17 +90,6 @@ def applied(phase: str, **arguments) -> Iterator[dict[str, object]]:
             if phase in patch.when and patch.in_force_here():
                 entered[patch.name] = stack.enter_context(patch.enter(**{k: arguments[k] for k in patch.takes}))
         yield entered
-
-
-@contextlib.contextmanager
-def serialized() -> Iterator[None]:
-    """Dynamo's compile lock across a whole rewrite, not only its capture: the rewrite's own ``make_fx`` traces
-    patch ``nn.Module.__call__`` for the whole process (torch.fx's tracer), and two tracers in two threads restore
-    each other's patches (another thread's ``torch.compile`` beside a first call left it patched)."""
-    from torch._dynamo.convert_frame import compile_lock
-
-    with compile_lock:
-        yield
 
 
 def current() -> dict[str, tuple]:

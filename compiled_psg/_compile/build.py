@@ -52,7 +52,10 @@ class Rewritten:
 
 def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int],
           reduction: Reduction) -> Rewritten:
-    with patches.serialized():  # no other thread's compile traces beside the rewrite's traces
+    # Dynamo's compile lock across the whole rewrite, not only its capture: the rewrite's own make_fx traces patch
+    # nn.Module.__call__ for the whole process (torch.fx's tracer), and two tracers in two threads restore each
+    # other's patches (another thread's torch.compile beside a first call left it patched)
+    with patches.applied("rewrite"):
         return _build(loss_fn, params, args, batch_dims, reduction)
 
 

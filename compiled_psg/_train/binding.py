@@ -37,7 +37,8 @@ class OptimizerBinding:
         # the model's parameters too: one replaced (model.fc.weight = nn.Parameter(...)) leaves the optimizer
         # holding a tensor the model no longer reads, which the check below refuses
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        key = (tuple((id(p), p.requires_grad) for p in flat), tuple(id(p) for _, p in named))
+        # dtype and device too: model.double() or .to(device) changes them in place, under the optimizer's state
+        key = (tuple((id(p), p.requires_grad, p.dtype, p.device) for p in flat), tuple(id(p) for _, p in named))
         if key == self._key:
             return False
         trainable = {id(p): n for n, p in named}
@@ -49,15 +50,36 @@ class OptimizerBinding:
                                 "the model (a parameter replaced since the optimizer was built is one). Fix: build "
                                 "the optimizer on model.parameters(), and a new step with it; to change a "
                                 "parameter's values, write them in place (with torch.no_grad(): p.copy_(new))")
-        self.trained, self.params = trained, params
-        self.names = [trainable[id(p)] for p in params]
+        names = [trainable[id(p)] for p in params]
+        self._refuse_state_of_another_dtype(params, names)
+        self.trained, self.params, self.names = trained, params, names
         for p in flat:  # a parameter frozen since: drop the .grad the step left, as zero_grad() would
             if not p.requires_grad and p.grad is not None and p.grad is self._dot_grads_by_param.get(id(p)):
                 p.grad = None
-        # kept per parameter across refreshes: a parameter frozen and unfrozen gets its buffer back
-        self.dot_grads = [self._dot_grads_by_param.setdefault(id(p), torch.zeros_like(p)) for p in params]
+        # kept per parameter across refreshes: a parameter frozen and unfrozen gets its buffer back (a new one where
+        # the parameter's dtype or device changed)
+        for p in params:
+            buffer = self._dot_grads_by_param.get(id(p))
+            if buffer is None or buffer.dtype != p.dtype or buffer.device != p.device:
+                self._dot_grads_by_param[id(p)] = torch.zeros_like(p)
+        self.dot_grads = [self._dot_grads_by_param[id(p)] for p in params]
         self._key = key
         return True
+
+    def _refuse_state_of_another_dtype(self, params: list[torch.Tensor], names: list[str]) -> None:
+        """The optimizer's per-parameter state (Adam's moments: tensors of the parameter's shape) has the
+        parameter's dtype and device, as ``optimizer.step()`` needs; else a ``DPConfigError`` naming both, before
+        anything changes (``model.double()`` after steps leaves Adam's float32 moments under float64 weights)."""
+        for name, p in zip(names, params, strict=True):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and (
+                        value.dtype != p.dtype or value.device != p.device):
+                    raise DPConfigError(
+                        f"the parameter {name} is {p.dtype} on {p.device}, but the optimizer's state for it "
+                        f"({key!r}) is {value.dtype} on {value.device}: the parameters' dtype or device changed "
+                        "after the optimizer took steps (model.double(), model.to(...)), and the optimizer cannot "
+                        "update them with that state. No step was taken. Fix: change the model's dtype or device "
+                        "before building the optimizer and the step, or build a new optimizer and step after it")
 
     def install(self) -> None:
         """Make every trained parameter's ``.grad`` the step's buffer (``zero_grad`` may have set it to None)."""

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .._capture.dynamo import own_compilation
 from .._compile.run import CompiledGraph
 from .._errors import DPConfigError
 from .._reduce.reductions import Reduction
@@ -253,6 +254,7 @@ class DPStep(StepSettings):
         """Whether this thread is inside this step (a call now would come from a hook, a scheduler or the loss)."""
         return self._running_thread == threading.get_ident()
 
+    @own_compilation
     def __call__(self, *batch) -> torch.Tensor:
         if self.running_here():
             raise DPConfigError(
