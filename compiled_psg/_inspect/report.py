@@ -16,6 +16,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from .._analyze.source import group_sites
+from .._errors import BatchInputError
 from .draw import draw, drawing_support
 from .render import graph_text, normalize, shape_of
 
@@ -93,6 +94,10 @@ class Report:
         return "\n".join(text)
 
     def graph_text(self, which: str = "after") -> str:
+        """The ``"before"`` or ``"after"`` graph as readable code with shapes."""
+        if which not in ("before", "after"):
+            raise BatchInputError(f"graph_text(which) takes 'before' (the captured graph) or 'after' (the "
+                                  f"rewritten one), got {which!r}")
         gm = getattr(self, which)
         return graph_text(gm, self.labels) if gm is not None else ""
 
