@@ -313,8 +313,8 @@ def test_sampling_rate_and_calibration_inputs_are_refused_naming_the_argument():
 
 def test_objects_of_the_wrong_kind_are_refused_naming_the_argument():
     """An optimizer of None, an int as the generator, a list as the loader, an empty dataset, None as
-    poisson_loader's data or as a scheduler's training ended in AttributeError, TypeError or ZeroDivisionError from deep inside; each is a
-    DPConfigError that names the argument and what it must be."""
+    poisson_loader's data or as a scheduler's training ended in AttributeError, TypeError or ZeroDivisionError
+    from deep inside; each is a DPConfigError that names the argument and what it must be."""
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss = lambda x, y: F.cross_entropy(model(x), y)  # noqa: E731
