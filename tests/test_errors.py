@@ -252,7 +252,7 @@ def test_batches_and_arguments_of_the_wrong_kind_are_refused_naming_them():
              (lambda: psg.explain(fn, x, y=y), "keyword arguments"),
              (lambda: step(x, y=y), "keyword arguments"),
              (lambda: psg.per_sample_grad(loss, argnums="0"), "argnums must be an int >= 0, .* got '0'"),
-             (lambda: psg.clip_sum("1"), "max_norm must be a positive number, got '1'"),
+             (lambda: psg.clip_sum("1"), "max_norm must be positive, a number, got '1'"),
              (lambda: psg.custom(None), "per_param must be a function, got NoneType"),
              (lambda: psg.explain(fn, x, y).graph_text("nope"), "takes 'before' .* or 'after' .* got 'nope'"),
              (lambda: functional({"a": {"w": torch.randn(3, 5)}}, x, y), r"\['a'\] are dicts: nested dicts"),

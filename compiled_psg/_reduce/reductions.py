@@ -164,7 +164,7 @@ def clip_sum(max_norm: float, *, return_norms: bool = False, memory_budget: floa
     """The sum of per-sample gradients each clipped to ``max_norm`` (optionally with the norms), within
     ``memory_budget`` bytes of per-sample values at the peak (None: the fastest plan; see ``DPClip``)."""
     if isinstance(max_norm, bool) or not (isinstance(max_norm, int | float) and max_norm > 0):
-        raise BatchInputError(f"clip_sum: max_norm must be a positive number, got {max_norm!r}")
+        raise BatchInputError(f"clip_sum: max_norm must be positive, a number, got {max_norm!r}")
     return ClipSum(float(max_norm), return_norms, check_memory_budget(memory_budget, BatchInputError))
 
 
