@@ -309,6 +309,8 @@ def test_sampling_rate_and_calibration_inputs_are_refused_naming_the_argument():
                         ((1e9, DELTA, 0.1, 10), "target_epsilon=1000000000.0 is met even with noise_multiplier=0.01")):
         with pytest.raises(DPConfigError, match=match):
             psg.calibrate_noise(*args)
+    with pytest.raises(DPConfigError, match="sample_rate must .* got 2.0"):
+        psg.Accountant().step(1.0, 2.0)
 
 
 def test_objects_of_the_wrong_kind_are_refused_naming_the_argument():

@@ -94,10 +94,11 @@ class Report:
         return "\n".join(text)
 
     def graph_text(self, which: str = "after") -> str:
-        """The ``"before"`` or ``"after"`` graph as readable code with shapes."""
-        if which not in ("before", "after"):
-            raise BatchInputError(f"graph_text(which) takes 'before' (the captured graph) or 'after' (the "
-                                  f"rewritten one), got {which!r}")
+        """The ``"captured"``, ``"before"`` or ``"after"`` graph as readable code with shapes."""
+        if which not in ("captured", "before", "after"):
+            raise BatchInputError(f"graph_text(which) takes 'captured' (the joint graph captured from the loss), "
+                                  "'before' (the graph the per-sample pass rewrites) or 'after' (the rewritten one), "
+                                  f"got {which!r}")
         gm = getattr(self, which)
         return graph_text(gm, self.labels) if gm is not None else ""
 

@@ -160,6 +160,7 @@ class Accountant:
         self.history: list[tuple[float, float, int]] = []
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+        check_sample_rate(sample_rate)  # dp-accounting would refuse it only at epsilon(), on every call
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
             sigma, q, n = self.history[-1]
             self.history[-1] = (sigma, q, n + steps)
