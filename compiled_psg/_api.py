@@ -44,6 +44,7 @@ def _params_and_modes(params: nn.Module | Mapping[str, torch.Tensor]) -> tuple[d
         named, modes = dict(params), ()
     else:
         raise BatchInputError(f"params must be an nn.Module or a dict of tensors, got {type(params).__name__}")
+    refuse_nested(named)
     for name, p in named.items():
         if not isinstance(p, torch.Tensor):
             raise BatchInputError(f"parameter {name!r} is a {type(p).__name__}, not a tensor")
@@ -87,6 +88,21 @@ def _refuse_views_of_each_other(named: dict[str, torch.Tensor]) -> None:
                     f"only, and take the view inside the loss ({owner}.view(...)): its uses count toward the base's "
                     "gradient")
             base = base._base
+
+
+def refuse_nested(params: Mapping) -> None:
+    nested = [name for name, v in params.items() if isinstance(v, Mapping)]
+    if nested:
+        raise BatchInputError(f"params entries {nested} are dicts: nested dicts of parameters are not accepted. Fix: "
+                              "flatten them into one dict, e.g. {'a.w': w} for {'a': {'w': w}} (dict(model."
+                              "named_parameters()) has this form)")
+
+
+def check_loss(fn) -> None:
+    """At decoration: a loss that is not a function would fail only at its first call, inside the capture."""
+    if not callable(fn):
+        raise BatchInputError(f"the loss must be a function, got {type(fn).__name__} {fn!r}. Fix: decorate the "
+                              "function that computes the loss, @psg.per_sample(model) above def loss_fn(x, y)")
 
 
 class _Unusual(Exception):
@@ -137,7 +153,7 @@ def batch_dims_of(args: tuple, in_dims: InDims) -> tuple[dict[int, int], int]:
             raise BatchInputError(f"in_dims has {len(in_dims)} entries but the function got {len(args)} "
                                   "positional arguments; give one entry per argument (None for unbatched)")
         dims = in_dims
-    elif in_dims is None or isinstance(in_dims, int):
+    elif in_dims is None or (isinstance(in_dims, int) and not isinstance(in_dims, bool)):
         dims = (in_dims,) * len(args)
     else:
         raise BatchInputError(f"in_dims must be an int, None or a tuple, got {type(in_dims).__name__}")
@@ -145,13 +161,18 @@ def batch_dims_of(args: tuple, in_dims: InDims) -> tuple[dict[int, int], int]:
     for pos, (arg, d) in enumerate(zip(args, dims, strict=True)):
         if d is None:
             continue
-        if not isinstance(d, int):
+        if not isinstance(d, int) or isinstance(d, bool):
             raise BatchInputError(f"in_dims[{pos}] must be an int or None, got {d!r}")
         if not isinstance(arg, torch.Tensor):
             raise BatchInputError(
                 f"argument {pos} is a {type(arg).__name__}, but in_dims marks it as batched; batched arguments must "
                 "be tensors. Fix: pass each batched tensor it holds as its own positional argument (loss(x, y, w), "
                 "not loss(x, {'y': y, 'w': w})); set its in_dims entry to None only if it holds nothing per sample")
+        if arg.is_nested or arg.layout != torch.strided:
+            raise BatchInputError(
+                f"argument {pos} is a {'nested' if arg.is_nested else arg.layout} tensor; batched arguments must "
+                "be dense (strided) tensors whose dimension in_dims is the batch. Fix: pass x.to_dense(), or pad a "
+                "nested tensor (x.to_padded_tensor(0)) and mask the padding in the loss")
         if arg.dim() == 0 or not -arg.dim() <= d < arg.dim():
             raise BatchInputError(f"in_dims[{pos}]={d} is out of range for argument {pos} of shape "
                                   f"{tuple(arg.shape)}")
@@ -371,7 +392,7 @@ class PerSampleFunction:
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False):
                 return self.with_losses(*args, **kwargs)
-        _no_keywords(kwargs)
+        no_keywords(kwargs)
         params, modes = _params_and_modes(self.params_source)
         batch_dims, batch_size = batch_dims_of(args, self.in_dims)
         if batch_size == 0:
@@ -386,7 +407,7 @@ class PerSampleFunction:
         return self.with_losses(*args, **kwargs)[2]
 
 
-def _no_keywords(kwargs: dict) -> None:
+def no_keywords(kwargs: dict) -> None:
     if kwargs:
         raise BatchInputError(f"keyword arguments are not supported (got {', '.join(sorted(kwargs))}): in_dims "
                               "describes positional arguments only. Fix: pass them positionally, with in_dims "
@@ -405,7 +426,16 @@ def per_sample(params: nn.Module | Mapping[str, torch.Tensor], *, in_dims: InDim
     batch made of sample ``i`` alone.
     """
 
+    if not isinstance(params, nn.Module | Mapping):
+        bare = callable(params)  # @psg.per_sample above the loss: the loss arrived as params
+        raise BatchInputError(
+            f"per_sample(params) takes the model (an nn.Module) or a dict of tensors, got {type(params).__name__} "
+            f"{getattr(params, '__name__', '')}. " + ("It was given the loss itself: @psg.per_sample decorates "
+                                                      "with the model as its argument. Fix: @psg.per_sample(model)"
+                                                      if bare else "Fix: psg.per_sample(model)(loss_fn)"))
+
     def decorate(fn: Callable) -> PerSampleFunction:
+        check_loss(fn)
         return PerSampleFunction(fn, params, in_dims, reduce, backend)
 
     return decorate
@@ -418,6 +448,11 @@ def per_sample_grad(fn: Callable, argnums: int = 0, *, in_dims: InDims = 0, redu
     ``in_dims`` refers to the batch arguments (every positional argument but ``argnums``); a tuple with one
     entry per positional argument of ``fn`` (``None`` at ``argnums``) is accepted too.
     """
+    check_loss(fn)
+    if isinstance(argnums, bool) or not (isinstance(argnums, int) and argnums >= 0):
+        raise BatchInputError(f"argnums must be an int >= 0, the position of the parameter dict among fn's "
+                              f"arguments, got {argnums!r}")
+
     def inner(params, *batch):
         full = list(batch)
         full.insert(argnums, params)
@@ -426,12 +461,14 @@ def per_sample_grad(fn: Callable, argnums: int = 0, *, in_dims: InDims = 0, redu
     state: dict[str, Any] = {}
     psf = PerSampleFunction(lambda *batch: inner(state["params"], *batch), {}, in_dims, reduce, backend)
 
-    def wrapped(*all_args):
+    def wrapped(*all_args, **kwargs):
+        no_keywords(kwargs)
         if len(all_args) <= argnums:
             raise BatchInputError(f"expected the parameter dict at position {argnums}, got {len(all_args)} arguments")
         params = all_args[argnums]
         if not isinstance(params, Mapping):
             raise BatchInputError(f"argument {argnums} must be a dict of parameters, got {type(params).__name__}")
+        refuse_nested(params)
         dims = in_dims
         if isinstance(dims, tuple) and len(dims) == len(all_args):
             dims = dims[:argnums] + dims[argnums + 1:]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._api import PerSampleFunction, batch_dims_of
+from ._api import PerSampleFunction, batch_dims_of, no_keywords
 from ._errors import BatchInputError
 from ._inspect.report import Report
 from ._train.private import PrivateTraining
@@ -16,7 +16,7 @@ from ._train.sharded import UnshardedCalls
 from ._train.step import DPStep, refuse_ambient_autocast
 
 
-def explain(fn, *args) -> Report:
+def explain(fn, *args, **kwargs) -> Report:
     """The inspection report of ``fn`` (a ``@psg.per_sample`` function, a ``compile_step`` DP step or what
     ``make_private`` returns) for these arguments, a batch of at least one sample.
 
@@ -26,6 +26,7 @@ def explain(fn, *args) -> Report:
     parameters for the capture, as a step does: call ``explain`` on every rank. If the loss is refused, the
     ``SampleMixingError`` raised carries the report as ``error.report``.
     """
+    no_keywords(kwargs)
     if isinstance(fn, PrivateTraining):
         fn = fn.dp_step
     if isinstance(fn, DPStep):

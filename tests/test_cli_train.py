@@ -47,3 +47,32 @@ def test_module_entry_point_help():
     result = subprocess.run([sys.executable, "-m", "compiled_psg"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0 and "train" in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "argument --epochs: must be a positive int, got 0"),
+    (["--epochs", "-1"], "argument --epochs: must be a positive int, got -1"),
+    (["--train-subset", "-5"], "argument --train-subset: must be a positive int, got -5"),
+    (["--threads", "-1"], "argument --threads: must be an int >= 0, got -1"),
+    (["--epsilon", "0"], "argument --epsilon: must be a positive finite number, got 0.0"),
+    (["--out", "/proc/x"], "argument --out: cannot create the folder /proc/x"),
+    (["--epsilon", "1e9", "--epochs", "1", "--train-subset", "100"], "target_epsilon=1000000000.0 is met even"),
+    (["--delta", "0"], "delta must be a number in"),
+])
+def test_bad_values_are_one_line_usage_errors(flags, message, tmp_path, capsys):
+    """Each of these ended in a traceback (dp-accounting's "count must be positive", a ZeroDivisionError,
+    NoBracketIntervalFoundError, a FileNotFoundError after the whole run) or, for --train-subset -5, ran a full
+    training. Each is now argparse's usage error: one line, exit code 2, before the training."""
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--out", str(tmp_path / "run"), *flags, "--backend", "eager", "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"compiled-psg train: error: {message}" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_explain_save_to_a_folder_that_cannot_be_created_is_a_usage_error(capsys):
+    """--save /proc/x/y wrote the report to stdout and then raised FileNotFoundError."""
+    with pytest.raises(SystemExit) as info:
+        main(["explain", "seed_cnn", "--save", "/proc/x/y"])
+    assert info.value.code == 2 and "argument --save: cannot create the folder /proc/x/y" in capsys.readouterr().err

@@ -215,6 +215,54 @@ def test_non_floating_parameter_in_dict():
     assert "int64" in str(info.value) or "float" in str(info.value), str(info.value)
 
 
+def test_per_sample_without_the_model_is_refused_at_decoration():
+    """``@psg.per_sample`` with no ``(model)`` made the loss its params: the decoration passed and the first call
+    raised "decorate() takes 1 positional argument but 2 were given". A loss that is not a function failed inside
+    the capture as a graph break. Both are refused where they are written."""
+    model = _mlp()
+    with pytest.raises(psg.BatchInputError, match=r"got function loss\. .*Fix: @psg.per_sample\(model\)"):
+        @psg.per_sample
+        def loss(x, y):
+            return F.cross_entropy(model(x), y)
+    with pytest.raises(psg.BatchInputError, match="got str"):
+        psg.per_sample("model")
+    for decorate in (psg.per_sample(model), psg.per_sample_grad):
+        with pytest.raises(psg.BatchInputError, match="the loss must be a function, got int 42"):
+            decorate(42)
+
+
+def test_batches_and_arguments_of_the_wrong_kind_are_refused_naming_them():
+    """Each of these escaped as a raw RuntimeError, TypeError or AttributeError from inside compiled_psg (or, for
+    in_dims=True, was read as 1): a sparse or nested batch, keyword arguments to per_sample_grad, explain or a DP
+    step, argnums="0", clip_sum("1"), custom(None), graph_text("nope"), and a nested params dict (which was
+    called empty)."""
+    model = _mlp()
+    x, y = data()
+    loss = lambda x, y: F.cross_entropy(model(x), y)  # noqa: E731
+    fn = psg.per_sample(model, backend="eager")(loss)
+    functional = psg.per_sample_grad(lambda p, x, y: F.cross_entropy(x @ p["w"].T, y), backend="eager")
+    step = psg.compile_step(loss, model, torch.optim.SGD(model.parameters(), lr=0.1), backend="eager")
+    cases = ((lambda: fn(x.to_sparse(), y), "argument 0 is a torch.sparse_coo tensor"),
+             (lambda: fn(torch.nested.nested_tensor([x[0], x[1]], layout=torch.jagged), y[:2]),
+              "argument 0 is a nested tensor"),
+             (lambda: psg.per_sample(model, in_dims=True)(loss)(x, y), "in_dims must be an int, None or a tuple, "
+                                                                       "got bool"),
+             (lambda: psg.per_sample(model, in_dims=(0, False))(loss)(x, y), r"in_dims\[1\] must be an int"),
+             (lambda: functional({"w": torch.randn(3, 5, dtype=F64)}, x, y=y), "keyword arguments"),
+             (lambda: psg.explain(fn, x, y=y), "keyword arguments"),
+             (lambda: step(x, y=y), "keyword arguments"),
+             (lambda: psg.per_sample_grad(loss, argnums="0"), "argnums must be an int >= 0, .* got '0'"),
+             (lambda: psg.clip_sum("1"), "max_norm must be positive, a number, got '1'"),
+             (lambda: psg.custom(None), "per_param must be a function, got NoneType"),
+             (lambda: psg.explain(fn, x, y).graph_text("nope"), "takes 'captured' .*'before' .*'after' .*'nope'"),
+             (lambda: functional({"a": {"w": torch.randn(3, 5)}}, x, y), r"\['a'\] are dicts: nested dicts"),
+             (lambda: psg.per_sample({"a": {"w": torch.randn(3, 5)}})(loss)(x, y), "nested dicts"))
+    for call, match in cases:
+        with pytest.raises(psg.BatchInputError, match=match):
+            call()
+    assert step.steps_taken == 0
+
+
 # ---------------------------------------------------------------- graph breaks
 
 

@@ -3,6 +3,9 @@ for bit (seeded noise, seeded Poisson sampling), with the same accountant histor
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 import torch.nn as nn
@@ -148,3 +151,18 @@ def test_a_state_of_another_model_or_optimizer_loads_nothing(mismatch):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert repr(step.optimizer.state_dict()) == optimizer_before
     assert torch.equal(step.noise.generator.get_state(), generator_before)
+
+
+def test_copying_or_pickling_a_training_points_to_state_dict():
+    """copy.deepcopy of a step or a PrivateTraining raised torch's "Cannot access data pointer of Tensor" and
+    pickle an AttributeError on a lambda; both are a DPConfigError saying to save state_dict() instead."""
+    model = nn.Linear(4, 3)
+    data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+    private = make_private(model, torch.optim.Adam(model.parameters()), DataLoader(data, batch_size=4),
+                           lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager")
+    private.step(*data[:4])
+    for training in (private, private.dp_step):
+        for copy_it in (copy.deepcopy, pickle.dumps, copy.copy):
+            with pytest.raises(DPConfigError, match=f"a {type(training).__name__} cannot be copied .* state_dict"):
+                copy_it(training)
+    assert private.steps == 1

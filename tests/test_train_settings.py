@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import compiled_psg as psg
 from compiled_psg import compile_step
 from compiled_psg._errors import DPConfigError, PerSampleError
+from compiled_psg._train.accounting import epsilon
 from compiled_psg._train.config import DPConfig
 from compiled_psg._train.private import make_private
 from compiled_psg._train.schedulers import ExponentialNoise, LambdaNoise, StepNoise
@@ -166,13 +167,13 @@ def test_every_refusal_is_a_per_sample_error():
             call()
 
 
-def _private(noise_multiplier=1.0, **kw):
+def _private(noise_multiplier=1.0, max_grad_norm=0.5, **kw):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     data = TensorDataset(torch.randn(60, 4), torch.randint(0, 3, (60,)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     private = make_private(model, opt, DataLoader(data, batch_size=10), lambda x, y: F.cross_entropy(model(x), y),
-                           noise_multiplier=noise_multiplier, max_grad_norm=0.5, backend="eager",
+                           noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, backend="eager",
                            generator=torch.Generator().manual_seed(0), **kw)
     return model, private
 
@@ -249,3 +250,87 @@ def test_epsilon_without_poisson_sampling_warns():
         private.step(x, y)
     with pytest.warns(UserWarning, match="assumes Poisson sampling"):
         private.epsilon()
+
+
+def _untouched(model: nn.Module, before: list[torch.Tensor]) -> bool:
+    return all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_noise_that_overflows_is_refused_before_any_step():
+    """Infinite sigma, or a flat bound whose noise std sigma * C is past float32's range, made every parameter
+    inf/NaN (and epsilon() report 0). Both are refused, by make_private, compile_step and the setters, before a
+    step runs: parameters untouched, nothing counted."""
+    for kw, match in (({"noise_multiplier": math.inf}, "finite number >= 0, got inf"),
+                      ({"noise_multiplier": math.nan}, "finite number >= 0, got nan"),
+                      ({"max_grad_norm": 1e39}, "past the range of torch.float32")):
+        with pytest.raises(DPConfigError, match=match):
+            _private(**kw)
+    model, private = _private()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DPConfigError, match="finite number >= 0, got inf"):
+        private.noise_multiplier = math.inf
+    with pytest.raises(DPConfigError, match=r"1 \* 1e\+39 is past the range of torch.float32"):
+        private.max_grad_norm = 1e39
+    with pytest.raises(DPConfigError, match="1e\\+308 \\* 0.5 is past the range"):
+        ExponentialNoise(private, gamma=1e308).step()  # a schedule that explodes
+    assert private.dp_step.config == DPConfig(0.5, 1.0, 10.0) and private.steps == 0 and _untouched(model, before)
+    double = nn.Linear(3, 2).double()  # float64 noise reaches 1e39 * sigma
+    compile_step(lambda x: double(x).sum(), double, torch.optim.SGD(double.parameters(), lr=0.1),
+                 max_grad_norm=1e39, noise_multiplier=1.0, backend="eager")
+
+
+def test_noise_too_small_to_account_gives_infinite_epsilon():
+    """dp-accounting's RDP overflows below sigma ~1e-150: it reported epsilon 0 at 1e-154 (a false guarantee) and
+    raised ZeroDivisionError at 1e-200 on every epsilon() call. Such noise is accounted as none: infinite."""
+    for sigma in (1e-154, 1e-200, 1e-300):
+        assert epsilon(sigma, 0.25, 1, DELTA) == math.inf
+    assert epsilon(1e-10, 0.25, 1, DELTA) > 1e19  # still dp-accounting's own number
+    _, private = _private()
+    private.noise_multiplier = 1e-300
+    x, y = next(iter(private.data_loader))
+    private.step(x, y)
+    assert private.epsilon() == math.inf
+
+
+def test_sampling_rate_and_calibration_inputs_are_refused_naming_the_argument():
+    """A zero sampling rate divided by zero; a rate above 1 without Poisson sampling was taken and counted, and
+    then every epsilon() raised; epochs <= 0, steps <= 0, an infinite target or one that no noise >= 0.01 misses
+    raised dp-accounting's own errors. Each is a DPConfigError naming the argument, before anything runs."""
+    cases = (({"sample_rate": 0.0}, "sample_rate must be a number in \\(0, 1\\], got 0.0"),
+             ({"sample_rate": 2.0, "poisson_sampling": False}, "sample_rate must .* got 2.0"),
+             ({"noise_multiplier": None, "target_epsilon": 1.0, "epochs": 0}, "epochs must be a positive int, got 0"),
+             ({"noise_multiplier": None, "target_epsilon": 1.0, "epochs": -1}, "epochs must .* got -1"),
+             ({"noise_multiplier": None, "target_epsilon": math.inf, "epochs": 1}, "target_epsilon must be .* inf"))
+    for kw, match in cases:
+        with pytest.raises(DPConfigError, match=match):
+            _private(**kw)
+    for args, match in (((1.0, DELTA, 0.1, 0), "steps must be a positive int, got 0"),
+                        ((1.0, DELTA, 1.5, 10), "sample_rate must .* got 1.5"),
+                        ((1e9, DELTA, 0.1, 10), "target_epsilon=1000000000.0 is met even with noise_multiplier=0.01")):
+        with pytest.raises(DPConfigError, match=match):
+            psg.calibrate_noise(*args)
+    with pytest.raises(DPConfigError, match="sample_rate must .* got 2.0"):
+        psg.Accountant().step(1.0, 2.0)
+
+
+def test_objects_of_the_wrong_kind_are_refused_naming_the_argument():
+    """An optimizer of None, an int as the generator, a list as the loader, an empty dataset, None as
+    poisson_loader's data or as a scheduler's training ended in AttributeError, TypeError or ZeroDivisionError
+    from deep inside; each is a DPConfigError that names the argument and what it must be."""
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = lambda x, y: F.cross_entropy(model(x), y)  # noqa: E731
+    batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
+    for kw, match in (({"optimizer": None}, "optimizer must be a torch.optim.Optimizer.*got NoneType"),
+                      ({"generator": 42}, "generator must be a torch.Generator.*got int 42")):
+        with pytest.raises(DPConfigError, match=match):
+            compile_step(loss, model, **{"optimizer": opt, **kw}, noise_multiplier=1.0, max_grad_norm=1.0)
+    empty = TensorDataset(torch.randn(0, 4), torch.zeros(0, dtype=torch.long))
+    for loader, match in (([batch], "data_loader must be a torch.utils.data.DataLoader, got a list"),
+                          (DataLoader(empty, batch_size=5), "the dataset of data_loader is empty")):
+        with pytest.raises(DPConfigError, match=match):
+            make_private(model, opt, loader, loss, noise_multiplier=1.0)
+    with pytest.raises(DPConfigError, match="data must be a DataLoader .* got a NoneType"):
+        psg.poisson_loader(None, 0.1)
+    with pytest.raises(DPConfigError, match="ExponentialNoise: training must be .* got NoneType"):
+        ExponentialNoise(None, gamma=0.9)

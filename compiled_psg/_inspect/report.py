@@ -16,6 +16,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from .._analyze.source import group_sites
+from .._errors import BatchInputError
 from .draw import draw, drawing_support
 from .render import graph_text, normalize, shape_of
 
@@ -93,6 +94,11 @@ class Report:
         return "\n".join(text)
 
     def graph_text(self, which: str = "after") -> str:
+        """The ``"captured"``, ``"before"`` or ``"after"`` graph as readable code with shapes."""
+        if which not in ("captured", "before", "after"):
+            raise BatchInputError(f"graph_text(which) takes 'captured' (the joint graph captured from the loss), "
+                                  "'before' (the graph the per-sample pass rewrites) or 'after' (the rewritten one), "
+                                  f"got {which!r}")
         gm = getattr(self, which)
         return graph_text(gm, self.labels) if gm is not None else ""
 

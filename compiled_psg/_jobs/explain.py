@@ -8,6 +8,7 @@ from pathlib import Path
 from .._errors import BatchInputError
 from .._explain import explain
 from .._inspect.examples import EXAMPLES
+from .cli import output_folder
 
 
 def report_for(name: str):
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", choices=sorted(EXAMPLES), help="bundled example")
     parser.add_argument("--graphs", action="store_true", help="print both graphs")
     parser.add_argument("--diff", action="store_true", help="print the rewritten region as a diff")
-    parser.add_argument("--save", type=Path, help="write text dumps and drawings to this folder")
+    parser.add_argument("--save", type=output_folder, help="write text dumps and drawings to this folder")
     args = parser.parse_args(argv)
     report = report_for(args.model)
     print(report)
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def graphs_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="compiled_psg graphs", description="Regenerate the reference dumps.")
-    parser.add_argument("folder", type=Path, nargs="?", default=Path("graphs"))
+    parser.add_argument("folder", type=output_folder, nargs="?", default=Path("graphs"))
     parser.add_argument("--no-drawings", action="store_true")
     args = parser.parse_args(argv)
     for path in write_graphs(args.folder, drawings=not args.no_drawings):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .cli import nonnegative_int, output_folder, positive_float, positive_int, run
 from .train import _optimizer, write_metrics_and_plot
 
 HF_MISSING = ("python -m compiled_psg finetune needs transformers and peft (the hf extra): "
@@ -34,19 +35,19 @@ HF_MISSING = ("python -m compiled_psg finetune needs transformers and peft (the 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="compiled-psg finetune", add_help=add_help,
                                 description="DP LoRA fine-tuning of a tiny Llama-style model on stdlib docstrings.")
-    p.add_argument("--steps", type=int, default=100, help="DP fine-tuning steps (Poisson-sampled batches)")
+    p.add_argument("--steps", type=positive_int, default=100, help="DP fine-tuning steps (Poisson-sampled batches)")
     p.add_argument("--pretrain-steps", type=int, default=300, help="non-private pre-training steps on the public text")
-    p.add_argument("--epsilon", type=float, default=8.0,
+    p.add_argument("--epsilon", type=positive_float, default=8.0,
                    help="target epsilon: the noise multiplier is calibrated to reach it after --steps")
-    p.add_argument("--sigma", type=float, default=None, help="noise multiplier (overrides --epsilon)")
+    p.add_argument("--sigma", type=positive_float, default=None, help="noise multiplier (overrides --epsilon)")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--no-dp", action="store_true", help="non-private baseline: no clipping, no noise")
-    p.add_argument("--batch-size", type=int, default=64,
+    p.add_argument("--batch-size", type=positive_int, default=64,
                    help="expected batch size; the Poisson sampling rate is batch-size / training windows")
     p.add_argument("--lr", type=float, default=1e-2, help="fine-tuning learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam")
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--max-grad-norm", type=positive_float, default=1.0)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--accountant", choices=("rdp", "pld", "prv", "opacus-rdp"), default="rdp")
     p.add_argument("--backend", choices=("inductor", "eager"), default="eager",
@@ -59,8 +60,8 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--pretrain-lr", type=float, default=3e-3)
     p.add_argument("--evals", type=int, default=4, help="held-out evaluations during fine-tuning (for the plot)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave torch's setting)")
-    p.add_argument("--out", type=Path, default=Path("runs/finetune"))
+    p.add_argument("--threads", type=nonnegative_int, default=1, help="torch CPU threads (0: leave torch's setting)")
+    p.add_argument("--out", type=output_folder, default=Path("runs/finetune"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -252,6 +253,4 @@ def write_outputs(metrics: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    finetune(args)
-    return 0
+    return run(build_parser(), finetune, argv)

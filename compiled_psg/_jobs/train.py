@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .cli import nonnegative_int, output_folder, positive_float, positive_int, run
+
 DEFAULTS = dict(epochs=30, epsilon=8.0, delta=1e-5, batch_size=256, lr=0.25, momentum=0.9, max_grad_norm=1.0,
                 optimizer="sgd")
 
@@ -32,28 +34,28 @@ def small_cnn() -> nn.Module:
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="compiled-psg train", add_help=add_help,
                                 description="Train a small CNN on scikit-learn's digits with DP-SGD.")
-    p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
-    p.add_argument("--epsilon", type=float, default=DEFAULTS["epsilon"],
+    p.add_argument("--epochs", type=positive_int, default=DEFAULTS["epochs"])
+    p.add_argument("--epsilon", type=positive_float, default=DEFAULTS["epsilon"],
                    help="target epsilon: the noise multiplier is calibrated to reach it after --epochs")
-    p.add_argument("--sigma", type=float, default=None, help="noise multiplier (overrides --epsilon)")
+    p.add_argument("--sigma", type=positive_float, default=None, help="noise multiplier (overrides --epsilon)")
     p.add_argument("--delta", type=float, default=DEFAULTS["delta"])
     p.add_argument("--no-dp", action="store_true", help="non-private baseline: no clipping, no noise")
-    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
+    p.add_argument("--batch-size", type=positive_int, default=DEFAULTS["batch_size"],
                    help="expected batch size; the Poisson sampling rate is batch-size / training-set size")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
     p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=DEFAULTS["optimizer"])
-    p.add_argument("--max-grad-norm", type=float, default=DEFAULTS["max_grad_norm"])
+    p.add_argument("--max-grad-norm", type=positive_float, default=DEFAULTS["max_grad_norm"])
     p.add_argument("--accountant", choices=("rdp", "pld", "prv", "opacus-rdp"), default="rdp")
     p.add_argument("--secure-rng", action="store_true", help="noise and sampling from os.urandom")
     p.add_argument("--backend", choices=("inductor", "eager"), default="inductor",
                    help="how the step program (forward, rewritten backward, clipping, noise, update) runs")
-    p.add_argument("--train-subset", type=int, default=None, help="use only this many training examples")
+    p.add_argument("--train-subset", type=positive_int, default=None, help="use only this many training examples")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=nonnegative_int, default=1,
                    help="torch CPU threads (1: these tensors are too small to gain from more, and extra "
                         "threads stall badly on a shared machine; 0: leave torch's setting)")
-    p.add_argument("--out", type=Path, default=Path("runs/digits"))
+    p.add_argument("--out", type=output_folder, default=Path("runs/digits"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -204,6 +206,4 @@ def write_outputs(metrics: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    train(args)
-    return 0
+    return run(build_parser(), train, argv)

@@ -163,8 +163,8 @@ def norms(per_parameter: bool = False) -> Norms:
 def clip_sum(max_norm: float, *, return_norms: bool = False, memory_budget: float | None = None) -> ClipSum:
     """The sum of per-sample gradients each clipped to ``max_norm`` (optionally with the norms), within
     ``memory_budget`` bytes of per-sample values at the peak (None: the fastest plan; see ``DPClip``)."""
-    if not max_norm > 0:
-        raise BatchInputError(f"clip_sum: max_norm must be positive, got {max_norm!r}")
+    if isinstance(max_norm, bool) or not (isinstance(max_norm, int | float) and max_norm > 0):
+        raise BatchInputError(f"clip_sum: max_norm must be positive, a number, got {max_norm!r}")
     return ClipSum(float(max_norm), return_norms, check_memory_budget(memory_budget, BatchInputError))
 
 
@@ -196,6 +196,10 @@ def gram() -> Gram:
 def custom(per_param: Callable[[str, torch.Tensor], object], combine: Callable[[dict], object] = lambda d: d,
            *, empty_result: Callable[[Shapes], object] | None = None) -> Custom:
     """A custom reduction: ``per_param(name, per_sample_grad)`` per parameter, then ``combine(dict)``."""
+    for name, f in (("per_param", per_param), ("combine", combine)):
+        if not callable(f):
+            raise BatchInputError(f"psg.custom: {name} must be a function, got {type(f).__name__} {f!r}. Fix: "
+                                  "psg.custom(lambda name, g: g.sum(0)) (g: the per-sample gradients [B, *shape])")
     return Custom(per_param, combine, empty_result)
 
 

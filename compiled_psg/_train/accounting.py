@@ -30,6 +30,24 @@ def check_delta(delta: float) -> None:
                             "finite noise reaches it) and meaningless at delta >= 1")
 
 
+def check_sample_rate(sample_rate: float) -> None:
+    if isinstance(sample_rate, bool) or not (isinstance(sample_rate, int | float) and 0 < sample_rate <= 1):
+        raise DPConfigError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}: it is the probability "
+                            "that a sample joins a batch. Fix: batch size / dataset size (make_private's default "
+                            "when sample_rate=None)")
+
+
+def check_steps(steps: int, name: str = "steps") -> None:
+    if isinstance(steps, bool) or not (isinstance(steps, int) and steps >= 1):
+        raise DPConfigError(f"{name} must be a positive int, got {steps!r}: the noise is calibrated for that many "
+                            f"passes or steps. Fix: {name}=1 or more")
+
+
+#: Below this noise multiplier dp-accounting's RDP overflows (it reports epsilon 0 at 1e-154 and divides by zero at
+#: 1e-200); epsilon there is above 1e199 (5.5e19 for one step already at 1e-10), infinite in all but name.
+MIN_ACCOUNTED_NOISE = 1e-100
+
+
 def dp_event(history: list[tuple[float, float, int]]):
     """The dp-accounting event of a history of ``(noise_multiplier, sample_rate, steps)`` entries."""
     import dp_accounting
@@ -65,7 +83,7 @@ def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism:
     history = [(float(s), float(q), int(n)) for s, q, n in history if n > 0 and q > 0]
     if not history:
         return 0.0
-    if any(s == 0 for s, _, _ in history):
+    if any(s < MIN_ACCOUNTED_NOISE for s, _, _ in history):
         return math.inf
     if mechanism in _OPACUS:
         from opacus.accountants import create_accountant
@@ -95,9 +113,12 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
     for the opacus accountants.
     """
     _check(mechanism)
-    if not target_epsilon > 0:
-        raise DPConfigError(f"target_epsilon must be positive, got {target_epsilon}")
+    if not (isinstance(target_epsilon, int | float) and 0 < target_epsilon < math.inf):
+        raise DPConfigError(f"target_epsilon must be a positive finite number, got {target_epsilon!r}. Fix: "
+                            "a target such as 1 to 10; for no privacy, train without compiled_psg's DP step")
     check_delta(target_delta)
+    check_sample_rate(sample_rate)
+    check_steps(steps)
     if mechanism in _OPACUS:
         from opacus.accountants.utils import get_noise_multiplier
 
@@ -115,7 +136,15 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
                 lambda sigma: dp_event([(sigma, sample_rate, steps)]),
                 target_epsilon, target_delta, bracket_interval=bracket, tol=tol))
 
-    sigma_rdp = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), 1e-4)
+    lowest = 1e-2
+    try:
+        sigma_rdp = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(lowest, 1.0), 1e-4)
+    except dp_accounting.mechanism_calibration.NoBracketIntervalFoundError:  # epsilon(lowest) <= target already
+        raise DPConfigError(
+            f"target_epsilon={target_epsilon} is met even with noise_multiplier={lowest} (epsilon "
+            f"{epsilon(lowest, sample_rate, steps, target_delta):.3g} for {steps} steps at sample_rate={sample_rate}), "
+            "the smallest the calibration tries: such an epsilon guarantees nothing. Fix: a smaller target_epsilon, "
+            "or pass noise_multiplier= yourself") from None
     if mechanism == "rdp":
         return sigma_rdp
     # PLD is tighter than RDP: the RDP answer bounds it from above (and PLD is slow at small sigma)
@@ -131,6 +160,7 @@ class Accountant:
         self.history: list[tuple[float, float, int]] = []
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+        check_sample_rate(sample_rate)  # dp-accounting would refuse it only at epsilon(), on every call
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
             sigma, q, n = self.history[-1]
             self.history[-1] = (sigma, q, n + steps)

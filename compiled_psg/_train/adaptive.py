@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed as dist_utils
-from .config import DPConfig
+from .config import DPConfig, noise_overflows
 from .eager import NoiseSource
 
 
@@ -33,8 +33,8 @@ def next_bound(config: DPConfig, norms: torch.Tensor | None, noise: NoiseSource,
     if distributed:
         unclipped, size, count_noise = (dist_utils.all_reduce_scalar(v) for v in (unclipped, size, count_noise))
     new = config.next_bound(unclipped, size, count_noise)
-    limit = torch.finfo(acc_dtype).max  # the noise, std sigma * C, is drawn in this dtype
-    if new * max(config.noise_multiplier, 1.0) < limit:
+    # the noise, std sigma * C, is drawn in acc_dtype; C itself is compared there too (hence sigma >= 1)
+    if not noise_overflows(max(config.noise_multiplier, 1.0), new, acc_dtype):
         return NextBound(new, unclipped, count_noise)
     # this step is done and counted; the next one's noise would overflow
     return NextBound(new, unclipped, count_noise, stalled=(

@@ -21,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import torch
+
 from .._errors import DPConfigError
 from .._reduce.reductions import check_memory_budget
 
@@ -39,6 +41,12 @@ def _as_bound(value):
 
 
 _LOG_FLOAT_MAX = math.log(sys.float_info.max)
+
+
+def noise_overflows(noise_multiplier: float, bound: float, dtype: torch.dtype) -> bool:
+    """Whether noise of std ``noise_multiplier * bound``, drawn in ``dtype``, is past that dtype's range."""
+    return not noise_multiplier * bound < torch.finfo(dtype).max
+
 
 @dataclass(frozen=True)
 class DPConfig:
@@ -73,8 +81,9 @@ class DPConfig:
             raise DPConfigError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if self.clipping not in CLIPPING:
             raise DPConfigError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
-        if not (isinstance(self.noise_multiplier, int | float) and self.noise_multiplier >= 0):
-            raise DPConfigError(f"noise_multiplier must be a number >= 0, got {self.noise_multiplier!r}")
+        if not (isinstance(self.noise_multiplier, int | float) and 0 <= self.noise_multiplier < math.inf):
+            # infinite noise would turn every parameter into inf/NaN (and epsilon() would report 0)
+            raise DPConfigError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}")
         bound = _as_bound(self.max_grad_norm)
         object.__setattr__(self, "max_grad_norm", bound)
         object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
@@ -183,6 +192,16 @@ class DPConfig:
         if self.max_grad_norm is None:
             return 0.0
         return self.gradient_noise_multiplier * self.sensitivity
+
+    def check_noise_range(self, dtype: torch.dtype) -> None:
+        """Refuse a noise std past the range of ``dtype``, the dtype the noise is drawn and added in: every
+        parameter would become inf/NaN (adaptive clipping refuses its moving bound the same way)."""
+        if self.noise_multiplier > 0 and noise_overflows(self.gradient_noise_multiplier, self.sensitivity, dtype):
+            raise DPConfigError(
+                f"the noise std noise_multiplier * max_grad_norm = {self.gradient_noise_multiplier:.3g} * "
+                f"{self.sensitivity:.3g} is past the range of {dtype} (largest {torch.finfo(dtype).max:.3g}), the "
+                "dtype the noise is drawn in: every parameter would become inf/NaN. Fix: a smaller max_grad_norm "
+                "(per-sample gradient norms are rarely above 1e3) or noise_multiplier")
 
     def scale(self, batch_size: int) -> float:
         """The factor the noisy sum is multiplied by."""

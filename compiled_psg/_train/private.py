@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader
 
 from .._errors import BatchInputError, DPConfigError
 from . import distributed as dist_utils
-from .accounting import Accountant, calibrate_noise, check_delta
+from .accounting import Accountant, calibrate_noise, check_delta, check_sample_rate, check_steps
 from .api import compile_step
-from .sampling import PoissonBatchSampler, poisson_loader
-from .step import DPStep
+from .sampling import PoissonBatchSampler, dataset_of, poisson_loader
+from .step import DPStep, refuse_copy
 
 
 class PrivateTraining:
@@ -48,7 +48,7 @@ class PrivateTraining:
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
-        if not value > 0:
+        if isinstance(value, int | float) and not value > 0:  # other types: refused by the step's DPConfig
             raise DPConfigError(f"a private training needs noise_multiplier > 0, got {value}")
         self.dp_step.noise_multiplier = value
 
@@ -111,6 +111,8 @@ class PrivateTraining:
     def _sampler(self) -> PoissonBatchSampler | None:
         sampler = getattr(self.data_loader, "batch_sampler", None)
         return sampler if isinstance(sampler, PoissonBatchSampler) else None
+
+    __deepcopy__ = __reduce_ex__ = refuse_copy
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs, for ``torch.save``: the step's state (the model's and the optimizer's
@@ -182,14 +184,17 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         raise DPConfigError("give exactly one of noise_multiplier and target_epsilon")
     if target_epsilon is not None and epochs is None:
         raise DPConfigError("target_epsilon needs epochs (the number of passes the noise is calibrated for)")
-    if not hasattr(data_loader.dataset, "__len__") or not hasattr(data_loader, "__len__"):
-        raise DPConfigError(f"make_private needs a DataLoader over a dataset with a length (Poisson sampling draws "
-                            f"from its indices, and the sampling rate is batch size / dataset size), got a "
-                            f"{type(data_loader.dataset).__name__}. Fix: use a map-style dataset (torch.utils.data."
-                            "Dataset with __len__ and __getitem__)")
+    if target_epsilon is not None:
+        check_steps(epochs, "epochs")
+    if not isinstance(data_loader, DataLoader):
+        raise DPConfigError(f"data_loader must be a torch.utils.data.DataLoader, got a {type(data_loader).__name__}: "
+                            "make_private replaces it with a Poisson-sampling loader over the same dataset. Fix: "
+                            "DataLoader(dataset, batch_size=...)")
+    dataset_of(data_loader, "data_loader")
     check_delta(target_delta)
     if sample_rate is None:
         sample_rate = 1 / len(data_loader)
+    check_sample_rate(sample_rate)
     if dist_utils.is_distributed():
         low = -dist_utils.all_reduce_scalar(-sample_rate, op=torch.distributed.ReduceOp.MAX)
         high = dist_utils.all_reduce_scalar(sample_rate, op=torch.distributed.ReduceOp.MAX)

@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .._errors import DPConfigError
+from .accounting import check_sample_rate
 from .dp import secure_uniform
 
 
@@ -31,8 +32,7 @@ class PoissonBatchSampler:
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None, secure: bool = False):
-        if not 0 < sample_rate <= 1:
-            raise DPConfigError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        check_sample_rate(sample_rate)
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.steps = max(1, round(1 / sample_rate)) if steps is None else steps
@@ -105,6 +105,21 @@ class _CollateWithEmpty:
         return self._empty
 
 
+def dataset_of(data: Dataset | DataLoader, name: str) -> Dataset:
+    """The dataset of ``data`` (a ``DataLoader`` or a dataset), refused unless it is map-style and not empty:
+    Poisson sampling draws from its indices, and the sampling rate is batch size / dataset size."""
+    dataset = data.dataset if isinstance(data, DataLoader) else data
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise DPConfigError(f"{name} must be a DataLoader over a dataset with a length, or such a dataset (Poisson "
+                            "sampling draws from its indices, and the sampling rate is batch size / dataset size), "
+                            f"got a {type(dataset).__name__}. Fix: use a map-style dataset (torch.utils.data.Dataset "
+                            "with __len__ and __getitem__), e.g. DataLoader(TensorDataset(x, y), batch_size=...)")
+    if len(dataset) == 0:
+        raise DPConfigError(f"the dataset of {name} is empty: there is nothing to sample. Fix: pass the training "
+                            "data")
+    return dataset
+
+
 def poisson_loader(data: Dataset | DataLoader, sample_rate: float | None = None, *, steps: int | None = None,
                    generator: torch.Generator | None = None, secure: bool = False) -> DataLoader:
     """A ``DataLoader`` over ``data``'s dataset whose batches are Poisson samples at ``sample_rate``.
@@ -112,13 +127,14 @@ def poisson_loader(data: Dataset | DataLoader, sample_rate: float | None = None,
     From a ``DataLoader``, the rate defaults to ``1 / len(loader)`` (its batch size over the dataset size,
     as in Opacus) and its collate function, workers and pinning are kept.
     """
+    dataset = dataset_of(data, "data")
     if isinstance(data, DataLoader):
-        dataset, collate = data.dataset, data.collate_fn
+        collate = data.collate_fn
         options = dict(num_workers=data.num_workers, pin_memory=data.pin_memory)
         if sample_rate is None:
             sample_rate = 1 / len(data)
     else:
-        dataset, collate, options = data, None, {}
+        collate, options = None, {}
         if sample_rate is None:
             raise DPConfigError("sample_rate is required when building a Poisson loader from a dataset")
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator=generator, secure=secure)

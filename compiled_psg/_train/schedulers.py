@@ -24,6 +24,10 @@ class NoiseScheduler:
     when the scheduler was built). ``step()`` advances the epoch and sets it on the training."""
 
     def __init__(self, training: HasNoise, last_epoch: int = -1):
+        if not hasattr(training, "noise_multiplier"):
+            raise DPConfigError(f"{type(self).__name__}: training must be what make_private or compile_step "
+                                f"returned (anything with an assignable noise_multiplier), got "
+                                f"{type(training).__name__}")
         self.training = training
         self.base_noise_multiplier = float(training.noise_multiplier)
         self.last_epoch = last_epoch

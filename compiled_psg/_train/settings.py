@@ -9,7 +9,7 @@ from .config import DPConfig
 class StepSettings:
     """``config`` (a frozen ``DPConfig``) and its fields that may be assigned between steps, the micro-batch size,
     and what the last step used. Reads ``_config``, ``_stalled_bound``, ``_custom_reduce`` and ``last_config``
-    of the step."""
+    of the step, and calls its ``_acc_dtype`` (the noise's dtype, whose range the noise std must fit)."""
 
     _config: DPConfig
     _stalled_bound: str | None
@@ -26,6 +26,7 @@ class StepSettings:
         if value.clipping != self._config.clipping:
             raise DPConfigError(f"the clipping mode is fixed when the step is built ({self._config.clipping!r}), "
                                 f"got {value.clipping!r}")
+        value.check_noise_range(self._acc_dtype())
         self._config = value
         self._stalled_bound = None  # a new bound (or max_clipbound) from the user: adaptive clipping goes on
 

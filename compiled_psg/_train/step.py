@@ -74,6 +74,14 @@ def refuse_ambient_autocast() -> None:
                                 "out = model(x); return F.cross_entropy(out.float(), y)")
 
 
+def refuse_copy(obj, *_) -> None:
+    """``__deepcopy__``/``__reduce_ex__``: a step (and a ``PrivateTraining``) holds compiled programs, a bound
+    optimizer and a noise generator whose copy would not be the same training (or could not be made)."""
+    raise DPConfigError(f"a {type(obj).__name__} cannot be copied or pickled: it holds compiled programs bound to "
+                        "its model and optimizer. Fix: save its state_dict() (torch.save works on it) and "
+                        "load_state_dict() it into one built the same way for the copy")
+
+
 class DPStep(StepSettings):
     """The callable ``compile_step`` returns: ``step(*batch) -> loss``. See ``compile_step``.
 
@@ -95,6 +103,7 @@ class DPStep(StepSettings):
                  public_buffers: Sequence[str] = (), transactional: bool = True, **clipping_options):
         from .._api import per_sample
 
+        _check_step_objects(model, optimizer, generator)
         custom, bound, budget = resolve_reduction(reduce, max_grad_norm if clipping == "flat" else None)
         if clipping != "flat":
             if reduce is not None:
@@ -123,6 +132,7 @@ class DPStep(StepSettings):
             p.device.type == "cpu" and p.dtype != torch.float64 for p in model.parameters()))
         self.distributed = dist_utils.is_distributed() if distributed is None else distributed
         self.binding = OptimizerBinding(model, optimizer)
+        self._config.check_noise_range(self._acc_dtype())
         self._warn_untrained()
         self.per_sample  # noqa: B018 -- the per-sample function of the initial config, checked now
         self.program_cache = ProgramCache(optimizer, self.binding, self.distributed)
@@ -255,7 +265,11 @@ class DPStep(StepSettings):
         return self._running_thread == threading.get_ident()
 
     @own_compilation
-    def __call__(self, *batch) -> torch.Tensor:
+    def __call__(self, *batch, **kwargs) -> torch.Tensor:
+        if kwargs:  # refused as a per-sample function refuses them
+            from .._api import no_keywords
+
+            no_keywords(kwargs)
         if self.running_here():
             raise DPConfigError(
                 "the DP step was called while it is running (from an optimizer hook, a scheduler or the loss): "
@@ -279,6 +293,7 @@ class DPStep(StepSettings):
         refuse_ambient_autocast()
         if self._stalled_bound is not None:
             raise DPConfigError(self._stalled_bound)
+        config.check_noise_range(self._acc_dtype())  # the model's dtype may have changed since the config was set
         # contiguous copies of strided views (x[rank::world]): the capture assumes dense batch inputs
         batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
         before = (self.captures, self.program_builds, self.compiles)
@@ -333,6 +348,8 @@ class DPStep(StepSettings):
         return eager_path(self, config, pieces, batch_size, accumulate)
 
     # --- save and resume -------------------------------------------------------------------------------------
+    __deepcopy__ = __reduce_ex__ = refuse_copy
+
     def state_dict(self) -> dict:
         """What resuming the training needs (``checkpoint.step_state``): ``torch.save`` it."""
         return step_state(self)
@@ -340,6 +357,18 @@ class DPStep(StepSettings):
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved, into a step built the same way (``checkpoint.load_step_state``)."""
         load_step_state(self, state)
+
+
+def _check_step_objects(model, optimizer, generator) -> None:
+    for name, value, kind, expected in (
+            ("model", model, nn.Module, "an nn.Module (the one the loss calls)"),
+            ("optimizer", optimizer, torch.optim.Optimizer,
+             "a torch.optim.Optimizer, e.g. torch.optim.SGD(model.parameters(), lr=0.1)"),
+            ("generator", generator, torch.Generator | None,
+             "a torch.Generator on the parameters' device, e.g. torch.Generator().manual_seed(0), or None for "
+             "torch's global one")):
+        if not isinstance(value, kind):
+            raise DPConfigError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
 
 
 def _public_buffers(model: nn.Module, names: Sequence[str]) -> frozenset[str]:
