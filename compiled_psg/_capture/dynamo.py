@@ -1132,7 +1132,8 @@ def _value_checked_in_a_library(text: str) -> CaptureError | None:
     tensor's values in Python: Dynamo cannot guard on the value (``Could not guard on data-dependent expression``)
     and names that function's frame after the user's. None for other errors."""
     frame = _LIBRARY_FRAME.search(text)
-    if "Could not guard on data-dependent expression" not in text or frame is None:
+    if "Could not guard on data-dependent expression" not in text or frame is None or frame.group(1).startswith(
+            ("_dynamo/", "fx/", "_subclasses/")):  # Dynamo's own frame: the user's code branched (.item() > 0)
         return None
     user = [f"{path}:{line}" for path, line in _USER_FRAME.findall(text) if "compiled_psg" not in path]
     called = f", called by the loss at {user[-1]}," if user else ""
