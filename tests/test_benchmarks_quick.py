@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_quick_run_records_every_method(tmp_path):
     out = tmp_path / "docs"
     proc = subprocess.run(

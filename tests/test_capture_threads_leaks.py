@@ -118,6 +118,7 @@ def _rss_growth(captures: int, width: int, warm_up: int = 3) -> float:
     return _rss_bytes() - before
 
 
+@pytest.mark.long
 def test_rss_flat_over_captures_of_large_models():
     """12 captures of fresh models of 16 MB of parameters each: keeping each model (or its batch) alive would grow
     RSS by 190 MB or more. Measured in a fresh process: a test worker's RSS also moves with what earlier tests left

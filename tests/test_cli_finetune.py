@@ -20,6 +20,7 @@ QUICK = ["--steps", "3", "--pretrain-steps", "3", "--layers", "1", "--hidden", "
          "--batch-size", "16", "--evals", "1", "--no-progress"]
 
 
+@pytest.mark.long
 def test_finetune_dp_writes_json_and_plot(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["finetune", *QUICK, "--epsilon", "4", "--out", str(out)]) == 0

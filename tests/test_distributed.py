@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from compiled_psg import compile_step
 
+pytestmark = pytest.mark.long  # two rank processes per module: CI runs them once (.ci/run)
+
 BATCHES = (7, 12, 1, 0, 5)  # odd sizes, a batch that leaves rank 1 empty, an empty batch
 C, SIGMA = 0.3, 0.8
 

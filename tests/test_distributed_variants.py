@@ -12,6 +12,8 @@ from test_distributed import BATCHES, data, model_for
 
 from compiled_psg import compile_step
 
+pytestmark = pytest.mark.long  # two rank processes per module: CI runs them once (.ci/run)
+
 SIGMA = 0.7
 VARIANTS = {
     "per_layer": dict(clipping="per_layer", max_grad_norm=[0.2, 0.1],

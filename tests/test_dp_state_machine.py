@@ -242,7 +242,7 @@ def test_every_rule_in_one_fixed_run(micro_batches):
 
 
 _COMMON = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-TestDPTraining = DPTraining.TestCase
+TestDPTraining = pytest.mark.long(DPTraining.TestCase)
 TestDPTraining.settings = settings(max_examples=6, stateful_step_count=10, **_COMMON)
 
 

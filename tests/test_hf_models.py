@@ -150,6 +150,7 @@ def test_t5_with_cache():
     _check(*_t5())
 
 
+@pytest.mark.long
 @pytest.mark.inductor
 def test_t5_with_cache_inductor():
     """Inductor's cat decomposition used to break a captured view here (compiled_psg/_compile/prepare.py). One
