@@ -173,6 +173,9 @@ def batch_dims_of(args: tuple, in_dims: InDims) -> tuple[dict[int, int], int]:
                 f"argument {pos} is a {'nested' if arg.is_nested else arg.layout} tensor; batched arguments must "
                 "be dense (strided) tensors whose dimension in_dims is the batch. Fix: pass x.to_dense(), or pad a "
                 "nested tensor (x.to_padded_tensor(0)) and mask the padding in the loss")
+        if arg.device.type == "meta":  # no values to compute with; the trace would fail on a device mismatch
+            raise BatchInputError(f"argument {pos} is on the meta device, which holds shapes but no values. Fix: "
+                                  "pass the batch on the device of the model's parameters")
         if arg.dim() == 0 or not -arg.dim() <= d < arg.dim():
             raise BatchInputError(f"in_dims[{pos}]={d} is out of range for argument {pos} of shape "
                                   f"{tuple(arg.shape)}")

@@ -235,7 +235,7 @@ def test_batches_and_arguments_of_the_wrong_kind_are_refused_naming_them():
     """Each of these escaped as a raw RuntimeError, TypeError or AttributeError from inside compiled_psg (or, for
     in_dims=True, was read as 1): a sparse or nested batch, keyword arguments to per_sample_grad, explain or a DP
     step, argnums="0", clip_sum("1"), custom(None), graph_text("nope"), and a nested params dict (which was
-    called empty)."""
+    called empty). Labels on the meta device and a complex loss said "report this message"."""
     model = _mlp()
     x, y = data()
     loss = lambda x, y: F.cross_entropy(model(x), y)  # noqa: E731
@@ -256,7 +256,11 @@ def test_batches_and_arguments_of_the_wrong_kind_are_refused_naming_them():
              (lambda: psg.custom(None), "per_param must be a function, got NoneType"),
              (lambda: psg.explain(fn, x, y).graph_text("nope"), "takes 'captured' .*'before' .*'after' .*'nope'"),
              (lambda: functional({"a": {"w": torch.randn(3, 5)}}, x, y), r"\['a'\] are dicts: nested dicts"),
-             (lambda: psg.per_sample({"a": {"w": torch.randn(3, 5)}})(loss)(x, y), "nested dicts"))
+             (lambda: psg.per_sample({"a": {"w": torch.randn(3, 5)}})(loss)(x, y), "nested dicts"),
+             # were "report this message to compiled_psg": a device mismatch and autograd's error inside the trace
+             (lambda: fn(x, y.to("meta")), "argument 1 is on the meta device"),
+             (lambda: psg.per_sample(model, backend="eager")(lambda x, y: (model(x).to(torch.complex128) ** 2).sum())(
+                 x, y), "the loss is complex: .*Fix: return a real loss"))
     for call, match in cases:
         with pytest.raises(psg.BatchInputError, match=match):
             call()

@@ -741,6 +741,12 @@ def _note_no_gradient(ctx) -> None:
         "differentiable loss, as loss.backward() would need it")
 
 
+def _note_complex(ctx) -> None:
+    _pending["refusal"] = BatchInputError(
+        "the loss is complex: a gradient needs a real loss, as loss.backward() does. Fix: return a real loss, such "
+        "as the squared modulus (z.abs() ** 2) or the real part (z.real) of a complex one")
+
+
 def _make_joint(loss_fn, tensors: list, batched: list):
     """The function Dynamo traces; its locals are what ``Guards`` evaluates."""
 
@@ -756,6 +762,9 @@ def _make_joint(loss_fn, tensors: list, batched: list):
             return (None,)
         if not loss.requires_grad:  # known while tracing: the loss is constant in the parameters (or detached)
             comptime(_note_no_gradient)
+            return (None,)
+        if loss.is_complex():  # autograd.grad would say "only for real scalar outputs" inside the trace
+            comptime(_note_complex)
             return (None,)
         total = loss.sum() if loss.dim() > 0 else loss
         grads = torch.autograd.grad(total, tensors, allow_unused=True)
