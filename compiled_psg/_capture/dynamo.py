@@ -1133,7 +1133,6 @@ _CAUSED_BY = re.compile(r"Caused by: \((\S+) in (\S+)\)")
 
 
 _LIBRARY_FRAME = re.compile(r"Caused by: .*\((\S+:\d+) in (\w+)\)\s*$", re.MULTILINE)
-_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in')
 
 
 def _value_checked_in_a_library(text: str) -> CaptureError | None:
@@ -1144,8 +1143,8 @@ def _value_checked_in_a_library(text: str) -> CaptureError | None:
     if "Could not guard on data-dependent expression" not in text or frame is None or frame.group(1).startswith(
             ("_dynamo/", "fx/", "_subclasses/")):  # Dynamo's own frame: the user's code branched (.item() > 0)
         return None
-    user = [f"{path}:{line}" for path, line in _USER_FRAME.findall(text) if "compiled_psg" not in path]
-    called = f", called by the loss at {user[-1]}," if user else ""
+    user = [f for f in _frames(text) if not _is_tracer(f[0]) and not _is_library(f[0])]
+    called = f", called by the loss at {_show(user[-1])}," if user else ""
     return CaptureError(
         f"{frame.group(2)} ({frame.group(1)}){called} branches on a tensor's values in Python (a check such as "
         "if torch.any(t < 0): raise): one graph for every batch cannot hold a decision known only when it runs. "
