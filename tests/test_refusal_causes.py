@@ -258,7 +258,9 @@ def test_a_call_inside_the_loss_with_the_wrong_arguments_names_the_call():
         return F.cross_entropy(logits, y)
 
     fn = psg.per_sample(model, backend="eager")(lambda x, y: head(model(x)))
-    with pytest.raises(psg.CaptureError) as info:
+    # torch 2.14 on show Dynamo the TypeError the call raises (named as the loss's own exception, BatchInputError);
+    # 2.11 and 2.13 stop with a graph break at the call (CaptureError): the same words in both
+    with pytest.raises((psg.CaptureError, psg.BatchInputError)) as info:
         fn(torch.randn(5, 4), torch.randint(0, 3, (5,)))
     ours = str(info.value).split("Details from Dynamo")[0]  # Dynamo's words differ between torch versions
     assert "TypeError" in ours and "without compiled_psg too" in ours and "torch operations" not in ours
