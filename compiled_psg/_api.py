@@ -243,6 +243,18 @@ def _guard_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tup
     return tuple(a.detach().contiguous() if pos in batch_dims else a for pos, a in enumerate(args))
 
 
+#: a torch failure inside the capture, by a phrase of its message -> the fix the user owns
+_CAPTURE_FAILURE_FIXES = (
+    ("Sparse", "Fix: use dense gradients (nn.Embedding(..., sparse=False)); sparse gradients are not supported. "),
+    ("set_ on a graph input", "Fix: compute a new tensor (x = x - m) instead of assigning x.data (or calling "
+                              "x.set_()) in the loss: AOT autograd cannot trace a swapped storage. "),
+    ("does not support RNG ops in recompute regions",
+     "Fix: activation checkpointing (torch.utils.checkpoint) around a random op, such as dropout, cannot be "
+     "captured: move the random op out of the checkpointed function, or call the model without checkpointing "
+     "(the per-sample step keeps what its backward needs either way). "),
+)
+
+
 def _first_line(e: BaseException) -> str:
     """The first non-empty line of ``e``, or of the error it wraps (Dynamo's ``BackendCompilerFailed`` says only
     "backend='...' raised:" on its first line)."""
@@ -342,6 +354,7 @@ class PerSampleFunction:
                  batch_size: int) -> PreparedCall:
         backward_semantics.refuse_parameter_hooks(params)
         backward_semantics.refuse_arguments_from_parameters(args, params)
+        backward_semantics.refuse_closures_from_parameters(self.fn, params)
         key = self._key(params, modes, args, batch_dims)
         entry, _ = self._valid(self._cache.get(key, []), params, args, batch_dims, batch_size)
         if entry is not None:
@@ -376,10 +389,7 @@ class PerSampleFunction:
             raise
         except Exception as e:  # the last line of "no raw torch traceback": name what failed, and who can fix it
             text = _first_line(e)
-            hint = ("Fix: use dense gradients (nn.Embedding(..., sparse=False)); sparse gradients are not supported. "
-                    if "Sparse" in text else
-                    "Fix: compute a new tensor (x = x - m) instead of assigning x.data (or calling x.set_()) in the "
-                    "loss: AOT autograd cannot trace a swapped storage. " if "set_ on a graph input" in text else "")
+            hint = next((fix for cause, fix in _CAPTURE_FAILURE_FIXES if cause in text), "")
             tail = "" if hint else ("If the loss raises this when called eagerly on the batch, fix it there; otherwise "
                                     "this is a compiled_psg bug: please report this message.")
             raise CaptureError(

@@ -397,3 +397,65 @@ def test_a_per_sample_function_and_a_step_called_inside_torch_compile_run_as_the
                             backend="eager")
     torch.compile(lambda x, y: step(x, y), backend="eager")(x, y)
     assert step.steps_taken == 1
+
+
+EMB, HEAD = nn.Embedding(10, 4).double(), nn.Linear(4, 3).double()
+
+
+def _ids_out_of_range(tokens):
+    return HEAD(EMB(tokens)).sum()  # <ids-out-of-range>
+
+
+def _label_out_of_range(x, y):
+    return F.cross_entropy(HEAD(x), y)  # <label-out-of-range>
+
+
+@pytest.mark.parametrize("loss,args,op,backend", [
+    (_ids_out_of_range, (torch.tensor([[1, 2], [3, 12], [0, 1]]),), "aten.embedding", "eager"),
+    (_label_out_of_range, (torch.randn(3, 4, dtype=F64), torch.tensor([0, 5, 1])), "aten.nll_loss_forward", "eager"),
+    (_ids_out_of_range, (torch.tensor([[1, 2], [3, 12], [0, 1]]),), "aten.embedding", "inductor"),
+], ids=["embedding_id", "label", "embedding_id_inductor"])
+def test_a_batch_value_out_of_an_ops_range_names_the_op_its_line_and_the_values(loss, args, op, backend):
+    """An index the capture only saw as a fake tensor fails when the program runs: the error names the op and the
+    user's line (found by running the captured graph again), not the compiled kernel's C++ line."""
+    before = {n: p.detach().clone() for n, p in HEAD.named_parameters()}
+    with pytest.raises(psg.BatchInputError) as info:
+        psg.per_sample(nn.ModuleList([EMB, HEAD]), backend=backend)(loss)(*args)
+    message = str(info.value)
+    assert op in message and "out of" in message and "Fix: check the batch's labels and indices" in message
+    assert_points_at(message, "ids-out-of-range", "label-out-of-range")
+    assert ".cpp" not in message and "please report" not in message
+    assert all(torch.equal(before[n], p) for n, p in HEAD.named_parameters())
+
+
+class _PackedGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(4, 5, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)  # <packed>
+        return self.rnn(packed)[1].sum()
+
+
+def test_graph_breaks_name_the_cause_they_have():
+    """A packed sequence, a closure tensor computed from the parameters, and checkpointing around dropout: each
+    graph break or capture failure names its own cause and fix, not "no Python control flow" or "please report"."""
+    gru = _PackedGRU()
+    with pytest.raises(psg.CaptureError) as info:
+        psg.per_sample(gru, backend="eager")(gru)(torch.randn(4, 6, 4), torch.tensor([6, 3, 2, 5]))
+    assert "pack_padded_sequence" in str(info.value) and "out[arange(B), lengths - 1]" in str(info.value)
+    assert_points_at(str(info.value), "packed")
+
+    lin = nn.Linear(4, 4)
+    doubled = lin.weight * 2
+    with pytest.raises(psg.CaptureError) as info:
+        psg.per_sample(lin, backend="eager")(lambda x: (x @ doubled).sum() + lin(x).sum())(torch.randn(3, 4))
+    assert "reads `doubled`, a tensor computed from the parameters (weight) outside it" in str(info.value)
+
+    from torch.utils.checkpoint import checkpoint
+    seq = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    with pytest.raises(psg.CaptureError) as info:
+        psg.per_sample(seq, backend="eager")(lambda x: checkpoint(seq, x, use_reentrant=False).sum())(torch.randn(3, 4))
+    assert "move the random op out of the checkpointed function" in str(info.value)
+    assert "please report" not in str(info.value)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .._analyze.source import where
-from .._errors import BatchInputError, UnsupportedError
+from .._errors import BatchInputError, CaptureError, UnsupportedError
 
 
 def _is_call(node: fx.Node, name: str) -> bool:
@@ -133,6 +133,37 @@ def refuse_arguments_from_parameters(args: tuple, params: dict[str, torch.Tensor
                     "the loss function, so part of their gradient flows through it, where per-sample gradients "
                     "cannot follow. Fix: compute it inside the loss function, or pass it .detach()ed if it is "
                     "meant as data")
+
+
+def refuse_closures_from_parameters(fn, params: dict[str, torch.Tensor]) -> None:
+    """A tensor the loss function reads from its closure or globals, computed from the parameters outside it
+    (``doubled = lin.weight * 2``, then ``lambda x: x @ doubled``): its gradient path runs outside the captured
+    graph, which Dynamo cannot trace (a graph break, or under ``-W error`` a warning about ``.grad``). Named
+    here, with the variable, before the capture. Only the function's own free and global names are read."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    named = {n: c.cell_contents for n, c in zip(code.co_freevars, fn.__closure__ or (), strict=False) if _filled(c)}
+    scope = getattr(fn, "__globals__", {})
+    named.update((n, scope[n]) for n in code.co_names if n in scope)
+    by_id = {id(p): n for n, p in params.items()}
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            reached = _parameters_behind(value.grad_fn, by_id)
+            if reached:
+                raise CaptureError(
+                    f"the loss function reads `{name}`, a tensor computed from the parameters "
+                    f"({', '.join(sorted(reached)[:3])}) outside it: part of their gradient flows through it, "
+                    "outside the captured graph, where per-sample gradients cannot follow. Fix: compute it inside "
+                    "the loss function, or .detach() it where it is meant as a constant")
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def _parameters_behind(fn, by_id: dict[int, str]) -> set[str]:

@@ -1089,6 +1089,16 @@ def _graph_break(e: Exception) -> CaptureError:
             fix = (f"torch {torch.__version__.split('+')[0]}'s Dynamo does not trace requires_grad_() inside a "
                    "compiled function (torch 2.13 and later do): upgrade torch, or compute what needs it outside "
                    "the loss")
+        elif "external grad_fn" in lowered:
+            fix = ("a tensor the loss reads was computed from the parameters outside the loss function (it carries "
+                   "a grad_fn, as `w2 = model.weight * 2` made once before the call does), and its gradient path "
+                   "runs outside the captured graph: compute it inside the loss function, or .detach() it where it "
+                   "is meant as a constant")
+        elif _SKIPPED_FUNCTION.search(text):
+            skipped = _SKIPPED_FUNCTION.search(text).group(1)
+            fix = _SKIPPED_FIXES.get(skipped, f"torch.compile does not trace `{skipped}` (Dynamo marks it skipped), so "
+                                              "no graph can hold it: call it outside the loss function and pass its "
+                                              "result in, or write it with tensor operations")
         elif any(k in lowered for k in (".item()", "item()", "tolist", "data-dependent", "data dependent",
                                         "numpy")):
             fix = ("keep tensor values as tensors: no .item(), .tolist(), float(t) or bool(t) in the loss; use "
@@ -1100,6 +1110,19 @@ def _graph_break(e: Exception) -> CaptureError:
         return _dynamic_shape_operator(dynamic.group(1) or dynamic.group(2), where, text)
     return CaptureError(f"compiled_psg needs the loss function as one graph, and Dynamo cannot capture it "
                         f"(a graph break) {where}: {reason}\nFix: {fix}. Details from Dynamo:\n{text}")
+
+
+#: Dynamo's graph break at a function it never traces (torch 2.11 to 2.15: "the function `pack_padded_sequence` in
+#: file ... should not be traced")
+_SKIPPED_FUNCTION = re.compile(r"the function `([^`]+)` in file .* should not be traced")
+
+#: skipped function -> the form the capture traces
+_SKIPPED_FIXES = {
+    "pack_padded_sequence": "torch.compile does not trace packed sequences (pack_padded_sequence builds a "
+                            "PackedSequence from lengths held in a tensor): run the RNN on the padded batch and "
+                            "select each sample's last valid step with the lengths (out[arange(B), lengths - 1]), "
+                            "or mask the padded steps; per-sample gradients are the same",
+}
 
 
 #: Dynamo's graph break at an op whose output shape depends on its inputs' values (``aten._ctc_loss.Tensor``,

@@ -190,12 +190,7 @@ class CompiledGraph:
                         f"the loss failed on this batch's dtypes ({type(e).__name__}: "
                         f"{(str(e).strip().splitlines() or [''])[0]}): {_dtypes(args, params)}. Fix: give the batch "
                         "the dtype the model computes in (x.to(torch.float32)), or convert the model") from e
-                raise BatchInputError(
-                    f"running the rewritten per-sample graph on this batch failed ({type(e).__name__}: "
-                    f"{(str(e).strip().splitlines() or [''])[0]}). A sample's own loss is the loss of a batch of "
-                    "one: if the loss is undefined for one sample (kthvalue with k > 1 over the batch, a statistic "
-                    "that needs two samples), per-sample gradients are undefined too; compute that statistic "
-                    "outside the loss. Otherwise please report this message.") from e
+                raise _run_failure(self.rewritten, inputs, e) from e
             if new_values is not None:
                 self._apply_mutations(params, args, new_values)
         return outputs
@@ -226,6 +221,57 @@ class CompiledGraph:
     def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
         loss, per_sample_losses, *flat = self.run(params, args, batch_size)
         return loss, per_sample_losses, pytree.tree_unflatten(list(flat), self.rewritten.out_spec)
+
+
+def _run_failure(rw: Rewritten, inputs: list, e: Exception) -> BatchInputError:
+    """The error for an op that raised on the real batch (the capture ran it on fake tensors only): the op and the
+    user's line, found by running the captured graph again, node by node, on the same inputs (a compiled kernel's
+    message names its generated C++ line; the op's own eager message is the one shown)."""
+    found = _failing_node(rw, inputs)
+    if found is None:
+        first = (str(e).strip().splitlines() or [""])[0]
+        return BatchInputError(
+            f"running the rewritten per-sample graph on this batch failed ({type(e).__name__}: {first}). A "
+            "sample's own loss is the loss of a batch of one: if the loss is undefined for one sample (kthvalue "
+            "with k > 1 over the batch, a statistic that needs two samples), per-sample gradients are undefined "
+            "too; compute that statistic outside the loss. Otherwise please report this message.")
+    node, raised = found
+    first = (str(raised).strip().splitlines() or [""])[0].rstrip(".")
+    where = f"{node.target} at {source_line(node)} raised {type(raised).__name__}: {first}"
+    if isinstance(raised, IndexError) or "out of bounds" in first or "out of range" in first:
+        return BatchInputError(
+            f"the loss fails on this batch: {where}. A value of the batch is outside what the op accepts (a label "
+            "at or past the number of classes, an index past an embedding's rows). Fix: check the batch's labels "
+            "and indices")
+    return BatchInputError(
+        f"the loss fails on this batch: {where}. If the loss raises this when called eagerly on the batch, fix it "
+        "there; if it is undefined for one sample (kthvalue with k > 1 over the batch, a statistic that needs two "
+        "samples), per-sample gradients are undefined too: compute that statistic outside the loss")
+
+
+class _NodeTracker(torch.fx.Interpreter):
+    current: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node):
+        self.current = n
+        return super().run_node(n)
+
+
+def _failing_node(rw: Rewritten, inputs: list) -> tuple[torch.fx.Node, Exception] | None:
+    """The node of the captured joint graph that raises on ``inputs``, and what it raises (the graph writes nothing:
+    its updates are outputs); None where a random op would draw again (and advance the generator) or nothing
+    raises."""
+    joint = rw.captured.joint
+    if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in joint.graph.nodes):
+        return None
+    tracker = _NodeTracker(joint)
+    try:
+        with torch.no_grad():
+            tracker.run(*inputs[:len(rw.captured.roles)])
+    except Exception as raised:  # noqa: BLE001 - any op's failure is the one to name
+        node = tracker.current
+        return (node, raised) if node is not None and node.op == "call_function" else None
+    return None
 
 
 def _failed_check(e: Exception) -> str | None:
