@@ -283,7 +283,7 @@ class PerSampleFunction:
 
     def __init__(self, fn: Callable, params_source, in_dims: InDims, reduce: Reduction | None, backend: str):
         if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            raise BatchInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if reduce is not None and not isinstance(reduce, Reduction):
             raise TypeError(f"reduce must be a compiled_psg reduction (psg.norms(), psg.clip_sum(...), ...), "
                             f"got {type(reduce).__name__}")

@@ -216,7 +216,7 @@ class DPTraining(RuleBasedStateMachine):
             assert torch.equal(self.model.constant, torch.arange(3.0, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("micro_batches", [None, 2])
+@pytest.mark.parametrize("micro_batches", [None, pytest.param(2, marks=pytest.mark.long)])
 def test_every_rule_in_one_fixed_run(micro_batches):
     """Each rule at least once, in an order that crosses each with the fused and the eager path; the invariants
     after every rule, as the machine checks them."""

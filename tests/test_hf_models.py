@@ -146,6 +146,7 @@ def _t5(layers=2):
     return model, loss, (_ids(g, 3, 6), _ids(g, 3, 4))
 
 
+@pytest.mark.long  # 60 s of capture on 2 cores: the end-to-end tier
 def test_t5_with_cache():
     _check(*_t5())
 

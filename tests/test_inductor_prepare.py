@@ -77,7 +77,7 @@ def test_layout_optimization_off_only_where_per_sample_convolutions_read_nchw():
     assert settings["conv"]["emulate_precision_casts"] is settings["dense"]["emulate_precision_casts"] is False
 
 
-@pytest.mark.parametrize("reduce", ["per_sample", "clip_sum"])
+@pytest.mark.parametrize("reduce", ["per_sample", pytest.param("clip_sum", marks=pytest.mark.long)])
 def test_a_tied_weights_scatter_adds_into_the_head_gradient(reduce):
     """GPT-2's tied embedding and head: the per-sample gradient is the head's GEMM output plus the lookup's
     scatter-add into zeros; for Inductor the scatter-add goes into the GEMM's output (one ``[n, v, d]`` buffer, not

@@ -211,7 +211,7 @@ MEMORY_PROBE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.inductor
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_peak_memory_of_reductions_vs_backward():

@@ -277,7 +277,8 @@ def test_without_the_transaction_a_failure_after_the_noise_is_counted(monkeypatc
     _fail_after_update(monkeypatch, step.optimizer, "step")
     with pytest.raises(_Failing):
         step(x[:8], y[:8])
-    assert step.steps_taken == 1 and step.released_config is not None
+    # counted by the step itself; nothing is left released for a later call (or a caller) to count again
+    assert step.steps_taken == 1 and step.released_config is None
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
@@ -520,3 +521,118 @@ def test_parameters_whose_dtype_changed_under_the_optimizers_state_are_named_and
     model.float()
     step(x, y)
     assert step.steps_taken == 2
+
+
+def _interrupt_on(monkeypatch, target, name, call: int):
+    """``target.name`` raises KeyboardInterrupt on its ``call``-th call (after running, for ``_step``: the
+    update is applied and the interrupt comes before the step counts it)."""
+    original, calls = getattr(target, name), [0]
+
+    def interrupted(self, *args):
+        calls[0] += 1
+        if calls[0] == call and name == "_call":
+            raise KeyboardInterrupt
+        result = original(self, *args)
+        if calls[0] == call:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(target, name, interrupted)
+
+
+@pytest.mark.parametrize("where", ["before the step runs", "after the update, before it is counted"])
+@pytest.mark.parametrize("path", ["eager first step", "fused later step"])
+def test_an_interrupt_anywhere_in_a_step_leaves_the_update_and_the_accountant_agreeing(monkeypatch, where, path):
+    """Interrupted on entry the step changes and counts nothing (the accountant does not count the previous
+    step's settings again); interrupted between its update and its count, the update is either undone (the eager
+    path's transaction) or counted (past the fused program's commit): never applied and uncounted. A step taken
+    through ``private.dp_step`` itself is counted too."""
+    from compiled_psg._train.step import DPStep
+
+    if path == "fused later step":
+        model, gen, x, y, private = _after_one_step()
+        private.dp_step(x[8:], y[8:])  # through the step object: counted by the accountant as well
+        assert private.steps == private.dp_step.steps_taken == 2
+    else:
+        torch.manual_seed(0)
+        model, gen, (x, y) = nn.Linear(4, 3), torch.Generator().manual_seed(1), _data()
+        private = _private(model, x, y, gen, max_grad_norm=1.0)
+    steps, before = private.steps, _snapshot(model, gen)
+    _interrupt_on(monkeypatch, DPStep, "_call" if where == "before the step runs" else "_step", 1)
+    with pytest.raises(KeyboardInterrupt):
+        private.step(x[:8], y[:8])
+    assert private.steps == private.dp_step.steps_taken
+    if where == "before the step runs" or path == "eager first step":
+        assert private.steps == steps and _unchanged(model, gen, before)
+    else:
+        assert private.steps == steps + 1 and not _unchanged(model, gen, before)
+
+
+def test_a_failed_step_gives_back_torchs_global_generator_the_models_dropout_drew_from(monkeypatch):
+    """With ``generator=`` for the noise, the model's dropout still draws from torch's global generator: a
+    failed step puts it back too, so the run goes on as if the call never happened."""
+    runs = []
+    for fail in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+        gen = torch.Generator().manual_seed(1)
+        x, y = _data()
+        private = _private(model, x, y, gen, max_grad_norm=1.0)
+        private.step(x[:8], y[:8])
+        if fail:  # the fused program runs (its dropout draws), then the call fails before the commit
+            _fail_after_update(monkeypatch, CompiledGraph, "run")
+            with pytest.raises(_Failing):
+                private.step(x[8:], y[8:])
+            monkeypatch.undo()
+            assert private.steps == 1
+        private.step(x[8:], y[8:])
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_the_accountant_refuses_values_with_no_privacy_meaning():
+    from compiled_psg import Accountant
+
+    accountant = Accountant("rdp")
+    for sigma, steps in ((float("nan"), 1), (-1.0, 1), ("1.0", 1), (True, 1), (1.0, -5), (1.0, 0), (1.0, 2.5)):
+        with pytest.raises(DPConfigError):
+            accountant.step(sigma, 0.01, steps)
+    assert accountant.history == []
+    accountant.step(1.0, 0.01, 3)
+    assert accountant.steps == 3
+
+
+def test_a_schedule_whose_noise_is_refused_stays_at_its_epoch():
+    from compiled_psg import LambdaNoise
+
+    model, gen, x, y, private = _after_one_step()
+    schedule = LambdaNoise(private, lambda epoch: 1.0 if epoch < 2 else float("inf"))
+    schedule.step()
+    assert schedule.last_epoch == 1 and private.noise_multiplier == 1.0
+    with pytest.raises(DPConfigError):
+        schedule.step()
+    assert schedule.last_epoch == 1 and private.noise_multiplier == 1.0
+
+
+@pytest.mark.parametrize("setting", [
+    dict(expected_batch_size=1e-320), dict(expected_batch_size=float("inf")), dict(expected_batch_size="8"),
+    dict(noise_multiplier=True), dict(max_grad_norm=True), dict(secure_rng="no"), dict(backend="foo"),
+    dict(automatic_gamma="x", clipping="automatic"), dict(target_unclipped_quantile="0.5", clipping="adaptive"),
+    dict(min_clipbound=None, clipping="adaptive"),
+    dict(clipping="adaptive", unclipped_num_std=float("inf"), noise_multiplier=1.0),
+], ids=["tiny_divisor", "infinite_divisor", "string_divisor", "bool_sigma", "bool_bound", "string_secure",
+        "unknown_backend", "string_gamma", "string_quantile", "none_min_bound", "infinite_count_noise"])
+def test_settings_that_would_break_the_training_are_refused_naming_them(setting):
+    model = nn.Linear(4, 3)
+    options = dict(max_grad_norm=1.0, noise_multiplier=0.0, backend="eager") | setting
+    with pytest.raises(DPConfigError) as info:
+        compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     **options)
+    named = next(k for k in setting if k != "clipping" and not (k == "noise_multiplier" and len(setting) > 2))
+    assert named in str(info.value)
+
+
+def test_a_function_passed_as_the_model_is_named():
+    model = nn.Linear(4, 3)
+    with pytest.raises(DPConfigError, match="model must be an nn.Module"):
+        compile_step(lambda x: model(x).sum(), lambda x: model(x), torch.optim.SGD(model.parameters(), lr=0.1))

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from .._reduce.reductions import Reduction
 from .sharded import ShardedStep, is_sharded
-from .step import DPStep
+from .step import DPStep, check_step_objects
 
 
 def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -96,6 +96,7 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                "automatic_gamma": automatic_gamma, "target_unclipped_quantile": target_unclipped_quantile,
                "clipbound_learning_rate": clipbound_learning_rate, "unclipped_num_std": unclipped_num_std,
                "min_clipbound": min_clipbound, "max_clipbound": max_clipbound, "memory_budget": memory_budget}
+    check_step_objects(model, optimizer, generator)  # before is_sharded reads the model's modules
     cls = ShardedStep if is_sharded(model) else DPStep  # fully_shard: see compiled_psg._train.sharded
     return cls(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
                   noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,

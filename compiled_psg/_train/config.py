@@ -30,11 +30,24 @@ LOSS_REDUCTIONS = ("mean", "sum")
 CLIPPING = ("flat", "per_layer", "automatic", "adaptive", "custom")
 
 
+def _is_number(value) -> bool:
+    """A real number, not a bool (``True`` is an int to Python, and a slip for a setting)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_number(name: str, value, *, optional: bool = False) -> None:
+    """``value`` is a real number (or None where ``optional``): else a DPConfigError naming the setting, before a
+    comparison with it raises a raw TypeError."""
+    if not (_is_number(value) or (optional and value is None)):
+        raise DPConfigError(f"{name} must be a number{' or None' if optional else ''}, got "
+                            f"{type(value).__name__} {value!r}")
+
+
 def _as_bound(value):
     """A float, or a tuple of floats for per-group bounds (lists are accepted and frozen)."""
-    if value is None or isinstance(value, int | float):
+    if value is None or _is_number(value):
         return None if value is None else float(value)
-    if isinstance(value, Sequence) and not isinstance(value, str):
+    if isinstance(value, Sequence) and not isinstance(value, str) and all(_is_number(v) for v in value):
         return tuple(float(v) for v in value)
     raise DPConfigError(f"max_grad_norm must be a number, a list of numbers (clipping='per_layer') or None, "
                         f"got {type(value).__name__}")
@@ -81,7 +94,12 @@ class DPConfig:
             raise DPConfigError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if self.clipping not in CLIPPING:
             raise DPConfigError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
-        if not (isinstance(self.noise_multiplier, int | float) and 0 <= self.noise_multiplier < math.inf):
+        for name in ("automatic_gamma", "target_unclipped_quantile", "clipbound_learning_rate", "min_clipbound",
+                     "max_clipbound"):
+            check_number(name, getattr(self, name))
+        check_number("expected_batch_size", self.expected_batch_size, optional=True)
+        check_number("unclipped_num_std", self.unclipped_num_std, optional=True)
+        if not (_is_number(self.noise_multiplier) and 0 <= self.noise_multiplier < math.inf):
             # infinite noise would turn every parameter into inf/NaN (and epsilon() would report 0)
             raise DPConfigError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}")
         bound = _as_bound(self.max_grad_norm)
@@ -100,8 +118,11 @@ class DPConfig:
         if self.noise_multiplier > 0 and (bound is None or any(math.isinf(b) for b in bounds)):
             raise DPConfigError("noise needs a clipping bound: pass max_grad_norm or reduce=psg.clip_sum(C) (the "
                                 "noise std is noise_multiplier * C)")
-        if self.expected_batch_size is not None and not self.expected_batch_size > 0:
-            raise DPConfigError(f"expected_batch_size must be positive, got {self.expected_batch_size}")
+        if self.expected_batch_size is not None and not (0 < self.expected_batch_size < math.inf
+                                                          and 1 / self.expected_batch_size < math.inf):
+            # inf scales every update to zero; 1e-320 makes the scale 1/m infinite and every parameter inf
+            raise DPConfigError(f"expected_batch_size must be a positive finite number whose inverse is finite, "
+                                f"got {self.expected_batch_size}: it divides the noisy sum")
         if self.clip_groups is not None:
             if self.clipping != "per_layer":
                 raise DPConfigError("clip_groups applies to clipping='per_layer'")
@@ -139,6 +160,9 @@ class DPConfig:
                                     "(sigma^-2 - (2 sigma_b)^-2)^-1/2, which needs sigma < 2 sigma_b")
         elif sigma_b is not None and not sigma_b >= 0:
             raise DPConfigError(f"unclipped_num_std must be >= 0, got {sigma_b}")
+        if sigma_b is not None and not sigma_b < math.inf:
+            raise DPConfigError(f"unclipped_num_std must be finite, got {sigma_b}: infinite noise on the count of "
+                                "unclipped samples moves the clip bound to its limits and stalls the training")
 
     # --- the mechanism --------------------------------------------------------------------------------------
     @property

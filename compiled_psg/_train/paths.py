@@ -9,7 +9,7 @@
   program is built and compiled, so that the first call carries the compile time.
 
 Both record on the step what it reports (``last_norms``, ``last_batch_size``) and, before the update begins,
-``released_config`` (``transaction.py`` and ``PrivateTraining.step`` read it).
+``released_config`` (``transaction.py`` and ``DPStep._count_release`` read it).
 """
 
 from __future__ import annotations

@@ -40,6 +40,11 @@ class PrivateTraining:
         self.sample_rate = sample_rate
         self.target_delta = target_delta
         self.poisson_sampling = poisson_sampling
+        # the step counts each step it releases, however it is called (``self.step`` or ``self.dp_step``)
+        dp_step.on_release(self._account)
+
+    def _account(self, noise_multiplier: float) -> None:
+        self.accountant.step(noise_multiplier, self.sample_rate)
 
     @property
     def noise_multiplier(self) -> float:
@@ -82,22 +87,10 @@ class PrivateTraining:
         return self.accountant.steps
 
     def step(self, *batch) -> torch.Tensor:
-        """One DP-SGD step on a (logical) batch; the accountant records the noise multiplier it used."""
-        if getattr(self.dp_step, "running_here", lambda: False)():
-            # called from inside the running step (an optimizer hook): the step refuses it before anything
-            # changes, and the step in flight is counted by its own call, not by this one
-            return self.dp_step(*batch)
-        try:
-            loss = self.dp_step(*batch)
-        except BaseException:
-            # a failure after the noisy update began (compiling the program at the end of the first step, an
-            # interrupt) still released it: count it, with the noise it used
-            released = getattr(self.dp_step, "released_config", None)
-            if released is not None:
-                self.accountant.step(released.accounted_noise_multiplier, self.sample_rate)
-            raise
-        self.accountant.step(self.dp_step.last_noise_multiplier, self.sample_rate)
-        return loss
+        """One DP-SGD step on a (logical) batch. The step itself has the accountant record the noise multiplier it
+        used, when its update is applied (``DPStep.on_release``): a failure after that point (an interrupt, the
+        compile at the end of the first step) still counts it, a failure before it counts nothing."""
+        return self.dp_step(*batch)
 
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far at ``delta`` (default: ``target_delta``). The accountant's analysis assumes

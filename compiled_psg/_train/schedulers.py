@@ -37,11 +37,13 @@ class NoiseScheduler:
         raise NotImplementedError
 
     def step(self) -> None:
-        self.last_epoch += 1
-        sigma = float(self.noise_at(self.last_epoch))
+        """Move to the next epoch and set its noise multiplier; a refused one leaves the epoch as it was."""
+        epoch = self.last_epoch + 1
+        sigma = float(self.noise_at(epoch))
         if not sigma >= 0:
-            raise DPConfigError(f"{type(self).__name__} gave noise_multiplier={sigma} at epoch {self.last_epoch}")
-        self.training.noise_multiplier = sigma
+            raise DPConfigError(f"{type(self).__name__} gave noise_multiplier={sigma} at epoch {epoch}")
+        self.training.noise_multiplier = sigma  # validated by the training: raises before the epoch moves
+        self.last_epoch = epoch
 
     def get_noise_multiplier(self) -> float:
         """The noise multiplier of the current epoch (Opacus's name)."""

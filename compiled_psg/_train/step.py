@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from .._capture.dynamo import own_compilation
-from .._compile.run import CompiledGraph
+from .._compile.run import BACKENDS, CompiledGraph
 from .._errors import DPConfigError
 from .._reduce.reductions import Reduction
 from . import distributed as dist_utils
@@ -103,7 +103,11 @@ class DPStep(StepSettings):
                  public_buffers: Sequence[str] = (), transactional: bool = True, **clipping_options):
         from .._api import per_sample
 
-        _check_step_objects(model, optimizer, generator)
+        check_step_objects(model, optimizer, generator)
+        if backend not in BACKENDS:
+            raise DPConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(secure_rng, bool):  # a truthy string would turn secure noise on unasked
+            raise DPConfigError(f"secure_rng must be True or False, got {type(secure_rng).__name__} {secure_rng!r}")
         custom, bound, budget = resolve_reduction(reduce, max_grad_norm if clipping == "flat" else None)
         if clipping != "flat":
             if reduce is not None:
@@ -147,10 +151,11 @@ class DPStep(StepSettings):
         self.last_batch_size = 0
         self.last_norms: torch.Tensor | None = None
         self.last_config: DPConfig | None = None
-        # the config of an update that began in the current call (noise drawn, the optimizer stepping): with
-        # transactional=False a call that fails after it released a noisy update, which the accountant must count
-        # (``PrivateTraining.step``); a transactional step restores everything and releases nothing
+        # the config of an update that began in the current call (noise drawn, the optimizer stepping): a call that
+        # fails after it (past the fused program's commit, or with transactional=False) released a noisy update,
+        # which ``_count_release`` counts; a transactional step that fails before restores everything
         self.released_config: DPConfig | None = None
+        self._release_listeners: list[Callable[[float], None]] = []
         self.snapshot: Snapshot | None = None  # the current call's transaction (``transaction.py``)
         # one call at a time: a second thread waits for the running step; a call from inside it (an optimizer
         # hook, the loss) is refused, since its commit would be undone by the outer call's rollback
@@ -286,8 +291,7 @@ class DPStep(StepSettings):
                 self._running_thread = None
 
     def _call(self, batch: tuple) -> torch.Tensor:
-        # Nothing is released until _step's update: a refusal below must not let a caller count the last step
-        # again (PrivateTraining counts released_config when a step raises).
+        # Nothing is released until _step's update (released_config is also cleared when each call ends)
         self.released_config = None
         config = self._config  # one snapshot for the whole step: clipping, noise, scaling and accounting agree
         refuse_ambient_autocast()
@@ -300,23 +304,41 @@ class DPStep(StepSettings):
         start = time.perf_counter()
         # after the checks above: what a failed step restores (the eager update adds the parameters to it)
         snapshot = self.snapshot = Snapshot.of_step(self)
+        counted: list[bool] = []
         try:
             loss = self._step(config, batch)
+            self._count_release(config, counted)  # the update is applied: counted before anything else can fail
         except BaseException:
-            if snapshot is not None and snapshot.restorable:  # nothing happened: nothing released or counted
+            if counted:
+                pass
+            elif snapshot is not None and snapshot.restorable:  # nothing happened: nothing released or counted
                 snapshot.restore_step(self)
             elif self.released_config is not None:  # the noise may have reached the parameters: counted
-                self.steps_taken += 1
+                self._count_release(self.released_config, counted)
             raise
         finally:
             self.snapshot = None  # its copies must not outlive the call (they would sit across the next peak)
+            self.released_config = None
         self.last_config = config
-        self.steps_taken += 1  # the update is applied: counted before anything else can fail
         if config.clipping == "adaptive":
             self._adapt_bound(config)
         if (self.captures, self.program_builds, self.compiles) != before:  # the call's time is compile time
             self.compile_seconds += time.perf_counter() - start
         return loss
+
+    def on_release(self, listener: Callable[[float], None]) -> None:
+        """Call ``listener(noise_multiplier)`` for every step whose noise may have reached the parameters, where
+        the step counts it (``PrivateTraining``'s accountant): a step taken through the step object itself is
+        counted too, and a caller interrupted after the step returns cannot miss one."""
+        self._release_listeners.append(listener)
+
+    def _count_release(self, config: DPConfig, counted: list[bool]) -> None:
+        """Count one released step: ``steps_taken`` and every listener. ``counted`` is marked after both, so an
+        interrupt between them counts the step twice at worst (epsilon over-reported), never not at all."""
+        self.steps_taken += 1
+        for listener in self._release_listeners:
+            listener(config.accounted_noise_multiplier)
+        counted.append(True)
 
     def _adapt_bound(self, config: DPConfig) -> None:
         """Adaptive clipping: the next step's ``C`` (``adaptive.next_bound``), or the reason the next step
@@ -359,7 +381,7 @@ class DPStep(StepSettings):
         load_step_state(self, state)
 
 
-def _check_step_objects(model, optimizer, generator) -> None:
+def check_step_objects(model, optimizer, generator) -> None:
     for name, value, kind, expected in (
             ("model", model, nn.Module, "an nn.Module (the one the loss calls)"),
             ("optimizer", optimizer, torch.optim.Optimizer,

@@ -2,8 +2,9 @@
 nothing of the step happens.
 
 ``Snapshot.of_step`` runs after the step's checks and before anything changes. It copies the model's buffers (the
-loss may write them), the state of every generator the noise may draw from (the step's ``generator=``, else
-torch's global CPU generator and the parameters' CUDA generators) and the step's own fields. The parameters, their
+loss may write them), the state of every generator the step may draw from (the step's ``generator=``, and
+torch's global CPU generator and the parameters' CUDA generators, which the model's dropout draws from) and the
+step's own fields. The parameters, their
 ``.grad`` (a failed step's noisy gradient must not stay readable while its noise is drawn again) and the
 optimizer's state are copied only where a step writes them in Python: the eager update (the first step, an
 empty batch, an update that could not be captured) calls ``cover_update`` just before ``optimizer.step()``, after
@@ -11,7 +12,9 @@ the per-sample graph has freed its activations. The fused program writes nothing
 new values, and ``fuse.commit`` writes them in one call after it has run whole, so a failure inside it leaves
 parameters and state as they were and no copy of them is needed, at the step's peak or anywhere. The commit is
 the point of no return: from just before its one call, a failure (an interrupt after it) counts the step and
-restores nothing, so its noise is never drawn again.
+restores nothing, so its noise is never drawn again. Counting is the step's own (``DPStep._count_release``):
+``steps_taken`` and every accountant listening (``PrivateTraining``) record the step together, on the step's
+success or at its failure after the commit, never from a caller after it returns.
 
 If the step raises anywhere (a refused batch, an out-of-memory error in the program, the compile at the end of
 the first step, an interrupt), ``Snapshot.restore`` writes back what it holds, in place, since the compiled
@@ -35,10 +38,10 @@ import torch.nn as nn
 
 
 def _generator_states(generator: torch.Generator | None, params: list[torch.Tensor]) -> list[tuple]:
-    """``(generator, state)`` for every generator the step's noise may advance."""
-    if generator is not None:
-        return [(generator, generator.get_state())]
-    states: list[tuple] = [(torch.default_generator, torch.default_generator.get_state())]
+    """``(generator, state)`` for every generator the step may advance: its noise's, and torch's global ones,
+    which the model's own random ops (dropout) draw from whatever ``generator`` is."""
+    states: list[tuple] = [] if generator is None else [(generator, generator.get_state())]
+    states.append((torch.default_generator, torch.default_generator.get_state()))
     for index in sorted({p.device.index or 0 for p in params if p.device.type == "cuda"}):
         cuda = torch.cuda.default_generators[index]
         states.append((cuda, cuda.get_state()))
