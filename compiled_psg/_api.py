@@ -285,8 +285,8 @@ class PerSampleFunction:
         if backend not in BACKENDS:
             raise BatchInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if reduce is not None and not isinstance(reduce, Reduction):
-            raise TypeError(f"reduce must be a compiled_psg reduction (psg.norms(), psg.clip_sum(...), ...), "
-                            f"got {type(reduce).__name__}")
+            raise BatchInputError(f"reduce must be a compiled_psg reduction (psg.norms(), psg.clip_sum(...), ...), "
+                                  f"got {type(reduce).__name__}")
         self.fn = fn
         self.params_source = params_source
         self.in_dims = in_dims
