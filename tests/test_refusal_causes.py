@@ -26,12 +26,16 @@ def _model_and_loss():
     return model, lambda x, y: F.cross_entropy(model(x), y)
 
 
-@pytest.mark.parametrize("x", [torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5, 4))],
-                         ids=["float64", "int64"])
-def test_a_batch_of_another_dtype_is_named(x):
+@pytest.mark.parametrize("x,model_dtype", [(torch.randn(5, 4, dtype=torch.float64), torch.float32),
+                                           (torch.randint(0, 3, (5, 4)), torch.float32),
+                                           (torch.randn(5, 4), torch.float64)],
+                         ids=["float64", "int64", "float32_into_float64"])
+def test_a_batch_of_another_dtype_is_named(x, model_dtype):
     model, loss = _model_and_loss()
+    model.to(model_dtype)
     fn = psg.per_sample(model, backend="eager")(loss)
-    with pytest.raises(psg.BatchInputError, match=rf"argument 0 is {x.dtype}.*the parameters are torch.float32"):
+    with pytest.raises(psg.BatchInputError, match=rf"argument 0 is {x.dtype}.*the parameters are {model_dtype}"
+                                                  rf".*x\.to\({model_dtype}\)"):
         fn(x, torch.randint(0, 3, (5,)))
 
 

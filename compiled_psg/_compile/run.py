@@ -189,7 +189,7 @@ class CompiledGraph:
                     raise BatchInputError(
                         f"the loss failed on this batch's dtypes ({type(e).__name__}: "
                         f"{(str(e).strip().splitlines() or [''])[0]}): {_dtypes(args, params)}. Fix: give the batch "
-                        "the dtype the model computes in (x.to(torch.float32)), or convert the model") from e
+                        f"the dtype the model computes in ({_to_params_dtype(params)}), or convert the model") from e
                 raise _run_failure(self.rewritten, inputs, e) from e
             if new_values is not None:
                 self._apply_mutations(params, args, new_values)
@@ -375,6 +375,12 @@ def _dtype_mismatch(e: Exception) -> bool:
     return any(part in text for part in ("must have the same dtype", "expected scalar type", "dtype mismatch",
                                          "Expected both inputs to have the same dtype", "not implemented for 'Long'",
                                          "not implemented for 'Int'"))
+
+
+def _to_params_dtype(params: dict[str, torch.Tensor]) -> str:
+    """``x.to(torch.float64)``: the conversion to the parameters' floating dtype (the first, where they differ)."""
+    kinds = [p.dtype for p in params.values() if p.is_floating_point()]
+    return f"x.to({kinds[0]})" if kinds else "x.to(the parameters' dtype)"
 
 
 def _dtypes(args: tuple, params: dict[str, torch.Tensor]) -> str:
