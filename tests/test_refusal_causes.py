@@ -703,3 +703,28 @@ def test_a_value_check_inside_a_library_function_is_named_with_the_function_and_
                        "values") as info:
         fn(x, t)
     assert f"{Path(__file__).name}:" in str(info.value) and "formula" in str(info.value)
+
+
+def test_a_mean_reduced_mse_loss_differentiated_inside_the_loss_is_refused():
+    """``autograd.grad(F.mse_loss(out, y), x)`` inside the loss: the gradient divides by the batch's element count,
+    where each sample's own divides by its own (it was computed with the batch's, silently). The same penalty with
+    the mean written out is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+
+    def penalty(inner):
+        def loss(x, y):
+            x = x.detach().requires_grad_(True)
+            out = model(x)
+            (g,) = torch.autograd.grad(inner(out, y), x, create_graph=True)
+            return F.mse_loss(out, y) + g.pow(2).sum()
+        return loss
+
+    with pytest.raises(psg.SampleMixingError, match="mse_loss_backward.*mean-reduced loss"):
+        psg.per_sample(model, backend="eager")(penalty(F.mse_loss))(x, y)
+    written_out = penalty(lambda o, t: (o - t).pow(2).mean())
+    got = psg.per_sample(model, backend="eager")(written_out)(x, y)
+    want = reference_per_sample(written_out, dict(model.named_parameters()), (x, y))
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11)

@@ -400,6 +400,22 @@ def _handler_for(target) -> Handler | None:
     return None
 
 
+#: loss backwards that are elementwise, but with ``reduction=Mean`` (1) scale by 1 / numel, the batch's numel
+_MEAN_LOSS_BACKWARDS = ops._overloads("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward")
+
+
+@_handles(_MEAN_LOSS_BACKWARDS)
+def _loss_backward(an: Analysis, node: fx.Node) -> Fact:
+    """``mse_loss_backward(grad, x, y, reduction, ...)``: elementwise for sum or none; a mean divides by the whole
+    batch's element count, which a sample's own gradient divides by its own (a gradient taken inside the loss)."""
+    if len(node.args) > 3 and node.args[3] == 1:
+        raise _mix("the gradient of a mean-reduced loss, taken inside the loss, divides by the whole batch's "
+                   "element count, where each sample's own gradient divides by its own",
+                   "write the mean out, (out - target).pow(2).mean(), or use reduction='none' and take the mean "
+                   "of the result")
+    return _pointwise(an, node)
+
+
 def _pointwise(an: Analysis, node: fx.Node) -> Fact:
     """Element ``k`` reads element ``k`` of each broadcast input. Batch-size scalars read 1 later (loss head)."""
     facts = _tensor_facts(an, node)
