@@ -728,3 +728,22 @@ def test_a_mean_reduced_mse_loss_differentiated_inside_the_loss_is_refused():
     want = reference_per_sample(written_out, dict(model.named_parameters()), (x, y))
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11)
+
+
+def test_rrelu_is_exact_in_eval_mode_and_refused_in_training_mode():
+    """Training-mode RReLU's backward reads the slopes its forward drew into a buffer: the gradients of the layers
+    before it came out wrong (NaN on Inductor). Refused, naming eval mode; in eval mode it is leaky_relu."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.RReLU(), nn.Linear(8, 3)).double().eval()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    got = psg.per_sample(model, backend="eager")(loss)(x, y)
+    want = reference_per_sample(loss, dict(model.named_parameters()), (x, y))
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11)
+    model.train()
+    with pytest.raises(psg.UnsupportedError, match="RReLU in training mode.*model.eval"):
+        psg.per_sample(model, backend="eager")(loss)(x, y)

@@ -416,6 +416,19 @@ def _loss_backward(an: Analysis, node: fx.Node) -> Fact:
     return _pointwise(an, node)
 
 
+@_handles(ops._overloads("rrelu_with_noise", "rrelu_with_noise_functional"))
+def _rrelu(an: Analysis, node: fx.Node) -> Fact:
+    """``rrelu_with_noise(x, noise, lower, upper, training)``: in eval mode ``leaky_relu`` with the slope's mean,
+    elementwise. In training mode its backward reads the slopes the forward wrote into ``noise``, which the
+    per-sample graph does not carry (the gradients before it came out wrong): refused."""
+    training = node.kwargs.get("training", node.args[4] if len(node.args) > 4 else False)
+    if training:
+        raise _Refuse("RReLU in training mode draws each element's slope into a buffer its backward reads, which "
+                      "the per-sample graph does not carry",
+                      "put the module in eval mode (model.eval(): the mean slope), or use nn.LeakyReLU", kind="unknown")
+    return _pointwise(an, node)
+
+
 def _pointwise(an: Analysis, node: fx.Node) -> Fact:
     """Element ``k`` reads element ``k`` of each broadcast input. Batch-size scalars read 1 later (loss head)."""
     facts = _tensor_facts(an, node)

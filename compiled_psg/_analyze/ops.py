@@ -44,8 +44,7 @@ def _overloads(*names: str) -> set:
 ELEMENTWISE = _overloads(
     "masked_fill.Tensor", "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward",
     "log_sigmoid_forward", "log_sigmoid_backward", "fill.Scalar", "fill.Tensor", "copy", "native_dropout",
-    "bernoulli.p", "bernoulli", "hardsigmoid_backward", "hardswish_backward", "rrelu_with_noise",
-    "rrelu_with_noise_functional",
+    "bernoulli.p", "bernoulli", "hardsigmoid_backward", "hardswish_backward",
     "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "gelu_backward", "silu_backward",
     "native_dropout_backward", "threshold_backward", "mish_backward", "_conj", "lift_fresh_copy",
     "hardswish", "rsub.Tensor", "rsub.Scalar", "softshrink_backward", "hardshrink_backward", "zero", "complex",
