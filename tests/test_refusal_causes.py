@@ -705,6 +705,12 @@ def test_a_value_check_inside_a_library_function_is_named_with_the_function_and_
     assert f"{Path(__file__).name}:" in str(info.value) and "formula" in str(info.value)
 
 
+def _exact_against_the_loop(model, loss, args):
+    got = psg.per_sample(model, backend="eager")(loss)(*args)
+    for name, value in reference_per_sample(loss, dict(model.named_parameters()), args).items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11)
+
+
 def test_a_mean_reduced_mse_loss_differentiated_inside_the_loss_is_refused():
     """``autograd.grad(F.mse_loss(out, y), x)`` inside the loss: the gradient divides by the batch's element count,
     where each sample's own divides by its own (it was computed with the batch's, silently). The same penalty with
@@ -723,11 +729,7 @@ def test_a_mean_reduced_mse_loss_differentiated_inside_the_loss_is_refused():
 
     with pytest.raises(psg.SampleMixingError, match="mse_loss_backward.*mean-reduced loss"):
         psg.per_sample(model, backend="eager")(penalty(F.mse_loss))(x, y)
-    written_out = penalty(lambda o, t: (o - t).pow(2).mean())
-    got = psg.per_sample(model, backend="eager")(written_out)(x, y)
-    want = reference_per_sample(written_out, dict(model.named_parameters()), (x, y))
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11)
+    _exact_against_the_loop(model, penalty(lambda o, t: (o - t).pow(2).mean()), (x, y))
 
 
 def test_rrelu_is_exact_in_eval_mode_and_refused_in_training_mode():
@@ -740,10 +742,7 @@ def test_rrelu_is_exact_in_eval_mode_and_refused_in_training_mode():
     def loss(x, y):
         return F.cross_entropy(model(x), y)
 
-    got = psg.per_sample(model, backend="eager")(loss)(x, y)
-    want = reference_per_sample(loss, dict(model.named_parameters()), (x, y))
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11)
+    _exact_against_the_loop(model, loss, (x, y))
     model.train()
     with pytest.raises(psg.UnsupportedError, match="RReLU in training mode.*model.eval"):
         psg.per_sample(model, backend="eager")(loss)(x, y)
