@@ -746,3 +746,22 @@ def test_rrelu_is_exact_in_eval_mode_and_refused_in_training_mode():
     model.train()
     with pytest.raises(psg.UnsupportedError, match="RReLU in training mode.*model.eval"):
         psg.per_sample(model, backend="eager")(loss)(x, y)
+
+
+@pytest.mark.parametrize("combine", [
+    lambda ce, aux: ce + aux.detach(), lambda ce, aux: ce / ce.detach(), lambda ce, aux: aux * ce.detach(),
+    lambda ce, aux: ce - ce.detach() + 1.0,
+], ids=["plus_detached", "divided_by_itself_detached", "weighted_by_detached", "straight_through"])
+def test_a_detached_batch_loss_in_the_returned_loss_stops_the_gradient_per_sample(combine):
+    """A loss reduced over the batch and detached (loss balancing, a straight-through term) is a constant for each
+    sample's own loss too: the per-sample head kept the value but dropped the detach, so its gradient flowed."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"l0": nn.Linear(4, 8), "l2": nn.Linear(8, 3)}).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    t = torch.randn(6, 8, dtype=torch.float64)
+
+    def loss(x, y, t):
+        hidden = model["l0"](x)
+        return combine(F.cross_entropy(model["l2"](torch.tanh(hidden)), y), F.mse_loss(hidden, t))
+
+    _exact_against_the_loop(model, loss, (x, y, t))

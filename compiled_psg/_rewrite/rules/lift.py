@@ -126,7 +126,9 @@ def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
         if target in (ATEN.sum.default, ATEN.mean.default):
             op = torch.sum if target is ATEN.sum.default else torch.mean
             return op(x, list(range(1, x.dim()))) if x.dim() > 1 else x
-        if target in (ATEN.clone.default, ATEN.alias.default, ATEN.detach.default, ATEN.contiguous.default):
+        if target is ATEN.detach.default:  # a detach stops the gradient of the per-sample value too
+            return x.detach()
+        if target in (ATEN.clone.default, ATEN.alias.default, ATEN.contiguous.default):
             return x
         if target is ATEN._to_copy.default:
             return x.to(node.kwargs.get("dtype") or x.dtype)
