@@ -66,6 +66,8 @@ class _Differentiable(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is ATEN.copy.default:
             return _copy(*args, **kwargs)
+        if target is ATEN.detach_copy.default and "psg" in self._node.meta:
+            return args[0].detach()  # a detach the per-sample pass emitted (``rules/lift.py``): no gradient flows
         if isinstance(target, torch._ops.OpOverload) and _missing_derivative(target, args, kwargs):
             if torch.Tag.nondeterministic_seeded not in target.tags:
                 raise UnsupportedError(

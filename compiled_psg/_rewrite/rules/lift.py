@@ -126,8 +126,10 @@ def shape_op(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
         if target in (ATEN.sum.default, ATEN.mean.default):
             op = torch.sum if target is ATEN.sum.default else torch.mean
             return op(x, list(range(1, x.dim()))) if x.dim() > 1 else x
-        if target is ATEN.detach.default:  # a detach stops the gradient of the per-sample value too
-            return x.detach()
+        if target is ATEN.detach.default:  # a detach stops the gradient of the per-sample value too: make_fx
+            # records x.detach() as alias on torch 2.15, so the op is detach_copy, which the re-trace detaches
+            # (``_capture/retrace.py``, ``_Differentiable``)
+            return ATEN.detach_copy.default(x)
         if target in (ATEN.clone.default, ATEN.alias.default, ATEN.contiguous.default):
             return x
         if target is ATEN._to_copy.default:
