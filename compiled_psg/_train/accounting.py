@@ -14,6 +14,7 @@ import math
 import warnings
 
 from .._errors import DPConfigError
+from .config import check_noise_multiplier
 
 MECHANISMS = ("rdp", "pld", "prv", "opacus-rdp")
 _OPACUS = {"prv": "prv", "opacus-rdp": "rdp"}
@@ -161,10 +162,7 @@ class Accountant:
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         check_sample_rate(sample_rate)  # dp-accounting would refuse it only at epsilon(), on every call
-        if isinstance(noise_multiplier, bool) or not (isinstance(noise_multiplier, int | float)
-                                                      and 0 <= noise_multiplier < math.inf):
-            raise DPConfigError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}: a NaN or "
-                                "negative one has no privacy meaning (nothing was recorded)")
+        check_noise_multiplier(noise_multiplier)
         check_steps(steps)
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
             sigma, q, n = self.history[-1]

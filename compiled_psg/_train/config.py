@@ -43,6 +43,13 @@ def check_number(name: str, value, *, optional: bool = False) -> None:
                             f"{type(value).__name__} {value!r}")
 
 
+def check_noise_multiplier(value) -> None:
+    """A finite number >= 0: NaN, infinite or negative noise has no privacy meaning (infinite noise turns every
+    parameter into inf/NaN, and an accountant would report epsilon 0)."""
+    if not (_is_number(value) and 0 <= value < math.inf):
+        raise DPConfigError(f"noise_multiplier must be a finite number >= 0, got {value!r}")
+
+
 def _as_bound(value):
     """A float, or a tuple of floats for per-group bounds (lists are accepted and frozen)."""
     if value is None or _is_number(value):
@@ -99,9 +106,7 @@ class DPConfig:
             check_number(name, getattr(self, name))
         check_number("expected_batch_size", self.expected_batch_size, optional=True)
         check_number("unclipped_num_std", self.unclipped_num_std, optional=True)
-        if not (_is_number(self.noise_multiplier) and 0 <= self.noise_multiplier < math.inf):
-            # infinite noise would turn every parameter into inf/NaN (and epsilon() would report 0)
-            raise DPConfigError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier!r}")
+        check_noise_multiplier(self.noise_multiplier)
         bound = _as_bound(self.max_grad_norm)
         object.__setattr__(self, "max_grad_norm", bound)
         object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
