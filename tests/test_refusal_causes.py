@@ -748,6 +748,41 @@ def test_rrelu_is_exact_in_eval_mode_and_refused_in_training_mode():
         psg.per_sample(model, backend="eager")(loss)(x, y)
 
 
+def test_a_reentrant_checkpoint_of_the_batch_is_refused_and_its_fixes_are_exact():
+    """``checkpoint(f, x, use_reentrant=True)`` where x is the batch: eager autograd gives f's parameters no gradient
+    (nothing checkpointed requires grad), while Dynamo traces the non-reentrant meaning; they got one, silently.
+    Refused naming the line; both fixes the message gives are exact against the loop, and a reentrant checkpoint
+    of a value that requires grad (a later layer) is exact too."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"first": nn.Linear(4, 4), "inner": nn.Linear(4, 4), "head": nn.Linear(4, 3)}).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def through(inner):
+        def loss(x, y):
+            return F.cross_entropy(model["head"](torch.tanh(inner(x))), y)
+        return loss
+
+    with pytest.raises(psg.UnsupportedError, match=r"use_reentrant=True\) at .*test_refusal_causes.py.*"
+                       r"Fix: pass use_reentrant=False"):
+        psg.per_sample(model, backend="eager")(through(
+            lambda x: checkpoint(model["inner"], x, use_reentrant=True)))(x, y)
+    _exact_against_the_loop(model, through(lambda x: checkpoint(model["inner"], x, use_reentrant=False)), (x, y))
+
+    def under_no_grad(x):
+        with torch.no_grad():
+            return model["inner"](x)
+
+    _exact_against_the_loop(model, through(under_no_grad), (x, y))
+    got = psg.per_sample(model, backend="eager")(through(
+        lambda x: checkpoint(model["inner"], model["first"](x), use_reentrant=True)))(x, y)
+    reference = reference_per_sample(through(lambda x: model["inner"](model["first"](x))),
+                                     dict(model.named_parameters()), (x, y))  # autograd.grad refuses reentrancy
+    for name, value in reference.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize("combine", [
     lambda ce, aux: ce + aux.detach(), lambda ce, aux: ce / ce.detach(), lambda ce, aux: aux * ce.detach(),
     lambda ce, aux: ce - ce.detach() + 1.0,

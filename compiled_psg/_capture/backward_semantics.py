@@ -8,6 +8,9 @@ compute something else than the derivative of those ops would be lost, silently.
 - ``tensor.register_hook`` inside the loss: the hook rewrites the gradient flowing through that tensor. Refused.
 - ``h.detach_()``: later uses of ``h`` carry no gradient. Rewritten into ``h.detach()`` for those uses.
 - ``t.backward()`` inside the loss: it writes ``.grad`` as well. Refused (``torch.autograd.grad`` is supported).
+- ``checkpoint(f, x, use_reentrant=True)`` where no tensor argument requires grad (the batch): eager autograd
+  gives the parameters inside ``f`` no gradient, while Dynamo traces every checkpoint with the non-reentrant
+  meaning. Refused (``reentrant_checkpoints_marked``, a change to Dynamo in the patches registry, marks them).
 - ``squeeze()`` without a dim on a batched value, or ``squeeze(dim)`` of the batch dimension: a batch of one (the
   per-sample loss) drops the batch dimension too, so its loss differs from what the graph computes for larger
   batches. Refused.
@@ -17,11 +20,18 @@ Hooks on parameters live outside the loss; ``refuse_parameter_hooks`` checks the
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.fx as fx
 
 from .._analyze.source import where
 from .._errors import BatchInputError, CaptureError, UnsupportedError
+from . import patches
+
+# Dynamo's graph node of a reentrant checkpoint none of whose tensor arguments requires grad carries this mark.
+_REENTRANT_WITHOUT_GRAD = "psg_reentrant_checkpoint_without_grad"
 
 
 def _is_call(node: fx.Node, name: str) -> bool:
@@ -59,6 +69,12 @@ def custom_backward_sites(gm: fx.GraphModule) -> list[str]:
             sites.append(f".backward() inside the loss at {where(node)}: it also writes .grad, which the per-sample "
                          "gradients cannot follow. Fix: differentiate with torch.autograd.grad(..., "
                          "create_graph=True) and use its result")
+        elif node.meta.get(_REENTRANT_WITHOUT_GRAD):
+            sites.append(f"checkpoint(..., use_reentrant=True) at {where(node)} with no tensor argument that "
+                         "requires grad: eager autograd then gives the parameters inside the checkpointed function "
+                         "no gradient, and the compiled capture would give them one. Fix: pass "
+                         "use_reentrant=False (torch's recommended form; those parameters then get their "
+                         "gradients), or call the function under torch.no_grad() if they should not train")
         elif _is_call(node, "register_hook"):
             sites.append(f"tensor.register_hook at {where(node)}: the hook rewrites the gradient, and compiled_psg "
                          "derives per-sample gradients from the forward ops. Fix: remove the hook, or express "
@@ -179,3 +195,64 @@ def _parameters_behind(fn, by_id: dict[int, str]) -> set[str]:
             found.add(by_id[id(variable)])
         stack.extend(f for f, _ in node.next_functions)
     return found
+
+
+def _checkpoint_method() -> tuple[type, str]:
+    """Dynamo's variable for ``torch.utils.checkpoint.checkpoint`` and the name of its method that traces a call
+    (``_call_function`` in the torch versions we support; ``call_function`` in older ones)."""
+    from torch._dynamo.variables.higher_order_ops import CheckpointHigherOrderVariable as variable
+
+    return variable, "_call_function" if "_call_function" in vars(variable) else "call_function"
+
+
+def _reentrant_without_grad(args: list, kwargs: dict) -> bool:
+    """Whether a ``checkpoint`` call Dynamo traces (``args``: the function and its arguments, as Dynamo's
+    variables) is reentrant, with grad enabled, and none of its top-level tensor arguments requires grad, so that
+    eager autograd's output carries no gradient (``CheckpointFunction`` is an ``autograd.Function`` of those
+    arguments alone). ``use_reentrant`` omitted means True in the torch versions we support (with a warning)."""
+    from torch._dynamo.variables import TensorVariable
+
+    flag = kwargs.get("use_reentrant")
+    reentrant = flag.as_python_constant() if flag is not None and flag.is_python_constant() else None
+    if reentrant is False or not torch.is_grad_enabled():
+        return False
+    tensors = [a for a in args[1:] if isinstance(a, TensorVariable)]
+    return not any(a.as_proxy().node.meta["example_value"].requires_grad for a in tensors)
+
+
+@contextlib.contextmanager
+def reentrant_checkpoints_marked() -> Iterator[None]:
+    """Mark the graph node of each checkpoint Dynamo traces that eager autograd would give no gradient
+    (``_reentrant_without_grad``), for ``custom_backward_sites`` to refuse: Dynamo traces every checkpoint with
+    the non-reentrant meaning (gradients reach the parameters inside)."""
+    variable, name = _checkpoint_method()
+    before = vars(variable)[name]
+
+    def traced(self, tx, args, kwargs):
+        marked = _reentrant_without_grad(args, kwargs)
+        graph = tx.output.graph
+        seen = set(graph.nodes)
+        result = before(self, tx, args, kwargs)
+        if marked:
+            for node in graph.nodes:
+                if node not in seen and node.op == "call_function" \
+                        and node.target is torch.ops.higher_order.tag_activation_checkpoint:
+                    node.meta[_REENTRANT_WITHOUT_GRAD] = True
+        return result
+
+    setattr(variable, name, traced)
+    try:
+        yield
+    finally:
+        setattr(variable, name, before)
+
+
+patches.register(patches.Patch(
+    "reentrant checkpoints marked",
+    "torch._dynamo.variables.higher_order_ops.CheckpointHigherOrderVariable._call_function (call_function before)",
+    "Dynamo traces checkpoint(use_reentrant=True) with the non-reentrant meaning; where no tensor argument "
+    "requires grad, eager autograd gives the parameters inside no gradient: the node is marked and the capture "
+    "refuses it", ("capture",), "the class attribute is process-wide; the wrapper only adds a mark to the node "
+    "of a checkpoint whose eager meaning differs, for whichever thread traces it",
+    "the original method restored on exit", enter=reentrant_checkpoints_marked,
+    current=lambda: (vars(_checkpoint_method()[0])[_checkpoint_method()[1]],)))
