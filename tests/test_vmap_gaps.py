@@ -236,6 +236,28 @@ def test_class_weights_with_ignore_index(ignore_index):
     _close(got, reference_per_sample(loss, dict(m.named_parameters()), (x, y)), torch.float64)
 
 
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_sample_whose_tokens_are_all_ignored_has_its_own_nan_loss_and_zero_gradient(backend):
+    """A sample alone whose targets are all ``ignore_index`` has the mean of no tokens: eager mode gives loss NaN
+    (0 / 0) and gradient 0. The per-sample losses said 0.0 there; they say NaN now, and the gradients stay 0."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 5).double()
+    x, y = torch.randn(3, 6, 4, dtype=torch.float64), torch.randint(0, 5, (3, 6))
+    y[1] = -100
+
+    def loss(x, y):
+        return F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+
+    value, losses, got = psg.per_sample(m, backend=backend)(loss).with_losses(x, y)
+    reference = reference_losses(loss, (x, y))
+    assert reference[1].isnan() and losses[1].isnan()
+    torch.testing.assert_close(losses, reference, equal_nan=True, **EXACT[torch.float64])
+    torch.testing.assert_close(value, loss(x, y).detach(), **EXACT[torch.float64])
+    expected = reference_per_sample(loss, dict(m.named_parameters()), (x, y))
+    assert all(e[1].abs().sum() == 0 for e in expected.values())
+    _close(got, expected, torch.float64)
+
+
 def test_linear_cross_entropy_with_weight_and_ignore_index():
     torch.manual_seed(0)
     module = nn.LinearCrossEntropyLoss(5, 4, weight=torch.rand(4) + 0.5, ignore_index=9,

@@ -86,7 +86,8 @@ def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
     After::   l = nll_loss(logp, target, reduction=none).view(n, t)
               ps = l.sum(1) / (w[target] * (target != ignore)).sum(1)                                  # [n]
 
-    A sample whose targets are all ignored gets loss 0 (and so gradient 0), as the batch-of-one gradient is 0.
+    A sample whose targets are all ignored gets loss NaN (0 / 0) and gradient 0, as its batch of one does in eager
+    mode: the NaN is a constant in ``where``'s other branch, so no gradient flows through it.
     """
     inp, target, weight, reduction, ignore_index = node.args[0].args[:5]
     if node.args[1] != 0:
@@ -117,7 +118,7 @@ def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
         weights = valid if wt is None else wt[tgt.masked_fill(ignored, 0)] * valid
         weights = split_batch(weights.reshape(tgt.shape), 0, layout).flatten(1).sum(1)
         safe = torch.where(weights > 0, weights, torch.ones_like(weights))
-        return torch.where(weights > 0, losses.sum(1) / safe, torch.zeros_like(safe))
+        return torch.where(weights > 0, losses.sum(1) / safe, torch.full_like(safe, float("nan")))
 
     return Contraction(rule="nll_loss_forward", node=node, inputs=inputs, per_sample=per_sample)
 
