@@ -269,6 +269,33 @@ def test_batches_and_arguments_of_the_wrong_kind_are_refused_naming_them():
     assert step.steps_taken == 0
 
 
+def test_a_custom_reduction_that_fails_is_named_with_its_function_its_line_and_a_fix():
+    """A custom reduction's own errors were blamed on the loss ("capturing and rewriting the loss failed ... fix it
+    there"), ``float(t)`` relayed torch's GuardOnDataDependentSymNode and ``len(g)`` was an InternalError ("please
+    report"). Each names the function (and parameter) that failed, its line and a fix; the fixes are exact."""
+    model = _mlp()
+    x, y = data()
+    loss = lambda x, y: F.cross_entropy(model(x), y)  # noqa: E731
+    cases = ((psg.custom(lambda n, g: g.sum(0) + undefined_name), "per_param", r"NameError: .*undefined_name",  # noqa: F821 # <custom_name>
+              "custom_name"),
+             (psg.custom(lambda n, g: g.sum(0) * float(g.norm())), "per_param",  # <custom_float>
+              r"reads a tensor's value as a Python value.*Fix: compute with tensor ops", "custom_float"),
+             (psg.custom(lambda n, g: g.sum(0), lambda d: d["nope"]), "combine", "KeyError: 'nope'",  # <custom_key>
+              "custom_key"))
+    for reduction, function, match, marker in cases:
+        with pytest.raises(psg.BatchInputError, match=rf"custom reduction's {function}.*{match}") as caught:
+            psg.per_sample(model, reduce=reduction, backend="eager")(loss)(x, y)
+        assert_points_at(str(caught.value), marker)
+    with pytest.raises(psg.BatchInputError, match=r"turned the batch size into the Python number 4 .*Fix: .*"
+                                                  r"g\.shape\[0\]"):
+        psg.per_sample(model, reduce=psg.custom(lambda n, g: g.sum(0) / len(g)), backend="eager")(loss)(x, y)
+    full = psg.per_sample(model, backend="eager")(loss)(x, y)
+    fixed = psg.per_sample(model, reduce=psg.custom(lambda n, g: g.sum(0) / g.shape[0] * g.norm()),
+                           backend="eager")(loss)(x, y)
+    for name, value in full.items():
+        torch.testing.assert_close(fixed[name], value.mean(0) * value.norm(), rtol=1e-12, atol=1e-14)
+
+
 # ---------------------------------------------------------------- graph breaks
 
 

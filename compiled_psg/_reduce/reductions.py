@@ -7,13 +7,17 @@ The math lives in ``ReduceContext``; a reduction only says which quantities to c
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from .._analyze.batch_dims import value_of
 from .._analyze.layout import weighted_batch_sum
-from .._errors import BatchInputError
+from .._errors import BatchInputError, PerSampleError
 from .context import ReduceContext
 
 Shapes = Mapping[str, tuple[torch.Size, torch.dtype, torch.device]]
@@ -142,17 +146,54 @@ class Custom(Reduction):
     def emit(self, ctx):
         names = [p.name for p in ctx.params]
         nodes = [ctx.per_sample(p) for p in ctx.params]
+        calling = ["per_param"]  # the user function being traced, for the error
 
         def run(*grads):
-            return self.combine({n: self.per_param(n, g) for n, g in zip(names, grads, strict=True)})
+            results = {}
+            for n, g in zip(names, grads, strict=True):
+                calling[0] = f"per_param({n!r}, g)"
+                results[n] = self.per_param(n, g)
+            calling[0] = "combine(results)"
+            return self.combine(results)
 
-        return ctx.emit(run, nodes, "custom")
+        try:
+            out = ctx.emit(run, nodes, "custom")
+        except PerSampleError:
+            raise
+        except Exception as e:
+            raise _custom_failure(calling[0], e) from e
+        env = getattr(detect_fake_mode([value_of(n) for n in nodes]), "shape_env", None)
+        if env is not None and ctx.batch.symbol in env.replacements:
+            fixed = env.replacements[ctx.batch.symbol]
+            raise BatchInputError(
+                f"the custom reduction turned the batch size into the Python number {fixed} "
+                "(len(g), int(g.shape[0]), range(g.shape[0])): it is traced once for every batch size. Fix: "
+                "keep the batch size a tensor size, g.shape[0] (or g.sum(0), g.mean(0) over the samples)")
+        return out
 
     def empty(self, shapes):
         if self.empty_result is None:
             raise BatchInputError("this custom reduction has no result for an empty batch; pass empty_result= to "
                                   "psg.custom(...)")
         return self.empty_result(shapes)
+
+
+def _custom_failure(calling: str, error: Exception) -> BatchInputError:
+    """The error of a custom reduction whose ``calling`` function (``per_param('w', g)`` or ``combine``) raised
+    ``error`` while traced: named with the user's line, and a fix for the tracing's own limits."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "/torch/" not in f.filename and "/compiled_psg/" not in f.filename]
+    at = f" at {frames[-1].filename}:{frames[-1].lineno}: {(frames[-1].line or '').strip()}" if frames else ""
+    text = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, GuardOnDataDependentSymNode):
+        cause = ("it reads a tensor's value as a Python value (float(t), bool(t), if t > 0: ...), but the reduction "
+                 "is traced once, for every batch, with no values")
+        fix = "compute with tensor ops (torch.where(t > 0, a, b) for a branch; keep values as tensors)"
+    else:
+        cause = f"{type(error).__name__}: {text}"
+        fix = ("correct the function (g is the per-sample gradient [B, *param.shape]; combine gets the dict of "
+               "per_param's results by parameter name)")
+    return BatchInputError(f"the custom reduction's {calling} failed{at}: {cause}. Fix: {fix}")
 
 
 def norms(per_parameter: bool = False) -> Norms:
