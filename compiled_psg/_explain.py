@@ -26,6 +26,9 @@ def explain(fn, *args, **kwargs) -> Report:
     parameters for the capture, as a step does: call ``explain`` on every rank. If the loss is refused, the
     ``SampleMixingError`` raised carries the report as ``error.report``.
     """
+    if torch.is_inference_mode_enabled():  # as a call under it: the report is of the graph a call runs
+        with torch.inference_mode(False):
+            return explain(fn, *args, **kwargs)
     no_keywords(kwargs)
     if isinstance(fn, PrivateTraining):
         fn = fn.dp_step

@@ -54,6 +54,10 @@ def test_per_sample_and_a_step_under_inference_mode_work_as_under_no_grad():
     with torch.inference_mode():
         step(x, y)
     assert step.steps_taken == 1 and not torch.equal(before, model.weight)
+    with torch.inference_mode():  # said "the loss has no gradient with respect to the parameters"
+        report = psg.explain(psg.per_sample(model, backend="eager")(loss), x, y)
+        step_report = psg.explain(step, x, y)
+    assert "weight" in report.graph_text("after") and "weight" in step_report.graph_text("after")
 
 
 class _Dicts(Dataset):
