@@ -108,6 +108,27 @@ def test_batch_size_as_a_value_reads_one_per_sample(index):
         torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-12)
 
 
+def test_the_batch_size_turned_into_a_python_number_is_named_as_such_and_its_fix_is_exact():
+    """``math.log(x.shape[0] + 1)`` makes Dynamo specialize the batch size (``math.sqrt`` stays symbolic): a
+    number, not a branch, which the message said. The fix it gives keeps the value in the graph and is exact."""
+    m = _model()
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def loss(x):
+        return m(x).pow(2).sum() * math.log(x.shape[0] + 1)
+
+    with pytest.raises(psg.CaptureError, match=r"turns the batch size into a Python number.*5 for this batch but "
+                                               r"2 for a batch of one.*test_batch_size_branches.py.*Fix: "):
+        psg.per_sample(m, backend="eager")(loss)(x)
+
+    def fixed(x):
+        return m(x).pow(2).sum() * torch.log(x.new_ones(()) * (x.shape[0] + 1))
+
+    got = psg.per_sample(m, backend="eager")(fixed)(x)
+    for name, g in reference_per_sample(fixed, dict(m.named_parameters()), (x,)).items():
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-12)
+
+
 def test_branch_on_a_size_other_than_the_batch_is_accepted():
     """Only the batch size is symbolic: branches on feature sizes are constants and stay exact."""
     m = _model()

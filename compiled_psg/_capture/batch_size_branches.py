@@ -77,8 +77,8 @@ def watched():
             at_one = _at_batch_of_one(orig_expr, self)
             if at_one is not None and at_one != value and _made_by_the_program():
                 one = "has no value" if at_one is UNDEFINED else at_one
-                found.append(f"{orig_expr} is {value} for this batch but {one} for a batch of one, at "
-                             f"{_user_line()}")
+                found.append(Decision(f"{orig_expr} is {value} for this batch but {one} for a batch of one, at "
+                                      f"{_user_line()}", is_number=not isinstance(value, sympy.logic.boolalg.Boolean)))
         return value
 
     ShapeEnv.evaluate_expr = evaluate_expr
@@ -153,12 +153,31 @@ patches.register(patches.Patch(
 def refusal(decision: str) -> CaptureError:
     """The refusal of a loss that decides on the batch size as a batch of one would not (``decision``, as
     ``watched`` records it)."""
+    if getattr(decision, "is_number", False):
+        return CaptureError(
+            "the loss turns the batch size into a Python number, and a batch of one gets another: "
+            f"{decision}. A sample's gradient is the gradient of the loss on the batch made of that sample alone, "
+            "and the number is a constant of the captured graph, so it would keep the batch's value. Fix: keep it "
+            "a value of the graph, computed with torch ops on a tensor (torch.log(x.new_ones(()) * (x.shape[0] + 1)) "
+            "for math.log(x.shape[0] + 1)), or use a constant that is not the batch size")
     return CaptureError(
         "the loss branches on the batch size, and a batch of one takes the other branch: "
         f"{decision}. A sample's gradient is the gradient of the loss on the batch made "
         "of that sample alone, so the batch's branch would give wrong per-sample gradients. Fix: keep the "
         "batch size out of the loss's control flow (no x.shape[0] == 1, x.shape[0] == x.shape[1] or len(x) > 1 "
         "tests; torch.where on tensors is fine)")
+
+
+class Decision(str):
+    """One decision ``watched`` records (its text); ``is_number``: the batch size turned into a Python number
+    (``math.log(n)``, ``float(n)``), not a branch on it."""
+
+    is_number: bool
+
+    def __new__(cls, text: str, is_number: bool = False):
+        made = super().__new__(cls, text)
+        made.is_number = is_number
+        return made
 
 
 class Decisions(list):
