@@ -132,6 +132,25 @@ def test_bert_classifier_with_padding():
     _check(model, loss, (x, mask, y))
 
 
+def test_a_regression_head_whose_built_in_loss_squeezes_the_batch_gets_a_fix_outside_the_library():
+    """BERT with ``num_labels=1`` computes ``loss_fct(logits.squeeze(), labels.squeeze())``: refused, once per line,
+    and the fix was "name the dimension, squeeze(-1)", inside transformers. It says to compute the loss from the
+    logits instead, and that fix is exact."""
+    T = transformers
+    torch.manual_seed(0)
+    cfg = T.BertConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                       vocab_size=VOCAB, max_position_embeddings=16, num_labels=1, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    model = T.BertForSequenceClassification(cfg).double()
+    g = torch.Generator().manual_seed(0)
+    x, y = _ids(g, 3, 6), torch.randn(3, generator=g, dtype=torch.float64)
+    with pytest.raises(psg.UnsupportedError, match=r"squeeze\(\) without a dim at .*modeling_bert.py.*Fix: that "
+                                                   r"line is in transformers, not in your code.*labels=") as caught:
+        psg.per_sample(model, backend="eager")(lambda x, y: model(input_ids=x, labels=y).loss)(x, y)
+    assert str(caught.value).count("squeeze() without a dim") == 1
+    _check(model, lambda x, y: F.mse_loss(model(input_ids=x).logits.squeeze(-1), y), (x, y))
+
+
 def _t5(layers=2):
     T = transformers
     torch.manual_seed(0)

@@ -24,6 +24,18 @@ def source_line(node: fx.Node) -> str:
     return f'{f["file"]}:{f["line"]} in {f["func"]}: {(f["code"] or "").strip()}'
 
 
+_INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\](?P<package>[^/\\]+)")
+
+
+def installed_library(node: fx.Node) -> str | None:
+    """The installed package (``transformers``) whose code is the node's innermost frame outside torch and
+    compiled_psg, or None where that frame is the user's own: a fix that edits the line is not the user's there."""
+    frames = [f for f in _FRAME.finditer(node.meta.get("stack_trace") or "")
+              if not any(part in f["file"] for part in _LIBRARY_PARTS)]
+    found = _INSTALLED.search(frames[-1]["file"]) if frames else None
+    return found["package"].removesuffix(".py") if found else None
+
+
 _ROOT = re.compile(r"^(?:[GL]\['[^\]]*'\]|self)")  # Dynamo's source of the root object: a global or local
 _HOPS = re.compile(r"\.__closure__\[\d+\]\.cell_contents|\.__self__|\.__func__|\.__globals__\['[^']*'\]")
 

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
-from .._analyze.source import where
+from .._analyze.source import installed_library, where
 from .._errors import BatchInputError, CaptureError, UnsupportedError
 from . import patches
 
@@ -82,13 +82,25 @@ def custom_backward_sites(gm: fx.GraphModule) -> list[str]:
         elif (_is_call(node, "squeeze") or _is_call(node, "squeeze_")) and len(node.args) == 1 \
                 and "dim" not in node.kwargs and _has_symbolic_size(node.args[0]):
             sites.append(f"squeeze() without a dim at {where(node)}: for a batch of one (a sample's own loss) it "
-                         "also drops the batch dimension, so the loss differs from the batched one. Fix: name the "
-                         "dimension, squeeze(-1)")
+                         "also drops the batch dimension, so the loss differs from the batched one. Fix: "
+                         + _edit_or_compute(node, "name the dimension, squeeze(-1)"))
         elif (_is_call(node, "squeeze") or _is_call(node, "squeeze_")) and _squeezes_a_symbolic_dim(node):
             sites.append(f"squeeze(dim) of the batch dimension at {where(node)}: it does nothing to the batch, but "
                          "for a batch of one (a sample's own loss) it drops the batch dimension, so the loss differs "
-                         "from the batched one. Fix: remove the squeeze, or squeeze another dimension")
-    return sites
+                         "from the batched one. Fix: "
+                         + _edit_or_compute(node, "remove the squeeze, or squeeze another dimension"))
+    return list(dict.fromkeys(sites))  # two squeezes of one line are one site
+
+
+def _edit_or_compute(node: fx.Node, edit: str) -> str:
+    """The fix of a construct: ``edit`` on the user's own line; in an installed library's code, which the user does
+    not own, computing that step outside it (for a model's built-in loss: the loss from its outputs)."""
+    library = installed_library(node)
+    if library is None:
+        return edit
+    return (f"that line is in {library}, not in your code, so compute that step yourself from what it returns "
+            "(for a model's built-in loss: call the model without labels= and compute the loss from its logits, "
+            "e.g. F.mse_loss(out.logits.squeeze(-1), labels) for a regression head)")
 
 
 def _squeezes_a_symbolic_dim(node: fx.Node) -> bool:
