@@ -294,6 +294,12 @@ def test_a_custom_reduction_that_fails_is_named_with_its_function_its_line_and_a
                            backend="eager")(loss)(x, y)
     for name, value in full.items():
         torch.testing.assert_close(fixed[name], value.mean(0) * value.norm(), rtol=1e-12, atol=1e-14)
+    # the result has the structure combine built, in plain containers (it was fx's immutable_dict/immutable_list)
+    nested = psg.per_sample(model, reduce=psg.custom(lambda n, g: [g.sum(0)], lambda d: {"sums": d}),
+                            backend="eager")(loss)(x, y)
+    assert type(nested) is dict and type(nested["sums"]) is dict
+    assert all(type(v) is list for v in nested["sums"].values())
+    nested["sums"]["extra"] = []  # a plain dict takes new keys
 
 
 # ---------------------------------------------------------------- graph breaks

@@ -48,7 +48,7 @@ def emit(
             if node.op == "placeholder":
                 continue
             if node.op == "output":
-                result = fx.map_arg(node.args[0], lambda n: env[n])
+                result = _plain(fx.map_arg(node.args[0], lambda n: env[n]))
                 break
             if node.op == "get_attr":  # a tensor the traced code closed over: keep it on the module
                 owner = graph.owning_module
@@ -65,3 +65,14 @@ def emit(
             env[node] = new
     return result
 
+
+def _plain(value):
+    """``value`` with fx's immutable dicts and lists (what ``map_arg`` builds) as plain ones: the structure is the
+    result's, which the caller gets back (a custom reduction's dict)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_plain(v) for v in value)
+    return value
