@@ -752,6 +752,40 @@ def test_rrelu_is_exact_in_eval_mode_and_refused_in_training_mode():
         psg.per_sample(model, backend="eager")(loss)(x, y)
 
 
+@pytest.mark.parametrize("draw", [
+    lambda h: F.gumbel_softmax(h, tau=0.5),
+    lambda h: h * torch.empty_like(h).exponential_() + h.pow(2) * torch.empty_like(h).cauchy_(),
+    lambda h: h * torch.empty_like(h).log_normal_() + h * torch.empty_like(h).geometric_(0.3),
+], ids=["gumbel_softmax", "exponential_cauchy", "log_normal_geometric"])
+def test_random_draws_shaped_like_the_batch_are_per_sample(draw):
+    """``gumbel_softmax`` (``exponential_``) and the other in-place draws were refused ("no batch semantics for
+    aten.exponential"), as ``uniform_`` is not: a draw shaped like the batch is one draw per sample. With the same
+    seed the per-sample gradients add up to autograd's batch gradient, and a sample's own does not move when
+    another sample changes."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def loss(x):
+        return draw(model(x)).pow(2).sum()
+
+    fn = psg.per_sample(model, backend="eager")(loss)
+    torch.manual_seed(3)
+    got = fn(x)
+    torch.manual_seed(3)
+    model.zero_grad()
+    loss(x).backward()
+    assert model.weight.grad.abs().sum() > 0
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name].sum(0), p.grad, rtol=1e-10, atol=1e-12)
+    other = x.clone()
+    other[1:] = torch.randn(4, 4, dtype=torch.float64)
+    torch.manual_seed(3)
+    moved = fn(other)
+    for name in got:
+        torch.testing.assert_close(moved[name][0], got[name][0], rtol=1e-12, atol=0)
+
+
 def test_a_reentrant_checkpoint_of_the_batch_is_refused_and_its_fixes_are_exact():
     """``checkpoint(f, x, use_reentrant=True)`` where x is the batch: eager autograd gives f's parameters no gradient
     (nothing checkpointed requires grad), while Dynamo traces the non-reentrant meaning; they got one, silently.

@@ -485,7 +485,8 @@ def _identity(an: Analysis, node: fx.Node) -> Fact:
 @_handles(ops.FACTORIES)
 def _factory(an: Analysis, node: fx.Node) -> Fact:
     kw = _kwargs(node)
-    for name in ("fill_value", "s", "low", "high", "mean", "std", "from", "to", "value"):
+    for name in ("fill_value", "s", "low", "high", "mean", "std", "from", "to", "value", "lambd", "median",
+                 "sigma", "p"):
         if name in kw and _reads_batch_size(kw[name], an.batch) and an.batch.is_batched(node):
             raise _Refuse("it fills a batched value with the batch size, which compiled_psg cannot read as 1, the "
                           "batch size a sample's own loss sees", "fill a value without the batch dimension "

@@ -162,7 +162,8 @@ FACTORIES = _overloads(
     "zeros", "ones", "full", "empty.memory_format", "empty_strided", "scalar_tensor", "new_zeros", "new_ones",
     "new_full", "new_empty", "new_empty_strided", "zeros_like", "ones_like", "full_like", "empty_like",
     "rand", "randn", "rand_like", "randn_like", "randint", "randint.low", "randint_like", "randint_like.low_dtype",
-    "normal.float_float", "normal_functional", "uniform", "empty_permuted",
+    "normal.float_float", "normal_functional", "uniform", "exponential", "cauchy", "log_normal", "geometric",
+    "empty_permuted",
 )
 # factories whose value does not depend on a tensor input's values, only on its shape (``*_like``, ``new_*``)
 SHAPE_ONLY = _overloads("ones_like", "zeros_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
