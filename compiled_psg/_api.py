@@ -252,6 +252,10 @@ _CAPTURE_FAILURE_FIXES = (
      "Fix: activation checkpointing (torch.utils.checkpoint) around a random op, such as dropout, cannot be "
      "captured: move the random op out of the checkpointed function, or call the model without checkpointing "
      "(the per-sample step keeps what its backward needs either way). "),
+    ("PendingUnbackedSymbolNotFound",
+     "The gradient of an op whose output size depends on the batch's values (a boolean mask, h[h > 0] or "
+     "out[mask] = v; masked_select, nonzero, unique) cannot be traced. Fix: keep the shape: torch.where(mask, new, "
+     "h) for a masked write, h * mask or h.masked_fill(~mask, 0) for a masked read, then reduce per sample. "),
 )
 
 

@@ -786,6 +786,44 @@ def test_random_draws_shaped_like_the_batch_are_per_sample(draw):
         torch.testing.assert_close(moved[name][0], got[name][0], rtol=1e-12, atol=0)
 
 
+def test_a_boolean_mask_is_refused_with_fixes_that_keep_the_shape_and_are_exact():
+    """``out[mask] = h[mask]`` gathers every sample's selected elements into one row: refused (torch's trace of
+    its gradient failed with PendingUnbackedSymbolNotFound, "please report"; a masked read's fix said only "express
+    this step with common tensor operations"). The forms the fix names are exact."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def masked(x, y):
+        h = model(x)
+        out = torch.zeros_like(h)
+        out[h > 0] = h[h > 0]
+        return F.cross_entropy(out, y)
+
+    with pytest.raises(psg.PerSampleError, match=r"boolean mask.*Fix: keep the shape: torch.where\(mask, new, "
+                                                 r"h\)") as caught:  # torch's backward trace fails first
+        psg.per_sample(model, backend="eager")(masked)(x, y)
+    assert "please report" not in str(caught.value)
+
+    def masked_read(x, y):
+        h = model(x)
+        return F.cross_entropy(h, y) + h[x[:, :3] > 0].sum()
+
+    with pytest.raises(psg.UnsupportedError, match=r"aten.index with a boolean mask.*Fix: keep the shape: "):
+        psg.per_sample(model, backend="eager")(masked_read)(x, y)
+
+    def where(x, y):
+        h = model(x)
+        return F.cross_entropy(torch.where(h > 0, h, torch.zeros_like(h)), y)
+
+    def masked_fill(x, y):
+        h = model(x)
+        return F.cross_entropy(h.masked_fill(~(h > 0), 0), y)
+
+    _exact_against_the_loop(model, where, (x, y))
+    _exact_against_the_loop(model, masked_fill, (x, y))
+
+
 def test_a_reentrant_checkpoint_of_the_batch_is_refused_and_its_fixes_are_exact():
     """``checkpoint(f, x, use_reentrant=True)`` where x is the batch: eager autograd gives f's parameters no gradient
     (nothing checkpointed requires grad), while Dynamo traces the non-reentrant meaning; they got one, silently.

@@ -103,10 +103,16 @@ def _mix(reason: str, fix: str = _FIX_PER_SAMPLE) -> _Refuse:
     return _Refuse(reason, fix)
 
 
-def _unknown(op_name: str, detail: str = "") -> _Refuse:
+def _unknown(op_name: str, detail: str = "", fix: str = "express this step with common tensor operations, or "
+             "open an issue naming the op") -> _Refuse:
     return _Refuse(
         f"compiled_psg has no batch semantics for {op_name}{detail}, so it cannot prove that samples stay apart",
-        "express this step with common tensor operations, or open an issue naming the op", kind="unknown")
+        fix, kind="unknown")
+
+
+# A boolean mask gathers the selected elements of all samples into one row whose length depends on the values.
+_MASK_FIX = ("keep the shape: torch.where(mask, new, h) for a masked write, (h * mask) or "
+             "h.masked_fill(~mask, 0) for a masked read, then reduce per sample")
 
 
 # ----------------------------------------------------------------------------------------------- the analysis
@@ -1312,7 +1318,7 @@ def _index_read(an: Analysis, node: fx.Node, x: fx.Node, indices: list) -> Fact:
     positions = [p for p, i in enumerate(indices) if i is not None]
     index_vals = [value_of(indices[p]) for p in positions]
     if any(v.dtype == torch.bool for v in index_vals):
-        raise _unknown(_op_name(node), " with a boolean mask")
+        raise _unknown(_op_name(node), " with a boolean mask", _MASK_FIX)
     s_rank = max(v.dim() for v in index_vals)
     consecutive = positions == list(range(positions[0], positions[-1] + 1))
     rest = [d for d in range(rank) if d not in positions]
