@@ -262,11 +262,17 @@ def test_optimizer_with_hooks_compiles_with_graph_breaks():
     model = small_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     calls = []
-    opt.register_step_post_hook(lambda *a: calls.append(1))
+    handle = opt.register_step_post_hook(lambda *a: calls.append(1))
     step = compile_step(lambda x, y: ce_mean(model, x, y), model, opt, max_grad_norm=1.0, backend="eager")
     step(*batch(4))
     step(*batch(5))
     assert calls == [1, 1] and not step.fused and step.programs == 2 and "hooks" in step.fallback_reason
+    handle.remove()  # the update is fused again (it stayed eager for good once a hook had been seen)
+    step(*batch(4))
+    assert step.fused and step.programs == 1 and step.fallback_reason is None and step.program_builds == 1
+    opt.register_step_post_hook(lambda *a: calls.append(1))
+    step(*batch(5))
+    assert calls == [1, 1, 1] and not step.fused
 
 
 def test_argument_errors():

@@ -22,6 +22,7 @@ from .config import DPConfig
 from .fuse import StepProgram, fuse_step
 
 log = logging.getLogger("compiled_psg")
+_STEP_HOOKS = "the optimizer has step hooks, which run in Python (until they are removed)"
 
 
 class ProgramCache:
@@ -47,6 +48,13 @@ class ProgramCache:
         self._programs.clear()
         self.current = None
 
+    def rejoin(self) -> None:
+        """Fuse the update again once the optimizer's step hooks are gone: of the fallbacks, only theirs is
+        temporary (a step that could not be traced stays eager)."""
+        if not self.fused and self.fallback_reason == _STEP_HOOKS \
+                and not update_graph.has_step_hooks(self.optimizer):
+            self.fused, self.fallback_reason = True, None
+
     def fall_back(self, reason: str) -> None:
         self.fused, self.fallback_reason = False, reason
         log.warning("compiled_psg: compile_step runs the optimizer update eagerly after the compiled per-sample "
@@ -57,7 +65,7 @@ class ProgramCache:
         """The program for this per-sample graph and settings, or None after falling back. Raises
         ``update_graph.StateMissing`` when the optimizer has no state yet (one eager step creates it)."""
         if update_graph.has_step_hooks(self.optimizer):
-            self.fall_back("the optimizer has step hooks, which run in Python")
+            self.fall_back(_STEP_HOOKS)
             return None
         binding = self.binding
         if self._update is not None and self._update.signature != update_graph.signature(self.optimizer,

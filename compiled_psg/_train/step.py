@@ -364,6 +364,7 @@ class DPStep(StepSettings):
         pieces = [self.prepare_batch(f, piece)
                   for piece in micro_batches(batch, f.in_dims, batch_size, self._max_physical_batch_size)]
         accumulate = self._max_physical_batch_size is not None
+        self.program_cache.rejoin()
         built = self.program_for(pieces[-1].entry, config, accumulate) if self.fused and self.state_ready else None
         if built is not None:
             return fused_path(self, config, built, pieces, batch_size)
