@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -243,7 +244,7 @@ def _guard_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> tup
     return tuple(a.detach().contiguous() if pos in batch_dims else a for pos, a in enumerate(args))
 
 
-#: a torch failure inside the capture, by a phrase of its message -> the fix the user owns
+#: a torch failure inside the capture, by a pattern of its message (re.search) -> the fix the user owns
 _CAPTURE_FAILURE_FIXES = (
     ("Sparse", "Fix: use dense gradients (nn.Embedding(..., sparse=False)); sparse gradients are not supported. "),
     ("set_ on a graph input", "Fix: compute a new tensor (x = x - m) instead of assigning x.data (or calling "
@@ -252,6 +253,10 @@ _CAPTURE_FAILURE_FIXES = (
      "Fix: activation checkpointing (torch.utils.checkpoint) around a random op, such as dropout, cannot be "
      "captured: move the random op out of the checkpointed function, or call the model without checkpointing "
      "(the per-sample step keeps what its backward needs either way). "),
+    (r"buffers_\w* must have _dynamo_source",
+     "The loss writes a module's buffer through its _buffers dict (self._buffers['name'] = value), "
+     "which torch's capture cannot follow. Fix: update the buffer in place, under torch.no_grad(): "
+     "self.name.copy_(value), which compiled_psg applies on every call as eager torch does. "),
     ("PendingUnbackedSymbolNotFound",
      "The gradient of an op whose output size depends on the batch's values (a boolean mask, h[h > 0] or "
      "out[mask] = v; masked_select, nonzero, unique) cannot be traced. Fix: keep the shape: torch.where(mask, new, "
@@ -393,7 +398,7 @@ class PerSampleFunction:
             raise
         except Exception as e:  # the last line of "no raw torch traceback": name what failed, and who can fix it
             text = _first_line(e)
-            hint = next((fix for cause, fix in _CAPTURE_FAILURE_FIXES if cause in text), "")
+            hint = next((fix for cause, fix in _CAPTURE_FAILURE_FIXES if re.search(cause, text)), "")
             tail = "" if hint else ("If the loss raises this when called eagerly on the batch, fix it there; otherwise "
                                     "this is a compiled_psg bug: please report this message.")
             raise CaptureError(

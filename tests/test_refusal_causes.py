@@ -824,6 +824,40 @@ def test_a_boolean_mask_is_refused_with_fixes_that_keep_the_shape_and_are_exact(
     _exact_against_the_loop(model, masked_fill, (x, y))
 
 
+class _WritesBuffersDict(nn.Module):
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.lin, self.in_place = nn.Linear(4, 3), in_place
+        self.register_buffer("running", torch.zeros(4))
+
+    def forward(self, x):
+        if self.in_place:
+            with torch.no_grad():
+                self.running.copy_(x.mean(0))
+        else:
+            self._buffers["running"] = x.mean(0).detach()
+        return self.lin(x)
+
+
+def test_a_buffer_written_through_the_buffers_dict_gets_a_fix_that_applies():
+    """``self._buffers["running"] = value`` failed inside AOT autograd ("node ... must have _dynamo_source
+    attribute", "please report"). The fix it names now, an in-place copy under no_grad, runs and is exact, and
+    the buffer holds the batch's value as in eager mode."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    model = _WritesBuffersDict(in_place=False).double()
+    loss = lambda x, y: F.cross_entropy(model(x), y)  # noqa: E731
+    with pytest.raises(psg.CaptureError, match=r"writes a module's buffer through its _buffers dict.*Fix: update "
+                                               r"the buffer in place, under torch.no_grad\(\)") as caught:
+        psg.per_sample(model, backend="eager")(loss)(x, y)
+    assert "please report" not in str(caught.value)
+    model.in_place = True
+    _exact_against_the_loop(model, loss, (x, y))
+    model.running.zero_()
+    psg.per_sample(model, backend="eager")(loss)(x, y)
+    torch.testing.assert_close(model.running, x.mean(0))
+
+
 def test_a_reentrant_checkpoint_of_the_batch_is_refused_and_its_fixes_are_exact():
     """``checkpoint(f, x, use_reentrant=True)`` where x is the batch: eager autograd gives f's parameters no gradient
     (nothing checkpointed requires grad), while Dynamo traces the non-reentrant meaning; they got one, silently.
