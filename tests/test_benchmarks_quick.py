@@ -265,9 +265,10 @@ def test_scale_ratios_take_the_faster_plain_step_and_the_lower_peak(tmp_path):
     head = {"model": "m", "label": "m", "config": {}, "batch": 4, "params": 10, "trained_params": 10,
             "environment": {"device": "cpu", "device_name": "x", "torch": "t", "threads": 2}}
     methods = [
-        {"model": "m", "method": "plain", "median_s": 0.010, "peak_extra_bytes": 100},
-        {"model": "m", "method": "plain_compile", "median_s": 0.008, "peak_extra_bytes": 200},
-        {"model": "m", "method": "psg", "median_s": 0.012, "peak_extra_bytes": 150},
+        {"model": "m", "method": "plain", "median_s": 0.010, "peak_extra_bytes": 100, "allocated_peak_bytes": 80},
+        {"model": "m", "method": "plain_compile", "median_s": 0.008, "peak_extra_bytes": 200,
+         "allocated_peak_bytes": 64},
+        {"model": "m", "method": "psg", "median_s": 0.012, "peak_extra_bytes": 150, "allocated_peak_bytes": 72},
         {"model": "m", "method": "opacus_ghost", "median_s": 0.030},
         {"model": "m", "method": "vmap_dp", "error": "unsupported: RuntimeError: x"},
     ]
@@ -275,8 +276,28 @@ def test_scale_ratios_take_the_faster_plain_step_and_the_lower_peak(tmp_path):
     r = ratios(load(tmp_path)["m"]["methods"])
     assert r["time"] == pytest.approx(1.5) and r["memory"] == pytest.approx(1.5)
     assert r["opacus_ghost"] == pytest.approx(0.4) and r["vmap_dp"] is None
+    assert r["memory_allocated"] == pytest.approx(72 / 64) and r["bounded_memory_allocated"] is None
     text = report(tmp_path)
     assert "FAIL (1.50)" in text and "PASS (0.40)" in text and "unsupported: RuntimeError: x" in text
+    assert "PASS (1.12)" in text  # the tensors-allocated ratio, its own column
+
+
+def test_cpu_allocated_peak_is_the_most_tensor_bytes_a_step_holds_at_once():
+    """``benchmarks.scale.cpu_allocated_peak``: 4 MiB held while 1 MiB is allocated peaks at 5 MiB (not the 9 MiB
+    allocated in all), and a tensor made before the step does not count."""
+    import torch
+
+    from benchmarks.scale import cpu_allocated_peak
+
+    a = torch.randn(1024, 1024)
+
+    def step():
+        for _ in range(2):
+            big = a * 2  # 4 MiB, freed before the next one is made
+            big.sum(0, keepdim=True).expand(256, 1024).contiguous().sum()  # 1 MiB while `big` lives
+            del big
+
+    assert 5 * 2**20 <= cpu_allocated_peak(step, ()) < 5 * 2**20 + 2**16
 
 
 def test_cpu_memory_at_peak_names_what_a_step_holds():
