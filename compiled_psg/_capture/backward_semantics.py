@@ -229,7 +229,8 @@ def _reentrant_without_grad(args: list, kwargs: dict) -> bool:
     if reentrant is False or not torch.is_grad_enabled():
         return False
     tensors = [a for a in args[1:] if isinstance(a, TensorVariable)]
-    return not any(a.as_proxy().node.meta["example_value"].requires_grad for a in tensors)
+    # a value with no example (none seen so far) counts as requiring grad: no mark, the capture's meaning
+    return not any(getattr(a.as_proxy().node.meta.get("example_value"), "requires_grad", True) for a in tensors)
 
 
 @contextlib.contextmanager
