@@ -302,6 +302,19 @@ def test_a_custom_reduction_that_fails_is_named_with_its_function_its_line_and_a
     nested["sums"]["extra"] = []  # a plain dict takes new keys
 
 
+def test_a_loss_that_trains_another_model_than_the_one_given_is_named():
+    """``psg.per_sample(model)`` around a loss that calls another model (an EMA copy, a teacher) whose parameters
+    require grad: the re-trace failed, blaming ``.item()`` and asking for a bug report."""
+    model, other = _mlp(), _mlp()
+    x, y = data()
+    for params in (model, {"w": torch.randn(3, 5, dtype=F64, requires_grad=True)}):
+        with pytest.raises(psg.BatchInputError, match=r"uses none of the parameters given to per_sample, yet it has "
+                                                      r"a gradient.*Fix: pass the model"):
+            psg.per_sample(params, backend="eager")(lambda x, y: F.cross_entropy(other(x), y))(x, y)
+    got = psg.per_sample(other, backend="eager")(lambda x, y: F.cross_entropy(other(x), y))(x, y)  # the fix
+    assert set(got) == {n for n, _ in other.named_parameters()}
+
+
 # ---------------------------------------------------------------- graph breaks
 
 

@@ -741,6 +741,14 @@ def _note_no_gradient(ctx) -> None:
         "differentiable loss, as loss.backward() would need it")
 
 
+def _note_other_tensors(ctx) -> None:
+    _pending["refusal"] = BatchInputError(
+        "the loss uses none of the parameters given to per_sample, yet it has a gradient: it reads other tensors "
+        "that require grad (another model than the one passed: an EMA copy, a teacher, a second network). Fix: "
+        "pass the model (or the dict of tensors) the loss trains, psg.per_sample(that_model); call the other "
+        "model under torch.no_grad() if it should not train")
+
+
 def _note_complex(ctx) -> None:
     _pending["refusal"] = BatchInputError(
         "the loss is complex: a gradient needs a real loss, as loss.backward() does. Fix: return a real loss, such "
@@ -768,6 +776,9 @@ def _make_joint(loss_fn, tensors: list, batched: list):
             return (None,)
         total = loss.sum() if loss.dim() > 0 else loss
         grads = torch.autograd.grad(total, tensors, allow_unused=True)
+        if tensors and all(g is None for g in grads):  # known while tracing: it reaches other tensors than these
+            comptime(_note_other_tensors)
+            return (None,)
         return (loss.detach(), *grads)
 
     # A code object of its own per capture: Dynamo's cache entry for it (which holds the guards and the globals
