@@ -361,6 +361,11 @@ class PerSampleFunction:
 
     def _prepare(self, params: dict[str, torch.Tensor], modes: tuple, args: tuple, batch_dims: dict[int, int],
                  batch_size: int) -> PreparedCall:
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            raise BatchInputError(
+                "the per-sample function was called inside a torch.func transform (vmap, grad, jacrev, ...): it "
+                "computes the per-sample gradients of the whole batch itself, and its capture cannot run under a "
+                "transform. Fix: call it on the batch outside the transform")
         backward_semantics.refuse_parameter_hooks(params)
         backward_semantics.refuse_arguments_from_parameters(args, params)
         backward_semantics.refuse_closures_from_parameters(self.fn, params)

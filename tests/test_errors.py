@@ -315,6 +315,24 @@ def test_a_loss_that_trains_another_model_than_the_one_given_is_named():
     assert set(got) == {n for n, _ in other.named_parameters()}
 
 
+def test_a_per_sample_function_inside_a_transform_or_another_loss_is_named():
+    """Called inside ``torch.func.vmap``/``grad`` or inside another per-sample loss, the fix said "rewrite this
+    line with torch operations (no Python control flow on tensor values)"."""
+    model = _mlp()
+    x, y = data()
+    fn = psg.per_sample(model, backend="eager")(lambda x, y: F.cross_entropy(model(x), y))
+    for transformed in (torch.func.vmap(lambda x, y: fn(x[None], y[None])["0.weight"].sum()),
+                        torch.func.grad(lambda x, y: fn(x, y)["0.weight"].sum())):
+        with pytest.raises(psg.BatchInputError, match=r"inside a torch.func transform.*Fix: call it on the batch "
+                                                      r"outside the transform"):
+            transformed(x, y)
+    outer = psg.per_sample(model, backend="eager")(
+        lambda x, y: F.cross_entropy(model(x), y) + fn(x, y)["0.weight"].sum())
+    with pytest.raises(psg.CaptureError, match=r"Fix: a per-sample function \(or a DP step\) is called inside the "
+                                               r"loss of another"):
+        outer(x, y)
+
+
 # ---------------------------------------------------------------- graph breaks
 
 

@@ -1100,6 +1100,9 @@ def _graph_break(e: Exception) -> CaptureError:
             fix = (f"torch {torch.__version__.split('+')[0]}'s Dynamo does not trace requires_grad_() inside a "
                    "compiled function (torch 2.13 and later do): upgrade torch, or compute what needs it outside "
                    "the loss")
+        elif "PerSampleFunction" in text and "torch.compiler.disable" in text:
+            fix = ("a per-sample function (or a DP step) is called inside the loss of another, whose capture cannot "
+                   "hold it: call it outside that loss function and combine the results there")
         elif "external grad_fn" in lowered:
             fix = ("a tensor the loss reads was computed from the parameters outside the loss function (it carries "
                    "a grad_fn, as `w2 = model.weight * 2` made once before the call does), and its gradient path "
