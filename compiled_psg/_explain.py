@@ -13,7 +13,7 @@ from ._errors import BatchInputError
 from ._inspect.report import Report
 from ._train.private import PrivateTraining
 from ._train.sharded import UnshardedCalls
-from ._train.step import DPStep, refuse_ambient_autocast
+from ._train.step import DPStep, contiguous_batch, refuse_ambient_autocast
 
 
 def explain(fn, *args, **kwargs) -> Report:
@@ -34,7 +34,7 @@ def explain(fn, *args, **kwargs) -> Report:
         fn = fn.dp_step
     if isinstance(fn, DPStep):
         refuse_ambient_autocast()  # the step refuses it too: its graph would not be the step's
-        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)  # as the step does
+        args = contiguous_batch(args)  # as the step does
         fn = fn.per_sample  # a sharded step's unshards the parameters around the capture
     if not isinstance(fn, PerSampleFunction | UnshardedCalls):
         raise BatchInputError(f"psg.explain expects a function decorated with @psg.per_sample(model), a "

@@ -243,6 +243,9 @@ def test_batches_and_arguments_of_the_wrong_kind_are_refused_naming_them():
     functional = psg.per_sample_grad(lambda p, x, y: F.cross_entropy(x @ p["w"].T, y), backend="eager")
     step = psg.compile_step(loss, model, torch.optim.SGD(model.parameters(), lr=0.1), backend="eager")
     cases = ((lambda: fn(x.to_sparse(), y), "argument 0 is a torch.sparse_coo tensor"),
+             # a step and explain(step) made the batch contiguous first: torch's raw RuntimeError
+             (lambda: step(x.to_sparse(), y), "argument 0 is a torch.sparse_coo tensor"),
+             (lambda: psg.explain(step, x.to_sparse(), y), "argument 0 is a torch.sparse_coo tensor"),
              (lambda: fn(torch.nested.nested_tensor([x[0], x[1]], layout=torch.jagged), y[:2]),
               "argument 0 is a nested tensor"),
              (lambda: psg.per_sample(model, in_dims=True)(loss)(x, y), "in_dims must be an int, None or a tuple, "

@@ -82,6 +82,13 @@ def refuse_copy(obj, *_) -> None:
                         "load_state_dict() it into one built the same way for the copy")
 
 
+
+def contiguous_batch(batch: tuple) -> tuple:
+    """Contiguous copies of the batch's strided views (``x[rank::world]``): the capture assumes dense batch
+    inputs. Sparse and nested tensors pass as they are, for the batch check to name them."""
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.is_nested
+                 else a for a in batch)
+
 class DPStep(StepSettings):
     """The callable ``compile_step`` returns: ``step(*batch) -> loss``. See ``compile_step``.
 
@@ -298,8 +305,7 @@ class DPStep(StepSettings):
         if self._stalled_bound is not None:
             raise DPConfigError(self._stalled_bound)
         config.check_noise_range(self._acc_dtype())  # the model's dtype may have changed since the config was set
-        # contiguous copies of strided views (x[rank::world]): the capture assumes dense batch inputs
-        batch = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in batch)
+        batch = contiguous_batch(batch)
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
         # after the checks above: what a failed step restores (the eager update adds the parameters to it)
