@@ -147,6 +147,16 @@ def _walk(root: nn.Module) -> tuple[dict[str, torch.Tensor], tuple] | None:
     return named, tuple(modes)
 
 
+def check_in_dims(in_dims: InDims) -> None:
+    """``in_dims``'s form alone (an int, None, or a tuple of ints and None), before any batch is seen."""
+    entries = in_dims if isinstance(in_dims, tuple) else (in_dims,)
+    for pos, d in enumerate(entries):
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool)):
+            where = f"in_dims[{pos}]" if isinstance(in_dims, tuple) else "in_dims"
+            raise BatchInputError(f"{where} must be an int or None (in_dims: an int, None or a tuple of them), got "
+                                  f"{d!r}")
+
+
 def batch_dims_of(args: tuple, in_dims: InDims) -> tuple[dict[int, int], int]:
     """Map each batched argument position to its batch dimension; return it with the batch size."""
     if isinstance(in_dims, tuple):

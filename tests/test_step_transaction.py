@@ -620,8 +620,10 @@ def test_a_schedule_whose_noise_is_refused_stays_at_its_epoch():
     dict(automatic_gamma="x", clipping="automatic"), dict(target_unclipped_quantile="0.5", clipping="adaptive"),
     dict(min_clipbound=None, clipping="adaptive"),
     dict(clipping="adaptive", unclipped_num_std=float("inf"), noise_multiplier=1.0),
+    dict(in_dims="x"), dict(in_dims=(0, True)),
 ], ids=["tiny_divisor", "infinite_divisor", "string_divisor", "bool_sigma", "bool_bound", "string_secure",
-        "unknown_backend", "string_gamma", "string_quantile", "none_min_bound", "infinite_count_noise"])
+        "unknown_backend", "string_gamma", "string_quantile", "none_min_bound", "infinite_count_noise",
+        "string_in_dims", "bool_in_dims"])
 def test_settings_that_would_break_the_training_are_refused_naming_them(setting):
     model = nn.Linear(4, 3)
     options = dict(max_grad_norm=1.0, noise_multiplier=0.0, backend="eager") | setting
@@ -630,6 +632,17 @@ def test_settings_that_would_break_the_training_are_refused_naming_them(setting)
                      **options)
     named = next(k for k in setting if k != "clipping" and not (k == "noise_multiplier" and len(setting) > 2))
     assert named in str(info.value)
+
+
+def test_an_unknown_keyword_of_make_private_is_named_as_its_own():
+    """``make_private(..., foo=1)`` forwarded it: "compile_step() got an unexpected keyword argument 'foo'"."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = nn.Linear(4, 3)
+    loader = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,))), batch_size=4)
+    with pytest.raises(DPConfigError, match=r"make_private got unexpected keyword arguments \['foo'\]"):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                     lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, foo=1, backend="eager")
 
 
 def test_a_function_passed_as_the_model_is_named():

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .._errors import BatchInputError, DPConfigError
 from .._reduce.reductions import Reduction
 from .sharded import ShardedStep, is_sharded
 from .step import DPStep, check_step_objects
@@ -97,6 +98,12 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                "clipbound_learning_rate": clipbound_learning_rate, "unclipped_num_std": unclipped_num_std,
                "min_clipbound": min_clipbound, "max_clipbound": max_clipbound, "memory_budget": memory_budget}
     check_step_objects(model, optimizer, generator)  # before is_sharded reads the model's modules
+    from .._api import check_in_dims  # the per-sample layer, which this module's steps are built on
+
+    try:
+        check_in_dims(in_dims)
+    except BatchInputError as e:
+        raise DPConfigError(f"compile_step: {e}") from None
     cls = ShardedStep if is_sharded(model) else DPStep  # fully_shard: see compiled_psg._train.sharded
     return cls(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
                   noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,

@@ -4,6 +4,7 @@ dp-accounting or opacus (``accounting.py``)."""
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -202,6 +203,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     expected_batch_size = sample_rate * global_size
 
     # capture on a real batch first: a model that mixes samples is refused before any training
+    unknown = sorted(set(clipping_options) - set(inspect.signature(compile_step).parameters))
+    if unknown:
+        raise DPConfigError(f"make_private got unexpected keyword arguments {unknown}. Fix: pass the settings "
+                            "make_private and compile_step take (docs/training.md)")
     first = next(iter(data_loader))
     if isinstance(first, Mapping):
         raise BatchInputError(
