@@ -64,6 +64,7 @@ import copy
 import gc
 import inspect
 import logging
+import operator
 import re
 import threading
 import warnings
@@ -297,6 +298,7 @@ def _backend(gm, example_inputs):
     _pending["backward_changes"] = backward_semantics.custom_backward_sites(gm)
     backward_semantics.detach_in_place(gm)
     _detach_values_from_no_grad(gm)
+    _pending["backward_changes"] += gm.meta.get("psg_no_grad_refusals", [])
     _embedding_max_norm_per_row(gm)
     _pending["rebinds"] = _buffer_rebinds(gm)
     return _aot_backend(gm, example_inputs)
@@ -469,14 +471,21 @@ def _is_tensor_value(node: fx.Node) -> bool:
 
 def _detach_values_from_no_grad(gm: fx.GraphModule) -> int:
     """Detach every value computed with grad disabled (``torch.no_grad()``, ``set_grad_enabled(False)``,
-    ``inference_mode()``) where code with grad enabled uses it; returns how many were detached.
+    ``inference_mode()``) where code with grad enabled uses it, and every value written in place with grad
+    disabled (``snap.copy_(h)`` into a tensor made before, an EMA buffer's ``mul_``/``add_``, ``b[0] = w``) or
+    through a detached alias (``s.data.copy_(h)``) where code with grad enabled reads it later; returns how many
+    were detached. A write with grad disabled into a tensor with a gradient history is noted as a refusal in
+    ``gm.meta["psg_no_grad_refusals"]`` (eager autograd differentiates its old value while it holds the new one).
 
     Why: AOT autograd's joint graph carries no grad mode, and the per-sample backward is re-derived from its forward
-    ops (``retrace.py``), which would differentiate through a no-grad region. An explicit ``detach`` keeps the
-    user's meaning in the ATen graph.
-    Post: no node that runs with grad enabled reads a value computed with grad disabled except through ``detach``.
+    ops (``retrace.py``), which would differentiate through a no-grad region or an in-place write (functionalized
+    into ``copy(t, h)``). An explicit ``detach`` keeps the user's meaning in the ATen graph.
+    Post: no node that runs with grad enabled reads a value computed or written with grad disabled except through
+    ``detach``.
     """
     enabled, no_grad, detached, outer = True, set(), {}, []
+    written: set[fx.Node] = set()  # values written in place with grad disabled (and every view of them)
+    sites: list[str] = gm.meta.setdefault("psg_no_grad_refusals", [])
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             enabled = bool(node.args[0])
@@ -491,8 +500,24 @@ def _detach_values_from_no_grad(gm: fx.GraphModule) -> int:
         if not enabled:
             if node.op in ("call_function", "call_method", "call_module"):
                 no_grad.add(node)
+                target = _written_in_place(node)
+                if target is not None and not getattr(target.meta.get("example_value"), "requires_grad", False):
+                    # ``snap.copy_(h)``: later reads see a value autograd does not track
+                    written.update(a for a in _aliases(gm.graph, target) if a not in no_grad)
+                elif target is not None:
+                    sites.append(f"an in-place write with grad disabled at {where(node)} into a tensor that has "
+                                 "a gradient history: eager autograd keeps differentiating its old value while it "
+                                 "holds the new one, which a graph of values cannot express. Fix: write into a "
+                                 "fresh tensor (torch.zeros_like(t)) or .detach() it first")
             continue
-        for value in [a for a in node.all_input_nodes if a in no_grad and _is_tensor_value(a)]:
+        target = _written_in_place(node)
+        if target is not None and _is_detached_alias(target):  # ``s.data.copy_(h)``: invisible to ``s``'s autograd
+            written.update(a for a in _aliases(gm.graph, target) if a is not target
+                           and not getattr(a.meta.get("example_value"), "requires_grad", True))
+        reads = [a for a in node.all_input_nodes if (a in no_grad or a in written) and _is_tensor_value(a)]
+        if target is not None:
+            reads = [a for a in reads if a is not target]  # a later write, not a read
+        for value in reads:
             if value not in detached:
                 with gm.graph.inserting_before(node):
                     detached[value] = gm.graph.call_method("detach", (value,))
@@ -503,6 +528,24 @@ def _detach_values_from_no_grad(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return len(detached)
+
+
+def _is_detached_alias(node: fx.Node) -> bool:
+    """``t.data`` or ``t.detach()``: a view of ``t``'s values whose writes ``t``'s autograd does not see."""
+    return (node.op == "call_function" and node.target is torch._C._autograd._get_data_attr) or \
+        (node.op == "call_method" and node.target == "detach")
+
+
+def _written_in_place(node: fx.Node) -> fx.Node | None:
+    """The tensor a node of Dynamo's graph writes in place (``t.copy_(v)``, ``t.mul_(s)``, ``t[i] = v``,
+    ``torch.add(a, b, out=t)``), or None."""
+    if node.op == "call_method" and isinstance(node.target, str) and node.target.endswith("_") \
+            and not node.target.startswith("_") and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    if node.op == "call_function" and node.target is operator.setitem and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    out = node.kwargs.get("out") if node.op == "call_function" else None
+    return out if isinstance(out, fx.Node) else None
 
 
 _GRAD_SIGNATURE = inspect.signature(torch.autograd.grad)

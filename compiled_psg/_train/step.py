@@ -288,8 +288,8 @@ class DPStep(StepSettings):
                 "the inner step would be counted, then undone if the outer one failed, and its noise drawn again. "
                 "No step was taken by the inner call. Fix: call the step only from the training loop")
         with self._running:
-            self._running_thread = threading.get_ident()
-            try:
+            try:  # set inside: an interrupt between the two would leave the step marked running for good
+                self._running_thread = threading.get_ident()
                 if torch.is_inference_mode_enabled():  # as under no_grad: the step computes its own gradients
                     with torch.inference_mode(False):
                         return self._call(batch)
