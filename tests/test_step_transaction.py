@@ -607,6 +607,74 @@ def test_an_interrupt_at_any_line_of_the_steps_entry_leaves_it_usable():
     assert interrupted >= 5
 
 
+@pytest.mark.parametrize("path", ["eager first step", "fused later step"])
+def test_a_listener_that_raises_keeps_the_update_and_counts_the_step_once(path):
+    """A listener of ``on_release`` raising after the update: the eager path restored the update but kept the
+    count, the fused path counted the step twice. The update stays (it was applied) and each record is made once;
+    the listener that raised is tried again before the error propagates."""
+    if path == "fused later step":
+        model, gen, x, y, private = _after_one_step()
+    else:
+        torch.manual_seed(0)
+        model, gen, (x, y) = nn.Linear(4, 3), torch.Generator().manual_seed(1), _data()
+        private = _private(model, x, y, gen, max_grad_norm=1.0)
+    calls = []
+
+    def listener(sigma):
+        calls.append(sigma)
+        if len(calls) == 1:
+            raise RuntimeError("logger unavailable")
+
+    private.dp_step.on_release(listener)
+    steps, before = private.steps, _snapshot(model, gen)
+    with pytest.raises(RuntimeError, match="logger unavailable"):
+        private.step(x[:8], y[:8])
+    assert not _unchanged(model, gen, before)
+    assert private.steps == private.dp_step.steps_taken == steps + 1 and len(calls) == 2
+    private.step(x[8:], y[8:])
+    assert private.steps == private.dp_step.steps_taken == steps + 2 and len(calls) == 3
+
+
+def test_an_interrupt_between_the_commits_groups_finishes_the_commit(monkeypatch):
+    """A float64 model with Adam commits two groups (the float32 ``step`` counters, the float64 rest): an
+    interrupt between them counted the step with Adam's counters advanced and the weights and moments not
+    written. The commit finishes before the interrupt propagates: the run goes on as one without it."""
+    import compiled_psg._train.fuse as fuse
+
+    runs = []
+    for interrupt in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3).double()
+        x, y = _data()
+        x = x.double()
+        step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.Adam(model.parameters(),
+                                                                                               lr=0.1),
+                            max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=8, backend="eager")
+        step(x[:8], y[:8])
+        step(x[8:], y[8:])  # fused from here
+        if interrupt:
+            original, copies = torch._foreach_copy_, []
+
+            def first_then_interrupt(targets, values):
+                copies.append(len(targets))
+                original(targets, values)
+                if len(copies) == 1:
+                    raise KeyboardInterrupt
+
+            monkeypatch.setattr(fuse.torch, "_foreach_copy_", first_then_interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                step(x[:8], y[:8])
+            monkeypatch.setattr(fuse.torch, "_foreach_copy_", original)
+            assert len(copies) == 3  # the first group twice (done, then again with the rest), the second once
+        else:
+            step(x[:8], y[:8])
+        assert step.steps_taken == 3
+        step(x[8:], y[8:])
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_failed_step_gives_back_torchs_global_generator_the_models_dropout_drew_from(monkeypatch):
     """With ``generator=`` for the noise, the model's dropout still draws from torch's global generator: a
     failed step puts it back too, so the run goes on as if the call never happened."""

@@ -187,18 +187,26 @@ def commit(targets: list[torch.Tensor], values: list[torch.Tensor], snapshot=Non
     dtype (torch takes its one-kernel route only for lists of one device and dtype; Adam's ``step`` counters sit on
     the CPU beside CUDA parameters). The copies allocate nothing (each value has its target's shape).
     ``snapshot`` (the step's ``transaction.Snapshot``) is marked unrestorable just before: from there on, a
-    failure (an interrupt between two groups) counts the step."""
+    failure counts the step, so the commit is made whole first: an interrupt between two groups' copies (or before
+    the first) finishes the remaining ones before it propagates (a copy done twice writes the same values)."""
     groups: dict[tuple, tuple[list, list]] = {}
     for target, value in zip(targets, values, strict=True):
         key = (target.device, target.dtype, value.device, value.dtype)
         group = groups.setdefault(key, ([], []))
         group[0].append(target)
         group[1].append(value)
+    pending = list(groups.values())
     with torch.no_grad():
         if snapshot is not None:
             snapshot.restorable = False
-        for group_targets, group_values in groups.values():
-            torch._foreach_copy_(group_targets, group_values)
+        try:
+            while pending:
+                torch._foreach_copy_(*pending[0])
+                pending.pop(0)
+        except BaseException:
+            for group_targets, group_values in pending:
+                torch._foreach_copy_(group_targets, group_values)
+            raise
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:

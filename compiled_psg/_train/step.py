@@ -310,17 +310,17 @@ class DPStep(StepSettings):
         start = time.perf_counter()
         # after the checks above: what a failed step restores (the eager update adds the parameters to it)
         snapshot = self.snapshot = Snapshot.of_step(self)
-        counted: list[bool] = []
+        counted: list = []
         try:
             loss = self._step(config, batch)
+            if snapshot is not None:  # the update is applied (eager or committed): from here on it is kept
+                snapshot.restorable = False
             self._count_release(config, counted)  # the update is applied: counted before anything else can fail
         except BaseException:
-            if counted:
-                pass
-            elif snapshot is not None and snapshot.restorable:  # nothing happened: nothing released or counted
+            if snapshot is not None and snapshot.restorable and not counted:  # nothing released or counted
                 snapshot.restore_step(self)
-            elif self.released_config is not None:  # the noise may have reached the parameters: counted
-                self._count_release(self.released_config, counted)
+            elif self.released_config is not None:  # the noise may have reached the parameters: counted (the
+                self._count_release(self.released_config, counted)  # records not made yet, once each)
             raise
         finally:
             self.snapshot = None  # its copies must not outlive the call (they would sit across the next peak)
@@ -338,13 +338,18 @@ class DPStep(StepSettings):
         counted too, and a caller interrupted after the step returns cannot miss one."""
         self._release_listeners.append(listener)
 
-    def _count_release(self, config: DPConfig, counted: list[bool]) -> None:
-        """Count one released step: ``steps_taken`` and every listener. ``counted`` is marked after both, so an
-        interrupt between them counts the step twice at worst (epsilon over-reported), never not at all."""
-        self.steps_taken += 1
-        for listener in self._release_listeners:
-            listener(config.accounted_noise_multiplier)
-        counted.append(True)
+    def _count_release(self, config: DPConfig, counted: list) -> None:
+        """Count one released step: ``steps_taken`` and every listener, each once. ``counted`` holds the records
+        made (``"steps"``, then each listener's index), each marked after it is made: a call after a failure
+        (a listener that raised, an interrupt) makes only the records missing, so a record is made twice at worst
+        (epsilon over-reported, where a listener raised after it counted), never not at all."""
+        if "steps" not in counted:
+            self.steps_taken += 1
+            counted.append("steps")
+        for k, listener in enumerate(self._release_listeners):
+            if k not in counted:
+                listener(config.accounted_noise_multiplier)
+                counted.append(k)
 
     def _adapt_bound(self, config: DPConfig) -> None:
         """Adaptive clipping: the next step's ``C`` (``adaptive.next_bound``), or the reason the next step
