@@ -635,43 +635,46 @@ def test_a_listener_that_raises_keeps_the_update_and_counts_the_step_once(path):
     assert private.steps == private.dp_step.steps_taken == steps + 2 and len(calls) == 3
 
 
+def _adam_float64_run(monkeypatch, interrupt: bool) -> list[torch.Tensor]:
+    """Four steps of a float64 Linear with Adam (fused from the second); the third interrupted after the commit's
+    first ``_foreach_copy_`` group where ``interrupt``."""
+    import compiled_psg._train.fuse as fuse
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x, y = _data()
+    x = x.double()
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                        torch.optim.Adam(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=0.0,
+                        expected_batch_size=8, backend="eager")
+    step(x[:8], y[:8])
+    step(x[8:], y[8:])
+    if interrupt:
+        original, copies = torch._foreach_copy_, []
+
+        def first_then_interrupt(targets, values):
+            copies.append(len(targets))
+            original(targets, values)
+            if len(copies) == 1:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(fuse.torch, "_foreach_copy_", first_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            step(x[:8], y[:8])
+        monkeypatch.setattr(fuse.torch, "_foreach_copy_", original)
+        assert len(copies) == 3  # the first group twice (done, then again with the rest), the second once
+    else:
+        step(x[:8], y[:8])
+    assert step.steps_taken == 3
+    step(x[8:], y[8:])
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def test_an_interrupt_between_the_commits_groups_finishes_the_commit(monkeypatch):
     """A float64 model with Adam commits two groups (the float32 ``step`` counters, the float64 rest): an
     interrupt between them counted the step with Adam's counters advanced and the weights and moments not
     written. The commit finishes before the interrupt propagates: the run goes on as one without it."""
-    import compiled_psg._train.fuse as fuse
-
-    runs = []
-    for interrupt in (False, True):
-        torch.manual_seed(0)
-        model = nn.Linear(4, 3).double()
-        x, y = _data()
-        x = x.double()
-        step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.Adam(model.parameters(),
-                                                                                               lr=0.1),
-                            max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=8, backend="eager")
-        step(x[:8], y[:8])
-        step(x[8:], y[8:])  # fused from here
-        if interrupt:
-            original, copies = torch._foreach_copy_, []
-
-            def first_then_interrupt(targets, values):
-                copies.append(len(targets))
-                original(targets, values)
-                if len(copies) == 1:
-                    raise KeyboardInterrupt
-
-            monkeypatch.setattr(fuse.torch, "_foreach_copy_", first_then_interrupt)
-            with pytest.raises(KeyboardInterrupt):
-                step(x[:8], y[:8])
-            monkeypatch.setattr(fuse.torch, "_foreach_copy_", original)
-            assert len(copies) == 3  # the first group twice (done, then again with the rest), the second once
-        else:
-            step(x[:8], y[:8])
-        assert step.steps_taken == 3
-        step(x[8:], y[8:])
-        runs.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*runs, strict=True):
+    for a, b in zip(_adam_float64_run(monkeypatch, False), _adam_float64_run(monkeypatch, True), strict=True):
         assert torch.equal(a, b)
 
 
