@@ -678,6 +678,23 @@ def test_an_interrupt_between_the_commits_groups_finishes_the_commit(monkeypatch
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("secure", [False, True])
+def test_no_noise_is_kept_on_the_step_after_it(secure):
+    """The step kept its last draw in the buffer it reuses: ``p.grad * m - noise`` gave back the un-noised clipped
+    sum exactly. The buffer is zeroed when the step ends, on the eager and the fused path."""
+    torch.manual_seed(0)
+    model, (x, y) = nn.Linear(4, 3), _data()
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(),
+                                                                                          lr=0.1),
+                        max_grad_norm=1.0, noise_multiplier=5.0, expected_batch_size=8, secure_rng=secure,
+                        backend="eager")
+    for _ in range(2):  # eager, then fused
+        step(x[:8], y[:8])
+        flat = step.noise._buffer.get("flat")
+        assert flat is None or not flat.any()
+        assert all(p.grad.abs().sum() > 0 for p in model.parameters())  # the noised gradient is still there
+
+
 def test_a_failed_step_gives_back_torchs_global_generator_the_models_dropout_drew_from(monkeypatch):
     """With ``generator=`` for the noise, the model's dropout still draws from torch's global generator: a
     failed step puts it back too, so the run goes on as if the call never happened."""

@@ -36,6 +36,13 @@ class NoiseSource:
         return gaussian_many(likes, config.noise_std, secure=self.secure, generator=self.generator,
                              reuse=self._buffer)
 
+    def wipe(self) -> None:
+        """Zero the kept buffer once its noise is spent: it would give back the un-noised sum (``.grad`` minus the
+        noise) to whoever reads the step's attributes. One pass over memory the step has just written."""
+        flat = self._buffer.get("flat")
+        if flat is not None:
+            flat.zero_()
+
     def stream(self, config: DPConfig, likes: list[torch.Tensor]) -> Iterator[torch.Tensor]:
         """The numbers ``draw_many`` would give, one tensor at a time in order (``dp.gaussian_stream``)."""
         return gaussian_stream(likes, config.noise_std, secure=self.secure, generator=self.generator)

@@ -325,6 +325,7 @@ class DPStep(StepSettings):
         finally:
             self.snapshot = None  # its copies must not outlive the call (they would sit across the next peak)
             self.released_config = None
+            self.noise.wipe()  # the spent noise would give back the un-noised sum
         self.last_config = config
         if config.clipping == "adaptive":
             self._adapt_bound(config)
