@@ -760,6 +760,16 @@ def test_settings_that_would_break_the_training_are_refused_naming_them(setting)
     assert named in str(info.value)
 
 
+@pytest.mark.parametrize("optimizer", [lambda p: torch.optim.LBFGS(p), lambda p: torch.optim.SparseAdam(p)],
+                         ids=["LBFGS", "SparseAdam"])
+def test_an_optimizer_that_cannot_take_a_dp_step_is_refused_when_the_step_is_built(optimizer):
+    """They were accepted, and the first step raised torch's own TypeError / RuntimeError."""
+    model = nn.Linear(4, 3)
+    with pytest.raises(DPConfigError, match=r"cannot take a DP step: .*Fix: use an optimizer"):
+        compile_step(lambda x, y: F.cross_entropy(model(x), y), model, optimizer(list(model.parameters())),
+                     max_grad_norm=1.0, backend="eager")
+
+
 def test_an_unknown_keyword_of_make_private_is_named_as_its_own():
     """``make_private(..., foo=1)`` forwarded it: "compile_step() got an unexpected keyword argument 'foo'"."""
     from torch.utils.data import DataLoader, TensorDataset

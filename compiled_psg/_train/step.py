@@ -404,6 +404,17 @@ def check_step_objects(model, optimizer, generator) -> None:
              "torch's global one")):
         if not isinstance(value, kind):
             raise DPConfigError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+    unfit = _UNFIT_OPTIMIZERS.get(type(optimizer).__name__)
+    if unfit is not None and type(optimizer).__module__.startswith("torch.optim"):
+        raise DPConfigError(f"{type(optimizer).__name__} cannot take a DP step: {unfit}. Fix: use an optimizer whose "
+                            "step() reads .grad alone, e.g. torch.optim.SGD or torch.optim.Adam")
+
+
+#: torch optimizers whose step cannot be the update of a DP step -> why
+_UNFIT_OPTIMIZERS = {
+    "LBFGS": "its step() calls a closure that recomputes the loss on the batch (un-noised gradients, many times)",
+    "SparseAdam": "it takes sparse gradients only, and a noised gradient is dense",
+}
 
 
 def _public_buffers(model: nn.Module, names: Sequence[str]) -> frozenset[str]:
