@@ -139,3 +139,27 @@ def test_a_sample_whose_gradient_is_not_finite_adds_nothing_to_the_step(clipping
     for got, want in zip(*results, strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(("dtype", "big"), [(torch.float32, 3e19), (torch.float64, 1e160)])
+def test_a_saturated_layer_after_a_huge_input_keeps_its_sample_in_the_clipped_sum(dtype, big):
+    """An input of 3e19 (float32) before a saturated tanh: the first layer's per-sample gradient is exactly 0, but
+    its ghost norm ||x||^2 ||dL/dh||^2 was inf * 0 = NaN, and the sample (finite gradient, norm 3.3 through the
+    other layer) was dropped from the clipped sum. Its norm and clip_sum now equal the loop's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+    x, y = torch.randn(8, 4, dtype=dtype), torch.randint(0, 3, (8,))
+    x[3, 1] = big
+
+    def loss(x, y):
+        return nn.functional.cross_entropy(model(x), y)
+
+    params = dict(model.named_parameters())
+    ref = reference_per_sample(loss, params, (x, y))
+    norms = psg.per_sample(model, reduce=psg.norms(), backend="eager")(loss)(x, y)
+    assert torch.isfinite(norms).all() and ref["0.weight"][3].abs().sum() == 0
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms, ref_norms(ref), **tol)
+    got = psg.per_sample(model, reduce=psg.clip_sum(0.7), backend="eager")(loss)(x, y)
+    for name, value in ref_clip_sum(ref, 0.7).items():
+        torch.testing.assert_close(got[name], value, **tol)

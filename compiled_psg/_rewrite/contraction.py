@@ -81,7 +81,10 @@ def factored_sq_norms(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     would let that sample's whole gradient into the sum. So it is computed in float64 and returned as a certified
     upper bound (``certified_sq_norms``): clipping with it never lets a sample past C."""
     if a.shape[1] == 1:  # a product of sums of squares: no cancellation
-        return a.pow(2).sum((1, 2)) * x.pow(2).sum((1, 2))
+        a_sq, x_sq = a.pow(2).sum((1, 2)), x.pow(2).sum((1, 2))
+        # a zero factor makes the gradient exactly zero, also where the other's squares overflow (inf * 0 = NaN
+        # would drop the sample from the clipped sum: a saturated tanh after an input of 3e19)
+        return torch.where((a_sq == 0) | (x_sq == 0), torch.zeros_like(a_sq), a_sq * x_sq)
     a64, x64 = a.double(), x.double()
     sq = (torch.bmm(a64, a64.transpose(1, 2)) * torch.bmm(x64, x64.transpose(1, 2))).sum((1, 2))
     scale = (a64.norm(dim=2) * x64.norm(dim=2)).sum(1).square()
