@@ -125,21 +125,24 @@ def test_step_state_dict_restores_settings_and_refuses_a_mismatch():
         unseeded.load_state_dict(state)
 
 
-@pytest.mark.parametrize("mismatch", ["wider_model", "other_groups"])
+@pytest.mark.parametrize("mismatch", ["wider_model", "other_groups", "other_optimizer"])
 def test_a_state_of_another_model_or_optimizer_loads_nothing(mismatch):
     """``nn.Module.load_state_dict`` copies the entries that fit before it raises: everything is checked first, so
-    a refused load leaves the settings, the parameters, the optimizer and the generator as they were."""
-    def built(width, groups):
+    a refused load leaves the settings, the parameters, the optimizer and the generator as they were. A state
+    saved with Adam loaded into SGD's step raised torch's KeyError after loading the parameters."""
+    def built(width, groups, adam=False):
         torch.manual_seed(width)
         model = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 3))
         params = [{"params": list(m.parameters())} for m in (model[0], model[2])] if groups else model.parameters()
-        step = compile_step(lambda x: model(x).pow(2).sum(), model, torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        optimizer = torch.optim.Adam(params, lr=0.1) if adam else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        step = compile_step(lambda x: model(x).pow(2).sum(), model, optimizer,
                             max_grad_norm=1.0, noise_multiplier=1.0, backend="eager",
                             generator=torch.Generator().manual_seed(0))
         step(torch.randn(5, 4))
         return model, step
 
-    _, saved = built(16 if mismatch == "wider_model" else 8, groups=mismatch == "other_groups")
+    _, saved = built(16 if mismatch == "wider_model" else 8, groups=mismatch == "other_groups",
+                     adam=mismatch == "other_optimizer")
     saved.noise_multiplier, saved.max_grad_norm = 3.0, 0.5
     state = saved.state_dict()
     model, step = built(8, groups=False)

@@ -75,3 +75,14 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> Non
                             f"{[len(g['params']) for g in groups or []]} parameters per group saved, "
                             f"{[len(g['params']) for g in optimizer.param_groups]} here. Nothing was loaded. Fix: "
                             "build the optimizer with the same parameter groups as the saved run")
+    # another optimizer class (SGD's state into Adam): torch raises KeyError after it loaded the param_groups.
+    # Flags torch added over versions are filled in by its loader; a class's own hyperparameters are not.
+    missing = sorted({k for k in optimizer.defaults if not any(k in g for g in groups)} - _FLAGS_ADDED_BY_VERSIONS)
+    if missing:
+        raise DPConfigError(f"the saved optimizer state is of another optimizer than this "
+                            f"{type(optimizer).__name__}: its groups have no {missing}. Nothing was loaded. Fix: "
+                            "build the optimizer the saved run used")
+
+
+#: optimizer settings torch added over versions, which its ``load_state_dict`` fills in for an older state
+_FLAGS_ADDED_BY_VERSIONS = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
