@@ -504,7 +504,7 @@ def _detach_values_from_no_grad(gm: fx.GraphModule) -> int:
                 if target is not None and not getattr(target.meta.get("example_value"), "requires_grad", False):
                     # ``snap.copy_(h)``: later reads see a value autograd does not track
                     written.update(a for a in _aliases(gm.graph, target) if a not in no_grad)
-                elif target is not None:
+                elif target is not None and not getattr(target.meta.get("example_value"), "is_leaf", True):
                     sites.append(f"an in-place write with grad disabled at {where(node)} into a tensor that has "
                                  "a gradient history: eager autograd keeps differentiating its old value while it "
                                  "holds the new one, which a graph of values cannot express. Fix: write into a "
