@@ -297,8 +297,7 @@ def _backend(gm, example_inputs):
     _pending["inner_grads"] = _inner_grad_calls(gm)
     _pending["backward_changes"] = backward_semantics.custom_backward_sites(gm)
     backward_semantics.detach_in_place(gm)
-    _detach_values_from_no_grad(gm)
-    _pending["backward_changes"] += gm.meta.get("psg_no_grad_refusals", [])
+    _pending["backward_changes"] += _detach_values_from_no_grad(gm)
     _embedding_max_norm_per_row(gm)
     _pending["rebinds"] = _buffer_rebinds(gm)
     return _aot_backend(gm, example_inputs)
@@ -469,13 +468,13 @@ def _is_tensor_value(node: fx.Node) -> bool:
     return isinstance(node.meta.get("example_value"), torch.Tensor)
 
 
-def _detach_values_from_no_grad(gm: fx.GraphModule) -> int:
+def _detach_values_from_no_grad(gm: fx.GraphModule) -> list[str]:
     """Detach every value computed with grad disabled (``torch.no_grad()``, ``set_grad_enabled(False)``,
     ``inference_mode()``) where code with grad enabled uses it, and every value written in place with grad
     disabled (``snap.copy_(h)`` into a tensor made before, an EMA buffer's ``mul_``/``add_``, ``b[0] = w``) or
-    through a detached alias (``s.data.copy_(h)``) where code with grad enabled reads it later; returns how many
-    were detached. A write with grad disabled into a tensor with a gradient history is noted as a refusal in
-    ``gm.meta["psg_no_grad_refusals"]`` (eager autograd differentiates its old value while it holds the new one).
+    through a detached alias (``s.data.copy_(h)``) where code with grad enabled reads it later. Returns the
+    refusals: a write with grad disabled into a tensor with a gradient history, one line each (eager autograd
+    differentiates its old value while it holds the new one).
 
     Why: AOT autograd's joint graph carries no grad mode, and the per-sample backward is re-derived from its forward
     ops (``retrace.py``), which would differentiate through a no-grad region or an in-place write (functionalized
@@ -485,7 +484,7 @@ def _detach_values_from_no_grad(gm: fx.GraphModule) -> int:
     """
     enabled, no_grad, detached, outer = True, set(), {}, []
     written: set[fx.Node] = set()  # values written in place with grad disabled (and every view of them)
-    sites: list[str] = gm.meta.setdefault("psg_no_grad_refusals", [])
+    sites: list[str] = []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             enabled = bool(node.args[0])
@@ -527,7 +526,7 @@ def _detach_values_from_no_grad(gm: fx.GraphModule) -> int:
     if detached:
         gm.graph.lint()
         gm.recompile()
-    return len(detached)
+    return sites
 
 
 def _is_detached_alias(node: fx.Node) -> bool:
