@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from . import keep_freed_memory
 from .measure import Device, Plan, environment, interleaved_times, short_error
+from .probes import first_step
 from .scale_models import SCALE_MODELS, build_scale_model
 
 MAX_NORM, NOISE_MULTIPLIER, LR = 1.0, 1.0, 0.01
@@ -711,6 +712,15 @@ PAGE_SOURCES = (("GPU (H100), full configs: gpt2, resnet50_gn, vit, the transact
                  "keep it: `benchmarks/__init__.py`)"))
 
 
+# the first step of a user's process, cold and on warm caches (``benchmarks.probes.first_step``): title, record,
+# command, code measured
+FIRST_STEP_SOURCES = (
+    ("CPU, scaled configs: a process's first DP step, cold and on warm caches", "benchmarks-scale-cpu-first-step.json",
+     "python -m benchmarks.probes.first_step --models bert_last gpt2 vit resnet50_gn --methods psg vmap_dp --warm 3 "
+     "--out FILE",
+     "b342022 (2 cores shared with two test runs: every figure is an upper bound)"),
+)
+
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
@@ -738,6 +748,15 @@ def page(docs: Path = DOCS) -> str:
             continue
         parts += [f"Command: `{command}`. Code measured: {commit}. Records: [{name}]({name}).", "", report(path),
                   ""]
+    for title, name, command, commit in FIRST_STEP_SOURCES:
+        path = docs / name
+        parts += [f"## {title}", ""]
+        if not path.exists():
+            parts += ["Not measured yet.", ""]
+            continue
+        rows = json.loads(path.read_text())
+        parts += [f"Command: `{command}`. Code measured: {commit}. Records: [{name}]({name}).", "",
+                  first_step.table(rows), "", first_step.targets(rows), ""]
     notes = Path(__file__).with_name("scale_notes.md")
     if notes.exists():
         parts += [notes.read_text().rstrip(), ""]

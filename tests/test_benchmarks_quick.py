@@ -282,6 +282,24 @@ def test_scale_ratios_take_the_faster_plain_step_and_the_lower_peak(tmp_path):
     assert "PASS (1.12)" in text  # the tensors-allocated ratio, its own column
 
 
+def test_first_step_targets_compare_cold_first_steps_and_judge_the_warm_step_alone():
+    """``benchmarks.probes.first_step``: the cold DP first step against compiled vmap's, the warm process's first
+    step against 3 s (the process's start, imports and model build shown beside it, not judged); a model without
+    a peer's row says so."""
+    from benchmarks.probes.first_step import PHASES, table, targets
+
+    def row(model, method, cache, process, first):
+        return {"model": model, "method": method, "cache": cache, "batch": 8, "process_s": process,
+                "first_step_s": first, "kernels": 3, "phases": dict.fromkeys(PHASES, 0.0)}
+
+    rows = [row("a", "psg", "cold", 30.0, 24.0), row("a", "vmap_dp", "cold", 26.0, 20.0),
+            row("a", "psg", "warm", 7.5, 2.5), row("b", "psg", "cold", 10.0, 5.0), row("b", "psg", "warm", 9.0, 4.0)]
+    text = targets(rows)
+    assert "| a | FAIL (1.20) | PASS (2.5 s) | 7.5 (5.0) |" in text
+    assert "| b | not measured | FAIL (4.0 s) | 9.0 (5.0) |" in text
+    assert table(rows).count("\n") == len(rows) + 1
+
+
 def test_cpu_allocated_peak_is_the_most_tensor_bytes_a_step_holds_at_once():
     """``benchmarks.scale.cpu_allocated_peak``: 4 MiB held while 1 MiB is allocated peaks at 5 MiB (not the 9 MiB
     allocated in all), and a tensor made before the step does not count."""
