@@ -228,6 +228,18 @@ def slice_half_of_interleaved_rows(lin, x, y):
     return F.cross_entropy(rows[x.shape[0]:], y)  # <interleaved_half>
 
 
+def two_rows_of_values_broadcast_over_the_batch(lin, x, y):
+    ids = torch.arange(C).unsqueeze(0).expand(x.shape[0], -1)  # the same [c] for every sample
+    return F.cross_entropy(lin(x)[:, ids[:2].sum(0) % C], y)  # <broadcast_two_rows>
+
+
+def one_row_of_a_parameter_broadcast_over_the_batch(lin, x, y):
+    """Every row alike, but a gradient flows back through the row kept: autograd gives it every sample's share."""
+    rows = lin.weight.unsqueeze(0).expand(x.shape[0], -1, -1)
+    prompt = rows[:1].repeat(x.shape[0], 1, 1)  # <broadcast_parameter_row>
+    return F.cross_entropy(lin(torch.cat([prompt, x.unsqueeze(1)], 1).tanh().sum(1)), y)
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -265,6 +277,10 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "slice_of_a_cat_off_by_one_row": (slice_off_by_one_in_blocks, (), "block_off_by_one"),
     "slice_of_a_cat_across_two_blocks": (slice_across_two_blocks, (), "block_across"),
     "slice_of_interleaved_rows_keeps_half_of_each_sample": (slice_half_of_interleaved_rows, (), "interleaved_half"),
+    "two_rows_of_values_broadcast_over_the_batch": (two_rows_of_values_broadcast_over_the_batch, (),
+                                                    "broadcast_two_rows"),
+    "one_row_of_a_parameter_broadcast_over_the_batch": (one_row_of_a_parameter_broadcast_over_the_batch, (),
+                                                        "broadcast_parameter_row"),
 }
 
 
@@ -459,6 +475,17 @@ def whole_blocks_of_a_tiled_batch(lin, x, y):
             + F.cross_entropy(lin(x.repeat(2, 1)[n:]), y) + three.narrow(0, n, n).pow(2).sum())
 
 
+def one_row_of_values_broadcast_over_the_batch(lin, x, y):
+    """PEFT's prompt tuning: one row of token ids expanded over the batch (every row alike, and a batch of one keeps
+    one row too), embedded, repeated over the batch and joined with the samples' own values; a constant's rows."""
+    n = x.shape[0]
+    ids = torch.arange(C).unsqueeze(0).expand(n, -1)  # [n, c]
+    prompt = F.embedding(ids[:1], lin.weight).repeat(n, 1, 1)  # [n, c, d]
+    joined = torch.cat([prompt, x.unsqueeze(1)], 1)  # [n, c + 1, d]
+    constant = torch.zeros(2 * n, C, dtype=x.dtype)  # 2 rows per sample: a batch of one keeps both of [:2]
+    return F.cross_entropy(lin(joined.tanh().sum(1)) + constant[:2].sum() + ids.narrow(0, -1, 1).sum(), y)
+
+
 def tiled_rows_against_constant_targets(lin, x, y):
     """``F.mse_loss(m, torch.zeros_like(m))`` over ``[2n]`` rows of a tiled batch (a constant target holds any
     layout), and class 0 as the target of every row."""
@@ -500,6 +527,7 @@ ACCEPTED = {
     "rot90_whole_turns_over_batch": rot90_whole_turns,
     "put_with_an_empty_index": put_nothing,
     "whole_batch_slices": whole_batch_slices,
+    "one_row_of_values_broadcast_over_the_batch": one_row_of_values_broadcast_over_the_batch,
     "whole_blocks_of_a_tiled_batch": whole_blocks_of_a_tiled_batch,
     "tiled_rows_against_constant_targets": tiled_rows_against_constant_targets,
     "batch_major_rows_times_weights_tiled_per_sample": batch_major_rows_times_tiled_weights,

@@ -230,6 +230,24 @@ def sliced_layout(layout: Layout, in_size, out_size, start, step, batch: BatchDi
     return (count, inner) if count >= 1 and 0 <= first and first + count <= outer else None
 
 
+def at_batch_of_one(value, batch: BatchDims) -> int | None:
+    """A size or slice bound as a batch of one reads it (``n - 1`` is 0): an int, None for a bound left out, or
+    None where it is neither an int nor a size of the batch alone (read with ``bound_at_one`` below)."""
+    value = value_of(value) if isinstance(value, fx.Node) else value
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr.subs(batch.symbol, 1)
+        return int(expr) if expr.is_Integer else None
+    return value if type(value) is int else None
+
+
+def slice_at_batch_of_one(size, start, end, step, batch: BatchDims) -> tuple[int, int | None, int | None, int] | None:
+    """``(size, start, end, step)`` of a slice along the batch dimension, as a batch of one reads them; None when
+    one of them is not a size of the batch alone."""
+    given = (size, start, end, step)
+    read = tuple(at_batch_of_one(v, batch) for v in given)
+    return None if any(v is None and g is not None for g, v in zip(given, read, strict=True)) else read
+
+
 def _in_blocks(size, unit) -> int | None:
     """``size / unit`` when it is a whole number for every batch size (``2*n`` in blocks of ``n``), else None."""
     expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size) if isinstance(size, int) else None

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..._analyze import ops
 from ..._analyze.batch_dims import BatchDims, value_of
-from ..._analyze.layout import batch_layout, split_batch, uniform
+from ..._analyze.layout import batch_layout, slice_at_batch_of_one, split_batch, uniform
 from ..._errors import InternalError
 from ..contraction import Contraction
 from ..registry import contraction_rule
@@ -76,6 +76,37 @@ def sum_or_mean(node: fx.Node, batch: BatchDims) -> Contraction | None:
     return Contraction(rule=str(node.target.overloadpacket.__name__), node=node, inputs=[x],
                        per_sample=per_sample, linear_arg=None if is_mean else 0,
                        linear_layout=(bdim, layout), rebuild=rebuild, notes={"terms_per_entry": terms})
+
+
+@contraction_rule(ATEN.slice.Tensor)
+def slice_of_the_batch(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """``slice`` along the batch to a fixed number of rows (``prompt.expand(n, -1)[:1]``): each sample's batch of one.
+
+    Before::  s = aten.slice(p [n, t], 0, 0, 1)                     # [1, t]: rows the same for every sample
+    After::   ps = aten.slice(split_batch(p) [n, 1, t], 1, 0, 1)    # [n, 1, t]
+
+    Declines unless a batch of one keeps as many rows as the node has (the mixing analysis accepts only such
+    slices of values that are the same for every sample). Not linear in the book-keeping sense: the slice of a
+    weighted batch keeps some samples' rows, not a weighted sum of every sample's own rows.
+    """
+    if node.kwargs:
+        return None
+    x, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+    value = value_of(x)
+    dim %= value.dim()
+    if batch.dims(x) != (dim,):
+        return None
+    factor = batch.factor(value.shape[dim])
+    layout = batch_layout(x, dim, batch) or ((factor, 1) if factor and uniform(x) else None)
+    read = slice_at_batch_of_one(value.shape[dim], start, end, step, batch)  # the bounds a batch of one reads
+    if layout is None or read is None or len(range(read[0])[slice(*read[1:])]) != value_of(node).shape[dim]:
+        return None
+    _, start, end, step = read
+
+    def per_sample(x):
+        return ATEN.slice.Tensor(split_batch(x, dim, layout), dim + 1, start, end, step)
+
+    return Contraction(rule="slice", node=node, inputs=[x], per_sample=per_sample)
 
 
 @contraction_rule(ATEN.nll_loss_forward.default, ATEN.nll_loss2d_forward.default)
