@@ -258,3 +258,22 @@ def test_timm_resnet_batchnorm_eval():
         return F.cross_entropy(model(x), y, reduction="sum")
 
     _check(model, loss, (x, y))
+
+
+def test_timm_swin_window_attention():
+    """Swin folds its windows into the batch (``[B*windows, tokens, C]``) and cuts ``qkv`` with ``unbind(0)``, whose
+    backward is a ``stack``: the rewrite lost the rows' layout there and refused without naming the op; its
+    relative position bias (``table[index]``) also needs Inductor to write each sample's rows into their own
+    storage (``_compile/prepare.py``)."""
+    timm = _import_timm()
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=3, img_size=16,
+                              patch_size=2, window_size=4, embed_dim=8, depths=(1, 1), num_heads=(1, 2),
+                              drop_path_rate=0.0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 3, 16, 16, generator=g), torch.randint(0, 3, (3,), generator=g)
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y, reduction="sum")
+
+    _check(model, loss, (x, y))

@@ -595,6 +595,16 @@ def embedding_of_two_views(m, frames, target, tok, y):
     return F.cross_entropy(m.head(both), torch.cat([y, y])) + m.emb(tok.repeat(2, 1)).pow(2).sum()
 
 
+def frames_as_windows_split_and_stacked(m, frames, target, tok, y):
+    """Swin's window attention: ``[B*T, ...]`` rows (a sample's windows) through a projection whose output is cut
+    by ``unbind`` (``q, k, v``; its backward a ``stack``) and by ``chunk``, then rejoined per row."""
+    rows = m.conv(frames.flatten(0, 1)).flatten(2).transpose(1, 2)  # [B*T, 36, 4]
+    q, k, v = m.head(rows).unflatten(-1, (C, 1)).permute(2, 0, 1, 3).unbind(0)  # each [B*T, 36, 1]
+    a, b = rows.chunk(2, dim=2)
+    return ((q * k + v).pow(2).sum() + torch.stack([a, b], 1).tanh().sum()
+            + F.cross_entropy(m.head(rows.mean(1)), y.repeat_interleave(T)))
+
+
 def frames_labels_step_major(m, frames, target, tok, y):
     logits = m.head(m.conv(frames.flatten(0, 1)).mean((2, 3)))  # row b*T + t; the label of row k is y[k % n]
     return F.cross_entropy(logits, y.repeat(T))  # <frames_step_major>
@@ -622,6 +632,7 @@ MERGED_ACCEPTED = {
     "conv_over_frames_upsampled_mse": frames_upsampled_against_a_target,
     "conv_over_frames_one_label_per_frame": frames_classified_one_label_per_frame,
     "embedding_of_concatenated_or_repeated_tokens": embedding_of_two_views,
+    "conv_over_frames_split_and_stacked": frames_as_windows_split_and_stacked,
 }
 
 MERGED_REFUSED = {  # name -> (program, marker)

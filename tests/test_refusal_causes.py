@@ -625,6 +625,9 @@ def test_rows_merged_with_frames_through_an_op_without_a_layout_rule_name_the_me
     line = next(i + 1 for i, text in enumerate(lines) if text.endswith("# <merged_fft>"))
     assert re.search(rf"test_refusal_causes.py\D{{1,12}}{line}\b", str(info.value)), str(info.value)
     assert "Fix: view the merged rows back to [B, T, ...]" in str(info.value)
+    # the op the walk cannot follow the rows through, by name (said "an op between the merge and here")
+    assert re.search(r"no rule to follow the rows through aten\._fft_\w+\.default in the backward of "
+                     rf"\S*test_refusal_causes.py\D{{1,12}}{line}\b", str(info.value)), str(info.value)
     got = psg.per_sample(conv, backend="eager")(viewed_back)(frames)
     want = reference_per_sample(viewed_back, dict(conv.named_parameters()), (frames,))
     for name in want:
