@@ -913,3 +913,39 @@ def test_a_detached_batch_loss_in_the_returned_loss_stops_the_gradient_per_sampl
         return combine(F.cross_entropy(model["l2"](torch.tanh(hidden)), y), F.mse_loss(hidden, t))
 
     _exact_against_the_loop(model, loss, (x, y, t))
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_instance_norm_with_running_statistics_is_exact_in_both_modes(affine):
+    """``InstanceNorm2d(track_running_stats=True)``: in eval mode each sample's channels are normalized with the
+    running statistics, which instance_norm repeats once per sample beside ``[1, B*C, H, W]`` (refused as a batch
+    norm "with the batch in the channel dimension"); in training mode with each sample's own statistics, and the
+    running statistics are updated once per call from the whole batch, as one eager call updates them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.InstanceNorm2d(4, affine=affine, track_running_stats=True),
+                          nn.Flatten(), nn.Linear(64, 3)).double()
+    norm = model[1]
+    with torch.no_grad():
+        norm.running_mean.normal_()
+        norm.running_var.uniform_(0.5, 2.0)
+    x, y = torch.randn(3, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (3,))
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    model.eval()
+    _exact_against_the_loop(model, loss, (x, y))
+    model.train()
+    before = norm.running_mean.clone(), norm.running_var.clone()
+    got = psg.per_sample(model, backend="eager")(loss)(x, y)
+    after = norm.running_mean.clone(), norm.running_var.clone()
+    norm.running_mean.copy_(before[0])
+    norm.running_var.copy_(before[1])
+    loss(x, y)  # one eager call: its update of the running statistics
+    torch.testing.assert_close(after, (norm.running_mean, norm.running_var), rtol=1e-12, atol=1e-12)
+    assert not torch.equal(after[0], before[0])
+    norm.running_mean.copy_(before[0])
+    norm.running_var.copy_(before[1])
+    want = reference_per_sample(loss, dict(model.named_parameters()), (x, y))  # each sample's statistics alone
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11)

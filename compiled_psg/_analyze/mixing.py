@@ -1248,13 +1248,30 @@ def _batch_norm(an: Analysis, node: fx.Node) -> Fact:
         raise _Refuse("BatchNorm in training mode normalizes each sample with statistics of the whole batch",
                       "call model.eval() so BatchNorm uses its running statistics, or replace BatchNorm with "
                       "GroupNorm or LayerNorm")
-    if not training and fact.dim == 1:
-        raise _unknown(_op_name(node), " with the batch in the channel dimension")
+    if fact.dim == 1:  # InstanceNorm's [1, B*C, ...]: each channel, a sample's, normalized on its own
+        fact = PerSample(1, _merge_layouts([fact.layout, *_channel_layouts(an, kw)]))
     facts = [fact]
     for v in out[1:]:  # statistics: per channel, so per sample when the samples are the channels
         dims = an.batch.dims(v) if isinstance(v, torch.Tensor) else ()
         facts.append(PerSample(0, fact.layout) if dims == (0,) else SHARED)
     return tuple(facts)
+
+
+def _channel_layouts(an: Analysis, kw: dict) -> list[Layout | None]:
+    """A batch norm over channels that are the samples' (``instance_norm`` repeats its weights and running
+    statistics ``n`` times beside ``[1, n*C, ...]``): the layouts of the per-channel tensors, which must hold the
+    samples as the channels do (shared ones are the same for every channel)."""
+    layouts = []
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        t = kw.get(name)
+        f = an.fact(t) if isinstance(t, fx.Node) else SHARED
+        if isinstance(f, Pooled):
+            _raise_pooled(f)
+        if isinstance(f, PerSample) and f.dim == 0:
+            layouts.append(f.layout)
+        elif not isinstance(f, Shared):
+            raise _mix(f"its per-channel {name} does not hold the samples as its input's channels do", _FIX_DIM)
+    return layouts
 
 
 def _without_running_stats(node: fx.Node, kw: dict) -> bool:
