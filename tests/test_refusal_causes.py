@@ -190,6 +190,40 @@ def test_kron_whose_decomposition_fixes_the_batch_size_is_exact(operands):
     _exact(lambda x: kron(x * p).pow(2).sum(), p, x)
 
 
+@pytest.mark.parametrize("case", ["rows", "negative_dim", "parameter_broadcast", "shared_indices", "middle_dim"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_take_along_dim_whose_decomposition_fixes_the_batch_size_is_exact(case, dtype):
+    """torch's C++ decomposition of take_along_dim reads sizes as integers (the refusal said the loss fixes the batch
+    size); the capture traces the broadcast and the gather."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(1, 6, dtype=dtype))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, dtype=dtype, generator=g)
+    idx = torch.randint(0, 6, (4, 3), generator=g)
+    shared = torch.tensor([[5, 0, 2]])
+    take = {"rows": lambda x, i: torch.take_along_dim(x * p, i, dim=1),
+            "negative_dim": lambda x, i: torch.take_along_dim(x * p, i, dim=-1),
+            "parameter_broadcast": lambda x, i: torch.take_along_dim(p, i, dim=1) * x[:, :3],
+            "shared_indices": lambda x, i: torch.take_along_dim(x * p, shared, dim=1) + i,
+            "middle_dim": lambda x, i: torch.take_along_dim((x * p).unsqueeze(1).expand(-1, 2, -1),
+                                                            i.unsqueeze(1)[:, :, :2], dim=2)}[case]
+
+    def loss(x, i):
+        return take(x, i).tanh().pow(2).sum()
+
+    got = psg.per_sample({"p": p}, backend="eager")(loss)(x, idx)["p"]
+    want = reference_per_sample(loss, {"p": p}, (x, idx))["p"]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_take_along_dim_over_the_flattened_batch_is_sample_mixing():
+    p = nn.Parameter(torch.randn(6, dtype=torch.float64))
+    x, idx = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 24, (4, 2))
+    with pytest.raises(psg.SampleMixingError, match=r"test_refusal_causes.py.*take_along_dim\(x \* p, i\)"):
+        psg.per_sample({"p": p}, backend="eager")(lambda x, i: torch.take_along_dim(x * p, i).sum())(x, idx)
+
+
 @pytest.mark.parametrize("points", [[1, 3], 3], ids=["points", "sections"])
 def test_tensor_split_at_points_held_in_a_tensor_names_the_values_and_the_fix(points):
     """The split points (or the number of sections) in a tensor: the output shapes depend on its values, which one
