@@ -983,3 +983,32 @@ def test_instance_norm_with_running_statistics_is_exact_in_both_modes(affine):
     want = reference_per_sample(loss, dict(model.named_parameters()), (x, y))  # each sample's statistics alone
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("view", ["diagonal", "diagonal_offset", "unfold"])
+def test_a_view_of_a_parameter_gets_its_backward_lifted(view, monkeypatch):
+    """``x * W.diagonal()``: the parameter's gradient is the batch sum placed back by ``diagonal_backward``, which had
+    no lift rule; its vmap fallback fixes the batch size, and the refusal said "at unknown source line" (a backward
+    node carries none). Now lifted like slice_backward; without the rule, the refusal names the forward line."""
+    from compiled_psg._rewrite import registry
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5, 6, dtype=torch.float64))
+    pick = {"diagonal": lambda: w.diagonal(),
+            "diagonal_offset": lambda: w.diagonal(1, 1, 0)[:4].repeat(2)[:5],
+            "unfold": lambda: w.unfold(1, 2, 2).sum(-1)[0, :3].repeat(2)[:5]}[view]
+
+    def loss(x):
+        return (x * pick()).tanh().pow(2).sum()  # <view_of_parameter>
+
+    x = torch.randn(4, 5, dtype=torch.float64)
+    got = psg.per_sample({"w": w}, backend="eager")(loss)(x)["w"]
+    want = reference_per_sample(loss, {"w": w}, (x,))["w"]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if view == "diagonal":
+        monkeypatch.delitem(registry.LIFT_RULES, torch.ops.aten.diagonal_backward.default)
+        lines = Path(__file__).read_text().splitlines()
+        line = next(i + 1 for i, text in enumerate(lines) if text.endswith("# <view_of_parameter>"))
+        with pytest.raises(psg.UnsupportedError, match=rf"diagonal_backward.* in the backward of \S*"
+                                                       rf"test_refusal_causes.py\D{{1,12}}{line}\b"):
+            psg.per_sample({"w": w}, backend="eager")(loss)(x)
