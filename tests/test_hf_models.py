@@ -132,6 +132,38 @@ def test_bert_classifier_with_padding():
     _check(model, loss, (x, mask, y))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_peft_prompt_tuning_gpt2(dtype):
+    """PEFT's prompt tuning takes its virtual tokens as ``arange(k).expand(n, -1)[:1]``, embeds them and repeats
+    them over the batch: the slice of a value broadcast over the batch was refused as a slice along the batch
+    ("it keeps only some samples"). Every row is the same and a batch of one keeps one row too: exact."""
+    peft = pytest.importorskip("peft")
+    import warnings
+
+    T = transformers
+    torch.manual_seed(0)
+    base = T.GPT2LMHeadModel(_causal_lm_cfg(T.GPT2Config, n_layer=1, n_embd=16, n_head=2, n_positions=16,
+                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    base.loss_type = "ForCausalLM"
+    with warnings.catch_warnings():  # peft calls a method that transformers 5 deprecated
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        model = peft.get_peft_model(base, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    x = _ids(torch.Generator().manual_seed(0), 3, 5)
+
+    def loss(x):
+        return model(input_ids=x, labels=x).loss
+
+    if dtype == torch.float64:
+        _check(model, loss, (x,))
+        return
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    got = psg.per_sample(model, backend="eager")(loss)(x)
+    ref = reference_per_sample(loss, params, (x,))
+    assert set(got) == set(ref) == {"prompt_encoder.default.embedding.weight"}
+    for name, r in ref.items():
+        torch.testing.assert_close(got[name], r, rtol=1e-4, atol=1e-6)
+
+
 def test_a_regression_head_whose_built_in_loss_squeezes_the_batch_gets_a_fix_outside_the_library():
     """BERT with ``num_labels=1`` computes ``loss_fct(logits.squeeze(), labels.squeeze())``: refused, once per line,
     and the fix was "name the dimension, squeeze(-1)", inside transformers. It says to compute the loss from the
@@ -221,6 +253,25 @@ def test_timm_resnet_batchnorm_eval():
     model.eval()
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(3, 3, 32, 32, generator=g), torch.randint(0, 3, (3,), generator=g)
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y, reduction="sum")
+
+    _check(model, loss, (x, y))
+
+
+def test_timm_swin_window_attention():
+    """Swin folds its windows into the batch (``[B*windows, tokens, C]``) and cuts ``qkv`` with ``unbind(0)``, whose
+    backward is a ``stack``: the rewrite lost the rows' layout there and refused without naming the op; its
+    relative position bias (``table[index]``) also needs Inductor to write each sample's rows into their own
+    storage (``_compile/prepare.py``)."""
+    timm = _import_timm()
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=3, img_size=16,
+                              patch_size=2, window_size=4, embed_dim=8, depths=(1, 1), num_heads=(1, 2),
+                              drop_path_rate=0.0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 3, 16, 16, generator=g), torch.randint(0, 3, (3,), generator=g)
 
     def loss(x, y):
         return F.cross_entropy(model(x), y, reduction="sum")

@@ -237,3 +237,51 @@ def test_a_ones_like_of_another_dtype_is_not_a_seed():
     ones.meta["val"] = torch.empty((), dtype=torch.bfloat16)
     g.output((ones,))
     assert seeds_after_losses(g) == 0
+
+
+class RelativePositionBias(nn.Module):
+    """A bias read from a table at fixed positions, ``table[index]``, as Swin's attention reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 2, dtype=torch.float64))
+        self.register_buffer("index", torch.randint(0, 7, (16,), generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):  # x [n, 2, 4, 4]
+        return (x + self.table[self.index].view(4, 4, 2).permute(2, 0, 1)).pow(2).sum()
+
+
+@pytest.mark.inductor
+def test_a_table_read_at_shared_positions_gets_each_samples_gradient():
+    """The per-sample gradient of ``table[index]`` is an ``index_put`` of each sample's rows into one broadcast
+    zeros (vmap's batching rule); torch 2.13's Inductor wrote every sample into the same storage, so each got the
+    batch's sum. A clone of the base gives the writes a tensor of their own."""
+    torch.manual_seed(0)
+    model = RelativePositionBias()
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    got = psg.per_sample(model, backend="inductor")(model)(x)
+    ref = reference_per_sample(model, dict(model.named_parameters()), (x,))
+    torch.testing.assert_close(got["table"], ref["table"], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("op", ["index_put", "index_add", "index_copy"])
+def test_indexed_writes_into_a_broadcast_get_a_copy(op):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compiled_psg._compile.prepare import for_inductor
+
+    aten = torch.ops.aten
+    write = {"index_put": lambda z, v, i: aten.index_put.default(z, [None, i], v, True),
+             "index_add": lambda z, v, i: aten.index_add.default(z, 1, i, v),
+             "index_copy": lambda z, v, i: aten.index_copy.default(z, 1, i, v)}[op]
+
+    def f(v, i):
+        return write(v.new_zeros([4, 2]).expand(v.shape[0], 4, 2), v, i)
+
+    v, i = torch.randn(3, 4, 2), torch.tensor([2, 0, 3, 1])
+    before = make_fx(f, tracing_mode="symbolic")(v, i)
+    after = for_inductor(before)
+    assert after.meta["writes_into_broadcasts"] == 1
+    torch.testing.assert_close(after(v, i), f(v, i))
+    no_broadcast = for_inductor(make_fx(lambda v, i: write(v.new_zeros(v.shape), v, i), tracing_mode="symbolic")(v, i))
+    assert no_broadcast.meta["writes_into_broadcasts"] == 0

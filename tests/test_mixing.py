@@ -228,6 +228,18 @@ def slice_half_of_interleaved_rows(lin, x, y):
     return F.cross_entropy(rows[x.shape[0]:], y)  # <interleaved_half>
 
 
+def two_rows_of_values_broadcast_over_the_batch(lin, x, y):
+    ids = torch.arange(C).unsqueeze(0).expand(x.shape[0], -1)  # the same [c] for every sample
+    return F.cross_entropy(lin(x)[:, ids[:2].sum(0) % C], y)  # <broadcast_two_rows>
+
+
+def one_row_of_a_parameter_broadcast_over_the_batch(lin, x, y):
+    """Every row alike, but a gradient flows back through the row kept: autograd gives it every sample's share."""
+    rows = lin.weight.unsqueeze(0).expand(x.shape[0], -1, -1)
+    prompt = rows[:1].repeat(x.shape[0], 1, 1)  # <broadcast_parameter_row>
+    return F.cross_entropy(lin(torch.cat([prompt, x.unsqueeze(1)], 1).tanh().sum(1)), y)
+
+
 REFUSED = {  # name -> (program, extra batched args, marker)
     "mixup_randperm": (mixup, (), "mixup"),
     "shift_by_arange_index": (shift_by_index, (), "shift_index"),
@@ -265,6 +277,10 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "slice_of_a_cat_off_by_one_row": (slice_off_by_one_in_blocks, (), "block_off_by_one"),
     "slice_of_a_cat_across_two_blocks": (slice_across_two_blocks, (), "block_across"),
     "slice_of_interleaved_rows_keeps_half_of_each_sample": (slice_half_of_interleaved_rows, (), "interleaved_half"),
+    "two_rows_of_values_broadcast_over_the_batch": (two_rows_of_values_broadcast_over_the_batch, (),
+                                                    "broadcast_two_rows"),
+    "one_row_of_a_parameter_broadcast_over_the_batch": (one_row_of_a_parameter_broadcast_over_the_batch, (),
+                                                        "broadcast_parameter_row"),
 }
 
 
@@ -459,6 +475,17 @@ def whole_blocks_of_a_tiled_batch(lin, x, y):
             + F.cross_entropy(lin(x.repeat(2, 1)[n:]), y) + three.narrow(0, n, n).pow(2).sum())
 
 
+def one_row_of_values_broadcast_over_the_batch(lin, x, y):
+    """PEFT's prompt tuning: one row of token ids expanded over the batch (every row alike, and a batch of one keeps
+    one row too), embedded, repeated over the batch and joined with the samples' own values; a constant's rows."""
+    n = x.shape[0]
+    ids = torch.arange(C).unsqueeze(0).expand(n, -1)  # [n, c]
+    prompt = F.embedding(ids[:1], lin.weight).repeat(n, 1, 1)  # [n, c, d]
+    joined = torch.cat([prompt, x.unsqueeze(1)], 1)  # [n, c + 1, d]
+    constant = torch.zeros(2 * n, C, dtype=x.dtype)  # 2 rows per sample: a batch of one keeps both of [:2]
+    return F.cross_entropy(lin(joined.tanh().sum(1)) + constant[:2].sum() + ids.narrow(0, -1, 1).sum(), y)
+
+
 def tiled_rows_against_constant_targets(lin, x, y):
     """``F.mse_loss(m, torch.zeros_like(m))`` over ``[2n]`` rows of a tiled batch (a constant target holds any
     layout), and class 0 as the target of every row."""
@@ -500,6 +527,7 @@ ACCEPTED = {
     "rot90_whole_turns_over_batch": rot90_whole_turns,
     "put_with_an_empty_index": put_nothing,
     "whole_batch_slices": whole_batch_slices,
+    "one_row_of_values_broadcast_over_the_batch": one_row_of_values_broadcast_over_the_batch,
     "whole_blocks_of_a_tiled_batch": whole_blocks_of_a_tiled_batch,
     "tiled_rows_against_constant_targets": tiled_rows_against_constant_targets,
     "batch_major_rows_times_weights_tiled_per_sample": batch_major_rows_times_tiled_weights,
@@ -567,6 +595,16 @@ def embedding_of_two_views(m, frames, target, tok, y):
     return F.cross_entropy(m.head(both), torch.cat([y, y])) + m.emb(tok.repeat(2, 1)).pow(2).sum()
 
 
+def frames_as_windows_split_and_stacked(m, frames, target, tok, y):
+    """Swin's window attention: ``[B*T, ...]`` rows (a sample's windows) through a projection whose output is cut
+    by ``unbind`` (``q, k, v``; its backward a ``stack``) and by ``chunk``, then rejoined per row."""
+    rows = m.conv(frames.flatten(0, 1)).flatten(2).transpose(1, 2)  # [B*T, 36, 4]
+    q, k, v = m.head(rows).unflatten(-1, (C, 1)).permute(2, 0, 1, 3).unbind(0)  # each [B*T, 36, 1]
+    a, b = rows.chunk(2, dim=2)
+    return ((q * k + v).pow(2).sum() + torch.stack([a, b], 1).tanh().sum()
+            + F.cross_entropy(m.head(rows.mean(1)), y.repeat_interleave(T)))
+
+
 def frames_labels_step_major(m, frames, target, tok, y):
     logits = m.head(m.conv(frames.flatten(0, 1)).mean((2, 3)))  # row b*T + t; the label of row k is y[k % n]
     return F.cross_entropy(logits, y.repeat(T))  # <frames_step_major>
@@ -594,6 +632,7 @@ MERGED_ACCEPTED = {
     "conv_over_frames_upsampled_mse": frames_upsampled_against_a_target,
     "conv_over_frames_one_label_per_frame": frames_classified_one_label_per_frame,
     "embedding_of_concatenated_or_repeated_tokens": embedding_of_two_views,
+    "conv_over_frames_split_and_stacked": frames_as_windows_split_and_stacked,
 }
 
 MERGED_REFUSED = {  # name -> (program, marker)

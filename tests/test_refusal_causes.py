@@ -190,6 +190,40 @@ def test_kron_whose_decomposition_fixes_the_batch_size_is_exact(operands):
     _exact(lambda x: kron(x * p).pow(2).sum(), p, x)
 
 
+@pytest.mark.parametrize("case", ["rows", "negative_dim", "parameter_broadcast", "shared_indices", "middle_dim"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_take_along_dim_whose_decomposition_fixes_the_batch_size_is_exact(case, dtype):
+    """torch's C++ decomposition of take_along_dim reads sizes as integers (the refusal said the loss fixes the batch
+    size); the capture traces the broadcast and the gather."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(1, 6, dtype=dtype))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, dtype=dtype, generator=g)
+    idx = torch.randint(0, 6, (4, 3), generator=g)
+    shared = torch.tensor([[5, 0, 2]])
+    take = {"rows": lambda x, i: torch.take_along_dim(x * p, i, dim=1),
+            "negative_dim": lambda x, i: torch.take_along_dim(x * p, i, dim=-1),
+            "parameter_broadcast": lambda x, i: torch.take_along_dim(p, i, dim=1) * x[:, :3],
+            "shared_indices": lambda x, i: torch.take_along_dim(x * p, shared, dim=1) + i,
+            "middle_dim": lambda x, i: torch.take_along_dim((x * p).unsqueeze(1).expand(-1, 2, -1),
+                                                            i.unsqueeze(1)[:, :, :2], dim=2)}[case]
+
+    def loss(x, i):
+        return take(x, i).tanh().pow(2).sum()
+
+    got = psg.per_sample({"p": p}, backend="eager")(loss)(x, idx)["p"]
+    want = reference_per_sample(loss, {"p": p}, (x, idx))["p"]
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_take_along_dim_over_the_flattened_batch_is_sample_mixing():
+    p = nn.Parameter(torch.randn(6, dtype=torch.float64))
+    x, idx = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 24, (4, 2))
+    with pytest.raises(psg.SampleMixingError, match=r"test_refusal_causes.py.*take_along_dim\(x \* p, i\)"):
+        psg.per_sample({"p": p}, backend="eager")(lambda x, i: torch.take_along_dim(x * p, i).sum())(x, idx)
+
+
 @pytest.mark.parametrize("points", [[1, 3], 3], ids=["points", "sections"])
 def test_tensor_split_at_points_held_in_a_tensor_names_the_values_and_the_fix(points):
     """The split points (or the number of sections) in a tensor: the output shapes depend on its values, which one
@@ -625,6 +659,9 @@ def test_rows_merged_with_frames_through_an_op_without_a_layout_rule_name_the_me
     line = next(i + 1 for i, text in enumerate(lines) if text.endswith("# <merged_fft>"))
     assert re.search(rf"test_refusal_causes.py\D{{1,12}}{line}\b", str(info.value)), str(info.value)
     assert "Fix: view the merged rows back to [B, T, ...]" in str(info.value)
+    # the op the walk cannot follow the rows through, by name (said "an op between the merge and here")
+    assert re.search(r"no rule to follow the rows through aten\._fft_\w+\.default in the backward of "
+                     rf"\S*test_refusal_causes.py\D{{1,12}}{line}\b", str(info.value)), str(info.value)
     got = psg.per_sample(conv, backend="eager")(viewed_back)(frames)
     want = reference_per_sample(viewed_back, dict(conv.named_parameters()), (frames,))
     for name in want:
@@ -910,3 +947,68 @@ def test_a_detached_batch_loss_in_the_returned_loss_stops_the_gradient_per_sampl
         return combine(F.cross_entropy(model["l2"](torch.tanh(hidden)), y), F.mse_loss(hidden, t))
 
     _exact_against_the_loop(model, loss, (x, y, t))
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_instance_norm_with_running_statistics_is_exact_in_both_modes(affine):
+    """``InstanceNorm2d(track_running_stats=True)``: in eval mode each sample's channels are normalized with the
+    running statistics, which instance_norm repeats once per sample beside ``[1, B*C, H, W]`` (refused as a batch
+    norm "with the batch in the channel dimension"); in training mode with each sample's own statistics, and the
+    running statistics are updated once per call from the whole batch, as one eager call updates them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.InstanceNorm2d(4, affine=affine, track_running_stats=True),
+                          nn.Flatten(), nn.Linear(64, 3)).double()
+    norm = model[1]
+    with torch.no_grad():
+        norm.running_mean.normal_()
+        norm.running_var.uniform_(0.5, 2.0)
+    x, y = torch.randn(3, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (3,))
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    model.eval()
+    _exact_against_the_loop(model, loss, (x, y))
+    model.train()
+    before = norm.running_mean.clone(), norm.running_var.clone()
+    got = psg.per_sample(model, backend="eager")(loss)(x, y)
+    after = norm.running_mean.clone(), norm.running_var.clone()
+    norm.running_mean.copy_(before[0])
+    norm.running_var.copy_(before[1])
+    loss(x, y)  # one eager call: its update of the running statistics
+    torch.testing.assert_close(after, (norm.running_mean, norm.running_var), rtol=1e-12, atol=1e-12)
+    assert not torch.equal(after[0], before[0])
+    norm.running_mean.copy_(before[0])
+    norm.running_var.copy_(before[1])
+    want = reference_per_sample(loss, dict(model.named_parameters()), (x, y))  # each sample's statistics alone
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("view", ["diagonal", "diagonal_offset", "unfold"])
+def test_a_view_of_a_parameter_gets_its_backward_lifted(view, monkeypatch):
+    """``x * W.diagonal()``: the parameter's gradient is the batch sum placed back by ``diagonal_backward``, which had
+    no lift rule; its vmap fallback fixes the batch size, and the refusal said "at unknown source line" (a backward
+    node carries none). Now lifted like slice_backward; without the rule, the refusal names the forward line."""
+    from compiled_psg._rewrite import registry
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5, 6, dtype=torch.float64))
+    pick = {"diagonal": lambda: w.diagonal(),
+            "diagonal_offset": lambda: w.diagonal(1, 1, 0)[:4].repeat(2)[:5],
+            "unfold": lambda: w.unfold(1, 2, 2).sum(-1)[0, :3].repeat(2)[:5]}[view]
+
+    def loss(x):
+        return (x * pick()).tanh().pow(2).sum()  # <view_of_parameter>
+
+    x = torch.randn(4, 5, dtype=torch.float64)
+    got = psg.per_sample({"w": w}, backend="eager")(loss)(x)["w"]
+    want = reference_per_sample(loss, {"w": w}, (x,))["w"]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if view == "diagonal":
+        monkeypatch.delitem(registry.LIFT_RULES, torch.ops.aten.diagonal_backward.default)
+        lines = Path(__file__).read_text().splitlines()
+        line = next(i + 1 for i, text in enumerate(lines) if text.endswith("# <view_of_parameter>"))
+        with pytest.raises(psg.UnsupportedError, match=rf"diagonal_backward.* in the backward of \S*"
+                                                       rf"test_refusal_causes.py\D{{1,12}}{line}\b"):
+            psg.per_sample({"w": w}, backend="eager")(loss)(x)

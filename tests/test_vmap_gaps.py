@@ -266,3 +266,38 @@ def test_linear_cross_entropy_with_weight_and_ignore_index():
     y = torch.tensor([0, 9, 3, 1, 9, 2])
     got = psg.per_sample(module, backend="eager")(module)(x, y)
     _close(got, reference_per_sample(module, dict(module.named_parameters()), (x, y)), torch.float64)
+
+
+# ---------------------------------------------------------------- a loss head that pools over the batch first
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ["in_dims_1", "sum_over_batch", "weights_ignore_index", "none_then_sum",
+                                  "one_target", "pixels"])
+def test_cross_entropy_of_a_mean_over_the_batch_is_each_samples_own(case, dtype):
+    """``F.cross_entropy(h.mean(1), y)`` with the batch in dimension 1 (``in_dims=1``): each sample's own loss is
+    the cross-entropy of its own ``h`` (the mean over a batch of one), with the shared targets. ``nll_loss_forward``
+    of a per-sample input had no lift rule, and its vmap fallback fixes the batch size: refused as "no rule for
+    nll_loss_forward ... fixes the batch size"."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 1).to(dtype)
+    lin = nn.Linear(5, 3).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 5, generator=g, dtype=dtype)  # [T, B, 5]: the batch in dimension 1
+    y = torch.tensor([0, 2, 1, 1])
+    weights = torch.tensor([0.5, 2.0, 1.0], dtype=dtype)
+    image = torch.randn(3, 2, 4, 4, generator=g, dtype=dtype)  # [B, 2, 4, 4]
+    pixels = torch.randint(0, 3, (1, 4, 4), generator=g)
+    losses = {
+        "in_dims_1": lambda x: F.cross_entropy(lin(x).mean(1), y),
+        "sum_over_batch": lambda x: F.cross_entropy(lin(x).sum(1), y, reduction="sum"),
+        "weights_ignore_index": lambda x: F.cross_entropy(lin(x).mean(1), y.masked_fill(y == 2, -100), weights),
+        "none_then_sum": lambda x: F.cross_entropy(lin(x).mean(1), y, reduction="none").pow(2).sum(),
+        "one_target": lambda x: F.cross_entropy(lin(x).mean((0, 1)), y[0]),
+        "pixels": lambda image: F.cross_entropy(conv(image).mean(0, keepdim=True), pixels),
+    }
+    loss = losses[case]
+    args, in_dims = ((image,), 0) if case == "pixels" else ((x,), 1)
+    used = conv if case == "pixels" else lin
+    got = psg.per_sample(used, in_dims=in_dims, backend="eager")(loss)(*args)
+    _close(got, reference_per_sample(loss, dict(used.named_parameters()), args, in_dims=in_dims), dtype)

@@ -590,6 +590,21 @@ def build_batchnorm_eval():
     return Built(model, loss, lambda B, dtype, g: (randn(g, dtype, B, 2, 7, 7), labels(g, 3, B)))
 
 
+def build_instancenorm_running_stats_eval():
+    """InstanceNorm with running statistics in eval mode: instance_norm views ``[B, C, H, W]`` as ``[1, B*C, H, W]``
+    and repeats the statistics and weights ``B`` times, so the samples are the batch norm's channels."""
+    norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+    model = Seq(nn.Sequential(nn.Conv2d(2, 4, 3), norm, nn.ReLU()), (2, 6, 6), 3)
+    norm.running_mean.copy_(torch.randn(4) * 0.3)
+    norm.running_var.copy_(torch.rand(4) + 0.5)
+    model.eval()
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    return Built(model, loss, lambda B, dtype, g: (randn(g, dtype, B, 2, 6, 6), labels(g, 3, B)))
+
+
 def build_loss_vector():
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
 
@@ -694,6 +709,7 @@ CASES: list[Case] = [
     Case("layer_reused", build_layer_reused),
     Case("frozen_and_buffers", build_frozen_and_buffers),
     Case("batchnorm_eval", build_batchnorm_eval),
+    Case("instancenorm_running_stats_eval", build_instancenorm_running_stats_eval),
     Case("loss_per_sample_vector", build_loss_vector),
     Case("masked_token_mean", build_masked_token_mean),
     Case("ce_ignore_index", build_ce_ignore_index),

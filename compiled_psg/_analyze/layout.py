@@ -10,6 +10,7 @@ size ``outer*B*inner`` has *layout* ``(outer, inner)``: element ``k`` belongs to
 
 from __future__ import annotations
 
+import contextvars
 import operator
 
 import sympy
@@ -26,10 +27,40 @@ Layout = tuple[int, int]
 _PROBE = 10007  # a stand-in batch size for grouping view dimensions; prime so no product collides with it
 
 
+#: While ``layout_stop`` runs: the nodes where the walk failed with no failure further back, deepest first.
+_STOPS: contextvars.ContextVar[list | None] = contextvars.ContextVar("layout_stops", default=None)
+
+
+def layout_stop(node: fx.Node, dim: int, batch: BatchDims) -> fx.Node | None:
+    """Where ``batch_layout(node, dim)`` loses the layout: the node, furthest back from ``node``, whose own step
+    has no rule (or whose rule declines), for a refusal to name; None when the layout is found."""
+    token = _STOPS.set([])
+    try:
+        found = batch_layout(node, dim, batch)
+        stops = _STOPS.get()
+    finally:
+        _STOPS.reset(token)
+    return None if found is not None or not stops else stops[0]
+
+
 def batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int = 0) -> Layout | None:
     """The ``(outer, inner)`` layout of the batch inside dimension ``dim`` of ``node``, or None if unknown; a
     layout always covers the dimension (``outer * inner * B`` rows: a gather of fewer rows than its input has
     none)."""
+    stops = _STOPS.get()
+    if stops is None:
+        return _batch_layout(node, dim, batch, depth)
+    mark = len(stops)
+    found = _batch_layout(node, dim, batch, depth)
+    if found is not None:
+        del stops[mark:]  # the failures of branches tried on the way were not the cause
+    elif len(stops) == mark and node.target not in ops.SHAPE_ONLY and any(batch.dims(a) for a in node.all_input_nodes):
+        stops.append(node)  # nothing further back failed: this step is where the layout is lost (a fill shaped
+        # like the batch, x.new_zeros(n * t, d), reads no rows: the step that reads it is where)
+    return found
+
+
+def _batch_layout(node: fx.Node, dim: int, batch: BatchDims, depth: int) -> Layout | None:
     value = value_of(node)
     if not isinstance(value, torch.Tensor) or depth > 64:
         return None
@@ -50,6 +81,8 @@ def _layout(node: fx.Node, value: torch.Tensor, dim: int, batch: BatchDims, dept
         return _through_view(args[0], value, dim, batch, depth)
     if target is ATEN.cat.default:
         return _through_cat(node, value, dim, batch, depth)
+    if target is ATEN.stack.default:  # unbind's backward: the parts hold the samples alike
+        return _through_stack(node, value, dim, batch, depth)
     if target is ATEN.repeat.default:  # x.repeat(r, ...) along the batch: r blocks of samples, as cat([x] * r)
         repeats = args[1]
         src_dim = dim - (len(repeats) - value_of(args[0]).dim())
@@ -139,6 +172,8 @@ def _layout(node: fx.Node, value: torch.Tensor, dim: int, batch: BatchDims, dept
         return batch_layout(args[0], args[1][dim] % value.dim(), batch, depth + 1)
     if target in ops.REDUCTIONS:
         return _through_reduction(node, dim, batch, depth)
+    if target is operator.getitem and getattr(args[0], "target", None) in _PARTS:  # q, k, v = qkv.unbind(0)
+        return _through_part(args[0], dim, batch, depth)
     if target is operator.getitem and getattr(args[0], "target", None) in ops.REDUCTIONS:  # max.dim's values
         return _through_reduction(args[0], dim, batch, depth)
     if target in (ATEN.mm.default, ATEN.addmm.default):
@@ -230,6 +265,24 @@ def sliced_layout(layout: Layout, in_size, out_size, start, step, batch: BatchDi
     return (count, inner) if count >= 1 and 0 <= first and first + count <= outer else None
 
 
+def at_batch_of_one(value, batch: BatchDims) -> int | None:
+    """A size or slice bound as a batch of one reads it (``n - 1`` is 0): an int, None for a bound left out, or
+    None where it is neither an int nor a size of the batch alone (read with ``bound_at_one`` below)."""
+    value = value_of(value) if isinstance(value, fx.Node) else value
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr.subs(batch.symbol, 1)
+        return int(expr) if expr.is_Integer else None
+    return value if type(value) is int else None
+
+
+def slice_at_batch_of_one(size, start, end, step, batch: BatchDims) -> tuple[int, int | None, int | None, int] | None:
+    """``(size, start, end, step)`` of a slice along the batch dimension, as a batch of one reads them; None when
+    one of them is not a size of the batch alone."""
+    given = (size, start, end, step)
+    read = tuple(at_batch_of_one(v, batch) for v in given)
+    return None if any(v is None and g is not None for g, v in zip(given, read, strict=True)) else read
+
+
 def _in_blocks(size, unit) -> int | None:
     """``size / unit`` when it is a whole number for every batch size (``2*n`` in blocks of ``n``), else None."""
     expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size) if isinstance(size, int) else None
@@ -301,6 +354,35 @@ def _through_cat(node, value, dim, batch, depth):
     if len({inner for _, inner in layouts}) != 1:
         return None
     return (sum(outer for outer, _ in layouts), layouts[0][1])
+
+
+#: ops that cut a tensor into parts along ``dim`` (``unbind`` drops it): each part holds the other dims as they were
+_PARTS = ops._overloads("unbind.int", "split.Tensor", "split_with_sizes", "unsafe_split.Tensor",
+                        "unsafe_split_with_sizes", "chunk", "unbind_copy.int", "split_copy.Tensor",
+                        "split_with_sizes_copy")
+
+
+def _through_part(node, dim, batch, depth):
+    """A part of ``unbind``/``split``/``chunk`` of ``x`` along ``k``: dim ``d`` is ``x``'s dim ``d`` (``d + 1`` from
+    ``k`` on, for ``unbind``); a part of the batch dimension itself holds some samples only."""
+    kw = _normalized(node)
+    if kw is None:
+        return None
+    rank = value_of(node.args[0]).dim()
+    k = kw.get("dim", 0) % rank
+    if node.target.overloadpacket.__name__.startswith("unbind"):
+        return batch_layout(node.args[0], dim + (dim >= k), batch, depth + 1)
+    return None if dim == k else batch_layout(node.args[0], dim, batch, depth + 1)
+
+
+def _through_stack(node, value, dim, batch, depth):
+    """``stack(parts, k)``: output dim ``d`` is dim ``d - (d > k)`` of every part; the new dim ``k`` holds none."""
+    k = (node.args[1] if len(node.args) > 1 else 0) % value.dim()
+    if dim == k:
+        return None
+    parts = [p for p in node.args[0] if not uniform(p)] or list(node.args[0])
+    layouts = {batch_layout(p, dim - (dim > k), batch, depth + 1) for p in parts}
+    return layouts.pop() if len(layouts) == 1 else None
 
 
 def _through_reduction(node, dim, batch, depth):

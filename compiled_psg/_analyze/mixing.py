@@ -41,7 +41,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from . import ops
 from .batch_dims import BatchDims, value_of
-from .layout import Layout, same_size, shared_tiled, sliced_layout, tiled_uniform, view_layout
+from .layout import Layout, same_size, shared_tiled, slice_at_batch_of_one, sliced_layout, tiled_uniform, view_layout
 from .source import module_path, where
 
 ATEN = torch.ops.aten
@@ -118,17 +118,36 @@ _MASK_FIX = ("keep the shape: torch.where(mask, new, h) for a masked write, (h *
 # ----------------------------------------------------------------------------------------------- the analysis
 
 
-def find_mixing(graph: fx.Graph, batch: BatchDims) -> list[MixingSite]:
-    """The sites where the forward graph mixes samples or uses an op of unknown batch semantics (empty: none)."""
-    return Analysis(graph, batch).run()
+def find_mixing(graph: fx.Graph, batch: BatchDims, params: set[fx.Node] | None = None) -> list[MixingSite]:
+    """The sites where the forward graph mixes samples or uses an op of unknown batch semantics (empty: none).
+    ``params``: the placeholders of the parameters (None: unknown, so any floating value may carry a gradient)."""
+    return Analysis(graph, batch, params).run()
 
 
 class Analysis:
-    def __init__(self, graph: fx.Graph, batch: BatchDims):
-        self.graph, self.batch = graph, batch
+    def __init__(self, graph: fx.Graph, batch: BatchDims, params: set[fx.Node] | None = None):
+        self.graph, self.batch, self.params = graph, batch, params
         self.facts: dict[fx.Node, Fact] = {}
         self.sites: list[MixingSite] = []
         self._reported: set[fx.Node] = set()
+        self._from_params: dict[fx.Node, bool] = {}
+
+    def carries_gradient(self, node: fx.Node) -> bool:
+        """Whether a parameter's gradient may flow back through ``node``'s value: a floating (or complex) value
+        computed from a parameter (any floating value where the parameters are not known)."""
+        value = value_of(node)
+        if not isinstance(value, torch.Tensor) or not (value.is_floating_point() or value.is_complex()):
+            return False
+        if self.params is None:
+            return True
+        found = self._from_params
+        for n in self.graph.nodes:  # in order: every input's answer is known before its users'
+            if n in found:
+                continue
+            found[n] = n in self.params or any(found.get(a, False) for a in n.all_input_nodes)
+            if n is node:
+                break
+        return found[node]
 
     def run(self) -> list[MixingSite]:
         for node in self.graph.nodes:
@@ -685,9 +704,27 @@ def _tiled_shared(an: Analysis, node: fx.Node, repeats, offset: int) -> Fact:
 def _sliced(an: Analysis, node: fx.Node, kw: dict, fact: PerSample | SampleIndex) -> Fact:
     """A slice along the batch dimension: every row (``h[-n:]``), or whole blocks of a batch that ``cat`` or
     ``repeat`` tiled (``torch.cat([a, b])[n:]``, layout ``sliced_layout``). Positions and values the same for
-    every sample (no layout) only whole."""
+    every sample (no layout) only whole, or, for values, as many rows as a batch of one keeps (one, ``h[:1]``)."""
     src, out = value_of(node.args[0]), value_of(node)
     layout = fact.layout if isinstance(fact, PerSample) and fact.layout is not None else None
+    if isinstance(fact, PerSample) and fact.layout is None and not an.batch.dims(out):
+        # every row holds the same values (``prompt.expand(n, -1)[:1]``, as PEFT's prompt tuning takes its token
+        # ids): the same value for every sample where a batch of one keeps as many rows. Not where a gradient
+        # flows back through it: the rows kept would receive every sample's gradient, and the rows of the other
+        # samples none
+        alone = _rows_of_a_batch_of_one(kw, src.shape[fact.dim], an.batch)
+        if out.shape[fact.dim] != alone:
+            kept = "a different number" if alone is None else alone
+            raise _mix(f"it keeps {out.shape[fact.dim]} rows of a value that is the same for every sample "
+                       f"(expanded over the batch), where a batch of one keeps {kept}: the result depends on the "
+                       "batch size", "slice one row (h[:1]) or every row (h[-n:]), or take the value before "
+                       "expanding it over the batch")
+        if an.carries_gradient(node):
+            raise _mix("it keeps some rows of a value that is the same for every sample (expanded over the batch) "
+                       "and computed from a parameter: autograd gives the rows kept the gradient of every sample, "
+                       "so no per-sample gradient can follow it", "take the value before expanding it over the "
+                       "batch (w rather than w.expand(n, -1)[:1]), and expand the result where it meets the samples")
+        return SHARED
     blocks = layout or (an.batch.factor(src.shape[fact.dim]) or 1, 1)
     start = kw.get("start")
     found = sliced_layout(blocks, src.shape[fact.dim], out.shape[fact.dim], start, kw.get("step", 1), an.batch)
@@ -700,6 +737,21 @@ def _sliced(an: Analysis, node: fx.Node, kw: dict, fact: PerSample | SampleIndex
                    "part before joining them")
     raise _mix("it keeps only some samples, or shifts samples against each other (as h[1:] - h[:-1] does along "
                "the batch)", _FIX_DIM)
+
+
+def _rows_of_a_batch_of_one(kw: dict, size, batch: BatchDims) -> int | None:
+    """How many rows a slice (or ``narrow``) keeps of a dimension of ``size`` rows at a batch of one, its bounds
+    read there too (``h[n - 1:]`` starts at 0); None when a bound is not a size of the batch alone, or where
+    ``narrow`` would raise at a batch of one."""
+    if "length" in kw:  # narrow(dim, start, length)
+        read = slice_at_batch_of_one(size, kw["start"], kw["length"], 1, batch)
+        if read is None or read[1] is None or read[2] is None:
+            return None
+        size, start, length, _ = read
+        start += size if start < 0 else 0
+        return length if 0 <= start and start + length <= size else None
+    read = slice_at_batch_of_one(size, kw.get("start"), kw.get("end"), kw.get("step", 1), batch)
+    return None if read is None else len(range(read[0])[slice(*read[1:])])
 
 
 def _parts_of_the_batch() -> _Refuse:
@@ -1196,13 +1248,30 @@ def _batch_norm(an: Analysis, node: fx.Node) -> Fact:
         raise _Refuse("BatchNorm in training mode normalizes each sample with statistics of the whole batch",
                       "call model.eval() so BatchNorm uses its running statistics, or replace BatchNorm with "
                       "GroupNorm or LayerNorm")
-    if not training and fact.dim == 1:
-        raise _unknown(_op_name(node), " with the batch in the channel dimension")
+    if fact.dim == 1:  # InstanceNorm's [1, B*C, ...]: each channel, a sample's, normalized on its own
+        fact = PerSample(1, _merge_layouts([fact.layout, *_channel_layouts(an, kw)]))
     facts = [fact]
     for v in out[1:]:  # statistics: per channel, so per sample when the samples are the channels
         dims = an.batch.dims(v) if isinstance(v, torch.Tensor) else ()
         facts.append(PerSample(0, fact.layout) if dims == (0,) else SHARED)
     return tuple(facts)
+
+
+def _channel_layouts(an: Analysis, kw: dict) -> list[Layout | None]:
+    """A batch norm over channels that are the samples' (``instance_norm`` repeats its weights and running
+    statistics ``n`` times beside ``[1, n*C, ...]``): the layouts of the per-channel tensors, which must hold the
+    samples as the channels do (shared ones are the same for every channel)."""
+    layouts = []
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        t = kw.get(name)
+        f = an.fact(t) if isinstance(t, fx.Node) else SHARED
+        if isinstance(f, Pooled):
+            _raise_pooled(f)
+        if isinstance(f, PerSample) and f.dim == 0:
+            layouts.append(f.layout)
+        elif not isinstance(f, Shared):
+            raise _mix(f"its per-channel {name} does not hold the samples as its input's channels do", _FIX_DIM)
+    return layouts
 
 
 def _without_running_stats(node: fx.Node, kw: dict) -> bool:

@@ -11,10 +11,10 @@ the per-sample gradients against the loop).
 compute the same values and trace with a symbolic batch size: the linear algebra that raises on a singular
 matrix (its check, ``aten._linalg_check_errors``, reaches the graph as an effect token that no per-sample program
 carries: the ``_ex`` twin and an assertion of our own instead, ``_assert_ok``), ``sgn`` (its backward on real
-tensors builds zeros from the input's concrete sizes, fixing the batch size), ``kron`` (its C++ decomposition
-reads concrete sizes) and ``fractional_max_pool2d`` (its backward's meta function reads the batch size).
-``tests/test_linalg_stacks.py``, ``tests/test_op_db.py`` and ``tests/test_refusal_causes.py`` check them against
-the loop.
+tensors builds zeros from the input's concrete sizes, fixing the batch size), ``kron`` and ``take_along_dim``
+(their C++ decompositions read concrete sizes) and ``fractional_max_pool2d`` (its backward's meta function reads
+the batch size). ``tests/test_linalg_stacks.py``, ``tests/test_op_db.py`` and ``tests/test_refusal_causes.py``
+check them against the loop.
 
 ``corrected()`` installs both tables for one capture, under the capture lock, and restores torch's own afterwards
 (the switch list in ``dynamo.py``). Another thread's trace of the op in that window gets the replacement.
@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch._C import DispatchKey
+from torch._prims_common import infer_size_shapes
 
 from .._errors import UnsupportedError
 from . import patches
@@ -170,6 +171,27 @@ def kron(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (spread_a * spread_b).reshape([p * q for p, q in zip(a.shape, b.shape, strict=True)])
 
 
+def take_along_dim(input: torch.Tensor, indices: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``torch.take_along_dim``: both operands broadcast against each other except along ``dim``, then ``gather``
+    (the flattened input and indices when ``dim`` is None), as the eager kernel does. Its C++ decomposition reads
+    the sizes as integers, which fixes the batch size. (torch's Python reference also wraps negative indices,
+    which the eager kernel's gather refuses: not used.)"""
+    torch._check(input.dim() == indices.dim(), lambda: "torch.take_along_dim(): input and indices should have the "
+                 f"same number of dimensions, but got {input.dim()} dimensions for input, and {indices.dim()} "
+                 "dimensions for indices")
+    torch._check(indices.dtype == torch.long, lambda: "torch.take_along_dim(): dtype of indices should be Long but "
+                 f"got {indices.dtype}")
+    if dim is None:
+        return input.view(-1).gather(0, indices.view(-1))
+    dim %= max(input.dim(), 1)
+    sizes = list(input.shape)
+    sizes[dim] = indices.shape[dim]
+    indices = indices.expand(infer_size_shapes(sizes, indices.shape))  # torch's shape code: its size decisions
+    sizes = list(indices.shape)                                        # are layouts, not the program's branches
+    sizes[dim] = input.shape[dim]
+    return input.expand(infer_size_shapes(sizes, input.shape)).gather(dim, indices)
+
+
 def fractional_max_pool2d(input: torch.Tensor, kernel_size: list[int], output_size: list[int],
                            random_samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``F.fractional_max_pool2d``: the op itself for the positions of the maxima (``indices``, flat over each
@@ -192,6 +214,7 @@ TRACEABLE: dict[torch._ops.OpOverload, Callable] = {
     aten.sgn.default: sgn,
     aten.kron.default: kron,
     aten.fractional_max_pool2d.default: fractional_max_pool2d,
+    aten.take_along_dim.default: take_along_dim,
 }
 
 
@@ -239,8 +262,8 @@ patches.register(patches.Patch(
     "traceable decompositions", "OpOverload.py_kernels[CompositeImplicitAutograd or Autograd] of " + ", ".join(
         str(op) for op in TRACEABLE),
     "torch's trace of these ops stops the capture: the checked linear algebra records an effect token (its "
-    "_ex twin and an assertion instead), the backwards of sgn and fractional_max_pool2d and kron's "
-    "decomposition fix the batch size (see each function)", ("capture",),
+    "_ex twin and an assertion instead), the backwards of sgn and fractional_max_pool2d and the decompositions "
+    "of kron and take_along_dim fix the batch size (see each function)", ("capture",),
     "process-wide: another thread's trace of the op in that window gets the replacement (the same values)",
     "torch's kernel put back (or the entry removed) and the dispatch cache cleared, on exit", enter=traceable,
     current=lambda: tuple(op.py_kernels.get(key_of(op)) for op in TRACEABLE),

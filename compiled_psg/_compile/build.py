@@ -72,7 +72,9 @@ def _build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: di
     forward, loss = forward_slice(captured.joint, captured.loss_output)
     differentiates_inside = _inner_gradients(captured, forward)
     _refuse_reads_after_renorm(forward)
-    mixing = find_mixing(forward.graph, batch)
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    params = {n for n, role in zip(placeholders, roles, strict=True) if role.kind == "param"}
+    mixing = find_mixing(forward.graph, batch, params)
     if mixing:
         raise _refusal(captured, forward, mixing)
     _refuse_branches_on_batch_size(captured, batched_fakes)

@@ -20,10 +20,16 @@ the plain compiled step holds one (GPT-2 on the CPU: 196 MiB). ``seeds_after_los
 total's value, adding an exact zero (``nan_to_num(total * 0)``), so the losses are computed first, as in eager
 ``loss.backward()``, and Inductor can reuse the logits' buffer.
 
+Inductor in torch 2.13 writes ``index_put``, ``index_add`` and ``index_copy`` into the storage of a broadcast input
+(an ``expand``, every row one stride-0 buffer) instead of a fresh tensor, so each row holds the writes of all of
+them: vmap's batching rule of ``index_put`` into a shared base makes exactly that (the per-sample gradient of a
+parameter read as ``table[index]``, Swin's relative position bias, came out as the batch's sum, silently).
+``writes_into_broadcasts`` clones such a base first, the same values (torch 2.14 and 2.15 compile it right).
+
 Pre-condition: ``gm`` is functional (no in-place op but a final ``copy_`` into inputs). Post-condition: no
 ``aten.view.default`` node is left, nor an ``add`` of a scatter-add into zeros that nothing else reads and
-whose shape and dtype are the sum's, nor a ``ones_like`` of a 0-d floating tensor that does not read its
-value; the graph lints.
+whose shape and dtype are the sum's, nor an indexed write into a broadcast input, nor a ``ones_like`` of a 0-d
+floating tensor that does not read its value; the graph lints.
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ ATEN = torch.ops.aten
 
 
 def for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with every ``view`` a ``reshape`` and scatter-adds into zeros folded into the sums that
-    take them; returns it with the counts of rewrites in ``gm.meta["views_as_reshapes"]`` and
-    ``gm.meta["scatters_into_sums"]``."""
+    """A copy of ``gm`` with every ``view`` a ``reshape``, scatter-adds into zeros folded into the sums that take
+    them and indexed writes into broadcast inputs given a copy to write; returns it with the counts of rewrites in
+    ``gm.meta["views_as_reshapes"]``, ``gm.meta["scatters_into_sums"]`` and ``gm.meta["writes_into_broadcasts"]``."""
     gm = copy.deepcopy(gm)
+    gm.meta["writes_into_broadcasts"] = writes_into_broadcasts(gm.graph)
     gm.meta["scatters_into_sums"] = scatters_into_sums(gm.graph)
     gm.meta["seeds_after_losses"] = seeds_after_losses(gm.graph)
     count = 0
@@ -52,6 +59,34 @@ def for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
     gm.recompile()
     gm.meta["views_as_reshapes"] = count
     return gm
+
+
+#: functional indexed writes that Inductor (torch 2.13) compiles into their input's own storage
+_INDEXED_WRITES = (ATEN.index_put.default, ATEN._unsafe_index_put.default, ATEN.index_add.default,
+                   ATEN.index_copy.default)
+
+
+def _broadcast(value) -> bool:
+    """A tensor whose elements share storage along some dimension: stride 0 on a size that may exceed 1."""
+    return isinstance(value, torch.Tensor) and any(
+        type(stride) is int and stride == 0 and not (type(size) is int and size <= 1)
+        for size, stride in zip(value.shape, value.stride(), strict=True))
+
+
+def writes_into_broadcasts(graph: fx.Graph) -> int:
+    """``index_put(b, ...)`` (``index_add``, ``index_copy``) of a broadcast ``b`` -> the same op on ``clone(b)``, a
+    tensor of its own; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        base = node.args[0] if node.op == "call_function" and node.target in _INDEXED_WRITES else None
+        if not isinstance(base, fx.Node) or not _broadcast(base.meta.get("val")):
+            continue
+        with graph.inserting_before(node):
+            copied = graph.call_function(ATEN.clone.default, (base,), {"memory_format": torch.contiguous_format})
+        copied.meta["val"] = base.meta["val"].clone(memory_format=torch.contiguous_format)
+        node.args = (copied, *node.args[1:])
+        count += 1
+    return count
 
 
 def seeds_after_losses(graph: fx.Graph) -> int:

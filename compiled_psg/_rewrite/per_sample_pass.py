@@ -23,6 +23,7 @@ from torch._guards import detect_fake_mode
 
 from .._analyze import ops
 from .._analyze.batch_dims import BatchDims, value_of
+from .._analyze.layout import layout_stop
 from .._analyze.source import source_line
 from .._errors import InternalError, UnsupportedError
 from .contraction import Contraction
@@ -282,8 +283,7 @@ def _emit_rule(graph: fx.Graph, fn, inputs: list, tag: str, before: fx.Node, op_
         if not _SYMBOLIC_SIZE_FAILURE.search(str(e)):
             raise  # a failure of the op itself (kthvalue(2) of one sample, sparse tensors): the capture names it
         first = (str(e).strip().splitlines() or [""])[0]
-        where = source_line(node)
-        where = "in the loss's backward" if where.startswith("unknown") else f"at {where}"
+        where = _where(node)
         raise UnsupportedError(
             f"no rule for {op_node.target} {where}, and the vmap fallback for it fails with a "
             f"symbolic batch size ({type(e).__name__}: {first}). Fix: compute this step with ops that have rules "
@@ -296,29 +296,49 @@ def _no_layout(node: fx.Node, op_node: fx.Node, batch: BatchDims) -> Unsupported
     """No rule, and no fallback: the layout of a batched input is unknown. Where the batch is merged with another
     dimension (``[B*T, ...]`` rows of ``x.flatten(0, 1)``), the layout walk (``_analyze/layout.py``) lost which rows
     belong to which sample at an op it has no fact for; the user can view the rows back to ``[B, T, ...]``."""
-    where = source_line(node)
-    where = f"in the backward of {_forward_line(node)}" if where.startswith("unknown") else f"at {where}"
-    merged = [a for a in flat_nodes(op_node) for d in batch.dims(a) if not batch.is_whole(a, d)]
+    where = _where(node)
+    merged = [(a, d) for a in flat_nodes(op_node) for d in batch.dims(a) if not batch.is_whole(a, d)]
     if merged:
-        shape = ", ".join(str(s).replace(str(batch.symbol), "B") for s in value_of(merged[0]).shape)
+        value, dim = merged[0]
+        shape = ", ".join(str(s).replace(str(batch.symbol), "B") for s in value_of(value).shape)
+        stop = layout_stop(value, dim, batch)
+        if stop is None:
+            lost = "an op between the merge (x.flatten(0, 1), torch.cat, repeat) and here has no layout rule"
+            ask = "the ops in between"
+        else:
+            lost = (f"the layout walk (compiled_psg/_analyze/layout.py) has no rule to follow the rows through "
+                    f"{_op_name(stop)} {_where(stop)}")
+            ask = _op_name(stop)
         return UnsupportedError(
             f"{op_node.target} {where} reads a value whose batch dimension is merged with another one ({shape}), "
-            "and compiled_psg cannot tell which of its rows belong to which sample: an op between the merge "
-            "(x.flatten(0, 1), torch.cat, repeat) and here has no layout rule. Fix: view the merged rows back to "
-            "[B, T, ...] right after the layer that needs them merged (h = conv(x.flatten(0, 1)); h = "
-            "h.view(x.shape[0], -1, *h.shape[1:])), or open an issue naming the ops in between")
+            f"and compiled_psg cannot tell which of its rows belong to which sample: {lost}. Fix: view the merged "
+            "rows back to [B, T, ...] right after the layer that needs them merged (h = conv(x.flatten(0, 1)); h = "
+            f"h.view(x.shape[0], -1, *h.shape[1:])), or open an issue naming {ask}")
     return UnsupportedError(
         f"no rule for {op_node.target} {where}, and the vmap fallback cannot find the batch dimension of its "
         "inputs. Add a rule in compiled_psg/_rewrite/rules (docs/contributing.md) or open an issue with this message")
 
 
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+def _where(node: fx.Node) -> str:
+    """``at <the user's line>``, or for a backward node (which carries none) ``in the backward of <the line of
+    the forward value it reads>``."""
+    line = source_line(node)
+    return f"in the backward of {_forward_line(node)}" if line.startswith("unknown") else f"at {line}"
+
+
 def _forward_line(node: fx.Node) -> str:
-    """A backward node carries no source line: the line of the nearest forward value it reads (a convolution's
-    backward reads the convolution's input)."""
+    """A backward node carries no source line: the line of the nearest forward tensor it reads (a convolution's
+    backward reads the convolution's input; a size read from a forward tensor, ``B, N, C = x.shape``, is not the
+    op)."""
     seen, queue = {node}, list(node.all_input_nodes)
     while queue:
         n = queue.pop(0)
-        if n.meta.get("stack_trace"):
+        if n.meta.get("stack_trace") and isinstance(value_of(n), torch.Tensor):
             return source_line(n)
         queue += [a for a in n.all_input_nodes if a not in seen]
         seen.update(n.all_input_nodes)
@@ -330,7 +350,7 @@ def _refuse_if_batch_pinned(emitted: fx.Node, op_node: fx.Node, node: fx.Node, b
     env = getattr(detect_fake_mode([value_of(emitted)]), "shape_env", None)
     if env is not None and batch.symbol in env.replacements:
         raise UnsupportedError(
-            f"no rule for {op_node.target} at {source_line(node)}, and its vmap fallback fixes the batch size. "
+            f"no rule for {op_node.target} {_where(node)}, and its vmap fallback fixes the batch size. "
             "Add a rule in compiled_psg/_rewrite/rules (docs/contributing.md) or open an issue with this message")
 
 

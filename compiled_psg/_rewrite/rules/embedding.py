@@ -95,21 +95,32 @@ def embedding_dense_backward(node: fx.Node, batch: BatchDims) -> Contraction | N
                        index_factors=None if scale_by_freq else index_factors, notes=notes)
 
 
-@lift_rule(ATEN.embedding_dense_backward.default, linear=True)
+def _shared_indices(node: fx.Node, lifted: list[bool]) -> bool:
+    """Linear in the gradient only while every sample scatters into the same rows."""
+    return lifted[0] and not any(lifted[1:])
+
+
+@lift_rule(ATEN.embedding_dense_backward.default, linear=_shared_indices)
 def embedding_dense_backward_lift(node: fx.Node, lifted: list[bool]):
-    """``embedding_dense_backward`` of a per-sample gradient with shared indices (a position embedding:
-    ``pos_emb(arange(t))`` is added to every sample, so its gradient sums the samples first, then scatters).
+    """``embedding_dense_backward`` of a per-sample gradient: each sample's own table.
+
+    A position embedding (``pos_emb(arange(t))`` is added to every sample) sums the samples' gradients first, then
+    scatters them.
 
     Before::  s = sum(g, [0]);  eb = aten.embedding_dense_backward(s [t, d], arange(t), v, pad, False)   # [v, d]
     After::   ps = zeros(n*v, d).index_add(0, arange(t) + n*v offsets, ps_s [n, t, d]).view(n, v, d)
+
+    The indices may be per sample too where they are computed from the batch's shape (PEFT's prompt tokens,
+    ``arange(t).expand(n, -1)[:1]``): each sample's own, read from its row.
     """
-    if not lifted[0] or any(lifted[1:]):
+    if not lifted[0]:
         return None
     _g, _idx, num_weights, padding_idx, scale_by_freq = node.args
+    own_ids = lifted[1]
 
     def run(grads, idx, *_sizes):
         n = grads.shape[0]
-        ids = idx.reshape(1, -1).expand(n, -1)
+        ids = idx.reshape(n, -1) if own_ids else idx.reshape(1, -1).expand(n, -1)
         return per_sample_table(grads.reshape(n, ids.shape[1], grads.shape[-1]), ids, num_weights, padding_idx,
                                 scale_by_freq)
 

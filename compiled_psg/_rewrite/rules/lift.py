@@ -171,23 +171,33 @@ def weight_norm_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     return run
 
 
-@lift_rule(ATEN.slice_backward.default, ATEN.select_backward.default, linear=True)
-def slice_or_select_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
-    """The gradient of a slice (any step) or a select of a parameter, placed back into the parameter's shape.
+#: backward of a view that picks part of a tensor -> positions of its dimension arguments, after
+#: ``(grad, input_sizes)``: zeros shaped ``input_sizes`` with the gradient written at the picked positions
+VIEW_BACKWARD_DIMS = {ATEN.slice_backward.default: (2,), ATEN.select_backward.default: (2,),
+                      ATEN.diagonal_backward.default: (3, 4), ATEN.unfold_backward.default: (2,)}
+
+
+@lift_rule(*VIEW_BACKWARD_DIMS, linear=True)
+def view_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
+    """The gradient of a view of a parameter (slice, select, diagonal, unfold), placed back into its shape.
 
     Before::  sb = aten.slice_backward(g, [o, i], 1, 0, 9223372036854775807, 2)    # g [o, i/2] -> [o, i]
     After::   ps = aten.slice_backward(ps_g, [n, o, i], 2, 0, 9223372036854775807, 2)   # [n, o, i]
 
-    ``select_backward(g, sizes, dim, index)`` likewise, with ``n`` prepended to ``sizes`` and ``dim`` shifted.
+    Likewise ``select_backward(g, sizes, dim, index)``, ``diagonal_backward(g, sizes, offset, dim1, dim2)`` and
+    ``unfold_backward(g, sizes, dim, size, step)``: ``n`` prepended to ``sizes``, every dimension shifted by one.
     """
     if not _only_first_lifted(lifted) or node.kwargs:  # autograd passes every argument by position
         return None
     rank = len(node.args[1])
+    dims = VIEW_BACKWARD_DIMS[node.target]
 
     def run(*values):
         it = iter(values)
-        g, sizes, dim, *rest = fx.map_arg(node.args, lambda _: next(it))
-        return node.target(g, [g.shape[0], *sizes], dim % rank + 1, *rest)
+        g, sizes, *rest = fx.map_arg(node.args, lambda _: next(it))
+        for k in dims:
+            rest[k - 2] = rest[k - 2] % rank + 1
+        return node.target(g, [g.shape[0], *sizes], *rest)
 
     return run
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from ..._analyze import ops
 from ..._analyze.batch_dims import BatchDims, value_of
-from ..._analyze.layout import batch_layout, split_batch, uniform
+from ..._analyze.layout import batch_layout, slice_at_batch_of_one, split_batch, uniform
 from ..._errors import InternalError
 from ..contraction import Contraction
-from ..registry import contraction_rule
+from ..registry import contraction_rule, lift_rule
 
 ATEN = torch.ops.aten
 
@@ -78,6 +80,37 @@ def sum_or_mean(node: fx.Node, batch: BatchDims) -> Contraction | None:
                        linear_layout=(bdim, layout), rebuild=rebuild, notes={"terms_per_entry": terms})
 
 
+@contraction_rule(ATEN.slice.Tensor)
+def slice_of_the_batch(node: fx.Node, batch: BatchDims) -> Contraction | None:
+    """``slice`` along the batch to a fixed number of rows (``prompt.expand(n, -1)[:1]``): each sample's batch of one.
+
+    Before::  s = aten.slice(p [n, t], 0, 0, 1)                     # [1, t]: rows the same for every sample
+    After::   ps = aten.slice(split_batch(p) [n, 1, t], 1, 0, 1)    # [n, 1, t]
+
+    Declines unless a batch of one keeps as many rows as the node has (the mixing analysis accepts only such
+    slices of values that are the same for every sample). Not linear in the book-keeping sense: the slice of a
+    weighted batch keeps some samples' rows, not a weighted sum of every sample's own rows.
+    """
+    if node.kwargs:
+        return None
+    x, dim, start, end, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+    value = value_of(x)
+    dim %= value.dim()
+    if batch.dims(x) != (dim,):
+        return None
+    factor = batch.factor(value.shape[dim])
+    layout = batch_layout(x, dim, batch) or ((factor, 1) if factor and uniform(x) else None)
+    read = slice_at_batch_of_one(value.shape[dim], start, end, step, batch)  # the bounds a batch of one reads
+    if layout is None or read is None or len(range(read[0])[slice(*read[1:])]) != value_of(node).shape[dim]:
+        return None
+    _, start, end, step = read
+
+    def per_sample(x):
+        return ATEN.slice.Tensor(split_batch(x, dim, layout), dim + 1, start, end, step)
+
+    return Contraction(rule="slice", node=node, inputs=[x], per_sample=per_sample)
+
+
 @contraction_rule(ATEN.nll_loss_forward.default, ATEN.nll_loss2d_forward.default)
 def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
     """``nll_loss_forward``/``nll_loss2d_forward`` over a batch: each sample's own (weighted) mean or sum.
@@ -121,6 +154,43 @@ def nll_loss(node: fx.Node, batch: BatchDims) -> Contraction | None:
         return torch.where(weights > 0, losses.sum(1) / safe, torch.full_like(safe, float("nan")))
 
     return Contraction(rule="nll_loss_forward", node=node, inputs=inputs, per_sample=per_sample)
+
+
+@lift_rule(ATEN.nll_loss_forward.default, ATEN.nll_loss2d_forward.default)
+def nll_loss_lift(node: fx.Node, lifted: list[bool]):
+    """``nll_loss_forward`` of per-sample log-probabilities with shared targets: each sample's own loss.
+
+    A loss head that pools over the batch first (``F.cross_entropy(h.mean(0), y)``) gives every sample its own
+    ``h`` and the same targets (the vmap fallback fixed the batch size here)::
+
+        Before::  l = aten.nll_loss_forward(logp [t, c], y [t], w, reduction=mean, ignore)[0]           # []
+        After::   l = nll_loss(ps_logp [n*t, c], y.expand(n, t), reduction=none).view(n, t)
+                  ps = l.sum(1) / (w[y] * (y != ignore)).sum()                                           # [n]
+    """
+    if node.target is not operator.getitem or node.args[1] != 0 or not lifted[0] or any(lifted[1:]):
+        return None  # total_weight (read by the backward only), or per-sample targets or weights
+    op = node.args[0]
+    if op.kwargs:
+        return None
+    _inp, target, weight, reduction, ignore_index = op.args[:5]
+    shape = tuple(value_of(target).shape)
+
+    def run(logp, tgt, *w):
+        n = logp.shape[0]
+        wt = w[0] if w else None
+        rows = tgt.expand(n, *shape)
+        flat = logp.flatten(0, 1) if shape else logp  # [n*t, c, ...] (one target per sample: [n, c])
+        losses = F.nll_loss(flat, rows.flatten(0, 1) if shape else rows, wt, reduction="none",
+                            ignore_index=ignore_index).reshape(n, -1)
+        if reduction == 0:
+            return losses.reshape(n, *shape)
+        if reduction == 2:
+            return losses.sum(1)
+        valid = tgt != ignore_index  # the same for every sample: one total weight (0 / 0 is NaN, as in eager)
+        weights = valid.to(logp.dtype) if wt is None else wt[tgt.masked_fill(~valid, 0)] * valid
+        return losses.sum(1) / weights.sum()
+
+    return run
 
 
 def elementwise_loss(op: torch._ops.OpOverload):
