@@ -25,8 +25,19 @@ from pathlib import Path
 
 import torch
 
-from .cli import (FlagError, delta, int_at_least, momentum, nonnegative_int, output_folder, positive_float,
-                  positive_int, positive_multiple_of, run, seed)
+from .cli import (
+    FlagError,
+    delta,
+    int_at_least,
+    momentum,
+    nonnegative_int,
+    output_folder,
+    positive_float,
+    positive_int,
+    positive_multiple_of,
+    run,
+    seed,
+)
 from .train import _optimizer, write_metrics_and_plot
 
 HF_MISSING = ("python -m compiled_psg finetune needs transformers and peft (the hf extra): "
@@ -37,7 +48,8 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="compiled-psg finetune", add_help=add_help,
                                 description="DP LoRA fine-tuning of a tiny Llama-style model on stdlib docstrings.")
     p.add_argument("--steps", type=positive_int, default=100, help="DP fine-tuning steps (Poisson-sampled batches)")
-    p.add_argument("--pretrain-steps", type=nonnegative_int, default=300, help="non-private pre-training steps on the public text")
+    p.add_argument("--pretrain-steps", type=nonnegative_int, default=300,
+                   help="non-private pre-training steps on the public text")
     p.add_argument("--epsilon", type=positive_float, default=8.0,
                    help="target epsilon: the noise multiplier is calibrated to reach it after --steps")
     p.add_argument("--sigma", type=positive_float, default=None, help="noise multiplier (overrides --epsilon)")
@@ -60,7 +72,8 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=positive_int, default=2)
     p.add_argument("--pretrain-batch-size", type=positive_int, default=16)
     p.add_argument("--pretrain-lr", type=positive_float, default=3e-3)
-    p.add_argument("--evals", type=nonnegative_int, default=4, help="held-out evaluations during fine-tuning (for the plot)")
+    p.add_argument("--evals", type=nonnegative_int, default=4,
+                   help="held-out evaluations during fine-tuning (for the plot)")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--threads", type=nonnegative_int, default=1, help="torch CPU threads (0: leave torch's setting)")
     p.add_argument("--out", type=output_folder, default=Path("runs/finetune"))
