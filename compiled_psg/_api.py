@@ -231,7 +231,11 @@ def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> t
     out = []
     for pos, a in enumerate(args):
         if pos in batch_dims:
-            if batch_size < 2:
+            if batch_size == 0:  # two samples of zeros: the capture reads shapes and dtypes, never values
+                shape = list(a.shape)
+                shape[batch_dims[pos]] = 2
+                a = a.new_zeros(shape).requires_grad_(a.requires_grad)
+            elif batch_size < 2:
                 index = torch.zeros(2, dtype=torch.long, device=a.device)
                 a = a.index_select(batch_dims[pos], index)
             else:
@@ -432,12 +436,18 @@ class PerSampleFunction:
         no_keywords(kwargs)
         params, modes = _params_and_modes(self.params_source)
         batch_dims, batch_size = batch_dims_of(args, self.in_dims)
-        if batch_size == 0:
+        try:
+            call = self._prepare(params, modes, args, batch_dims, batch_size)  # an empty batch is checked as any is
+        except (BatchInputError, CaptureError) as e:
+            if batch_size == 0:  # its capture traced two samples of zeros: say why sizes of 2 appear
+                e.args = (f"{e}\n(The batch is empty: it was checked against the loss as two samples of its "
+                          "shapes and dtypes, so a size of 2 above stands for its batch size.)", *e.args[1:])
+            raise
+        if batch_size == 0:  # nothing to differentiate: the empty results, and the loss the function computes
             shapes = {n: (p.shape, p.dtype, p.device) for n, p in params.items()}
             ref = params[next(iter(params))]
             empty = torch.zeros(0, dtype=ref.dtype, device=ref.device)
-            return torch.zeros((), dtype=ref.dtype, device=ref.device), empty, self.reduce.empty(shapes)
-        call = self._prepare(params, modes, args, batch_dims, batch_size)
+            return call.entry.loss_of_empty_batch(call.params, call.args), empty, self.reduce.empty(shapes)
         return call.entry(call.params, call.args, call.batch_size)
 
     def __call__(self, *args, **kwargs):

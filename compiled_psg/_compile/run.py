@@ -69,6 +69,7 @@ class CompiledGraph:
         self.compiles = 0
         self._plan: list[tuple[int, str, object]] | None = None  # built on first use (_make_plan)
         self._heap_checked = False
+        self._empty_loss_graph: torch.fx.GraphModule | None = None  # built on the first empty batch
 
     def _inputs(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int) -> list:
         if self._plan is None:
@@ -217,6 +218,27 @@ class CompiledGraph:
             else:
                 target = captured.constants[i]
             target.copy_(value)
+
+    def loss_of_empty_batch(self, params: dict[str, torch.Tensor], args: tuple) -> torch.Tensor:
+        """The loss of a batch of no samples, as the function computes it: NaN for a mean over the samples, 0 for
+        a sum. The rewritten graph's nodes that compute the loss (the captured forward) run op by op on the empty
+        batch, without gradients or the loss's in-place updates; where they raise on zero samples (a shape the
+        loss derives from the batch size, ``x.view(len(x), -1)``), NaN."""
+        if self._empty_loss_graph is None:
+            graph = copy.deepcopy(self.rewritten.graph_module.graph)
+            output = graph.output_node()
+            loss = output.args[0][0]
+            graph.erase_node(output)
+            graph.output(loss)
+            graph.eliminate_dead_code()
+            self._empty_loss_graph = torch.fx.GraphModule(self.rewritten.graph_module, graph)
+        inputs = self._inputs(params, args, 0)
+        try:
+            with torch.no_grad():
+                return self._empty_loss_graph.forward(*inputs)  # not the module call: no global module hooks
+        except Exception:  # noqa: BLE001 -- the loss is undefined on zero samples; the step of noise still is
+            reference = next(iter(params.values()))
+            return torch.full((), float("nan"), dtype=reference.dtype, device=reference.device)
 
     def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
         loss, per_sample_losses, *flat = self.run(params, args, batch_size)

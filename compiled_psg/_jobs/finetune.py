@@ -213,7 +213,9 @@ def finetune(args) -> dict:
     train_start = time.perf_counter()
     while taken < args.steps:
         for (x,) in loader:
-            losses.append(float(step(x)))
+            loss = step(x)
+            if len(x):  # an empty batch's step is noise alone, and its loss (a mean over nothing) NaN
+                losses.append(float(loss))
             taken, samples = taken + 1, samples + len(x)
             bar.update(1)
             if taken in eval_at or taken == args.steps:

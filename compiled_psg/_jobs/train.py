@@ -126,7 +126,9 @@ def train(args) -> dict:
     for epoch in range(1, args.epochs + 1):
         epoch_start, samples, losses = time.perf_counter(), 0, []
         for x, y in loader:
-            losses.append(float(step(x, y)))
+            loss = step(x, y)
+            if len(y):  # an empty batch's step is noise alone, and its loss (a mean over nothing) NaN
+                losses.append(float(loss))
             samples += len(y)
             bar.update(1)
         epoch_seconds = time.perf_counter() - epoch_start
