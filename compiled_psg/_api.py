@@ -493,7 +493,8 @@ def per_sample_grad(fn: Callable, argnums: int = 0, *, in_dims: InDims = 0, redu
     """The functional form, like ``torch.func.grad``: ``fn(params_dict, *batch)`` -> per-sample gradients.
 
     ``in_dims`` refers to the batch arguments (every positional argument but ``argnums``); a tuple with one
-    entry per positional argument of ``fn`` (``None`` at ``argnums``) is accepted too.
+    entry per positional argument of ``fn`` is accepted too, with ``None`` at ``argnums`` (the parameters are
+    shared by every sample: another entry there is refused).
     """
     check_loss(fn)
     if isinstance(argnums, bool) or not (isinstance(argnums, int) and argnums >= 0):
@@ -518,6 +519,12 @@ def per_sample_grad(fn: Callable, argnums: int = 0, *, in_dims: InDims = 0, redu
         refuse_nested(params)
         dims = in_dims
         if isinstance(dims, tuple) and len(dims) == len(all_args):
+            if dims[argnums] is not None:  # was dropped silently, as if it were None
+                raise BatchInputError(
+                    f"in_dims[{argnums}]={dims[argnums]!r} is the entry of the parameter dict (argument {argnums}, "
+                    "argnums), which every sample shares: per_sample_grad differentiates the parameters, it does "
+                    f"not batch them. Fix: in_dims[{argnums}]=None, or give in_dims for the batch arguments only "
+                    f"({len(all_args) - 1} entries)")
             dims = dims[:argnums] + dims[argnums + 1:]
         # fresh leaves each call: the tensors the loss sees are the ones differentiated (and labelled by identity)
         state["params"] = {k: v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
