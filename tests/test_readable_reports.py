@@ -164,6 +164,26 @@ def test_save_and_print_graphs_name_a_destination_they_cannot_write(tmp_path, mo
                     torch.randint(0, 2, (4,)))
 
 
+def test_explain_of_a_per_sample_grad_function_is_that_of_the_per_sample_function():
+    """explain refused what per_sample_grad makes ("expects a function decorated with @psg.per_sample"). It takes
+    it with its arguments as it takes them (the parameter dict among them): the report is that of the equivalent
+    @per_sample function, and the call that follows reuses its capture."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(2, 3), "b": torch.randn(2)}
+    loss = lambda x, p, y: F.cross_entropy(x @ p["w"].T + p["b"], y)
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    grad_fn = psg.per_sample_grad(loss, argnums=1)
+    report = psg.explain(grad_fn, x, params, y)
+    leaves = {k: v.requires_grad_() for k, v in params.items()}
+    same = psg.explain(psg.per_sample(leaves)(lambda x, y: loss(x, leaves, y)), x, y)
+    assert str(report) == str(same) and [r.name for r in report.rewrites] == ["w", "b"]
+    for which in ("captured", "before", "after"):
+        assert report.graph_text(which) == same.graph_text(which)
+    assert grad_fn(x, params, y)["w"].shape == (4, 2, 3) and grad_fn.per_sample_function.captures == 1
+    with pytest.raises(psg.BatchInputError, match="argument 1 must be a dict of parameters, got Tensor"):
+        psg.explain(grad_fn, x, y, params)
+
+
 def test_explain_of_a_dp_step_shows_its_clip_choices_and_the_step_reuses_the_capture():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
