@@ -231,7 +231,11 @@ def _capture_args(args: tuple, batch_dims: dict[int, int], batch_size: int) -> t
     out = []
     for pos, a in enumerate(args):
         if pos in batch_dims:
-            if batch_size < 2:
+            if batch_size == 0:  # two samples of zeros: the capture reads shapes and dtypes, never values
+                shape = list(a.shape)
+                shape[batch_dims[pos]] = 2
+                a = a.new_zeros(shape).requires_grad_(a.requires_grad)
+            elif batch_size < 2:
                 index = torch.zeros(2, dtype=torch.long, device=a.device)
                 a = a.index_select(batch_dims[pos], index)
             else:
@@ -432,12 +436,18 @@ class PerSampleFunction:
         no_keywords(kwargs)
         params, modes = _params_and_modes(self.params_source)
         batch_dims, batch_size = batch_dims_of(args, self.in_dims)
-        if batch_size == 0:
+        try:
+            call = self._prepare(params, modes, args, batch_dims, batch_size)  # an empty batch is checked as any is
+        except (BatchInputError, CaptureError) as e:
+            if batch_size == 0:  # its capture traced two samples of zeros: say why sizes of 2 appear
+                e.args = (f"{e}\n(The batch is empty: it was checked against the loss as two samples of its "
+                          "shapes and dtypes, so a size of 2 above stands for its batch size.)", *e.args[1:])
+            raise
+        if batch_size == 0:  # nothing to differentiate: the empty results, and the loss the function computes
             shapes = {n: (p.shape, p.dtype, p.device) for n, p in params.items()}
             ref = params[next(iter(params))]
             empty = torch.zeros(0, dtype=ref.dtype, device=ref.device)
-            return torch.zeros((), dtype=ref.dtype, device=ref.device), empty, self.reduce.empty(shapes)
-        call = self._prepare(params, modes, args, batch_dims, batch_size)
+            return call.entry.loss_of_empty_batch(call.params, call.args), empty, self.reduce.empty(shapes)
         return call.entry(call.params, call.args, call.batch_size)
 
     def __call__(self, *args, **kwargs):
@@ -479,42 +489,61 @@ def per_sample(params: nn.Module | Mapping[str, torch.Tensor], *, in_dims: InDim
 
 
 def per_sample_grad(fn: Callable, argnums: int = 0, *, in_dims: InDims = 0, reduce: Reduction | None = None,
-                    backend: str = "inductor") -> Callable:
+                    backend: str = "inductor") -> PerSampleGrad:
     """The functional form, like ``torch.func.grad``: ``fn(params_dict, *batch)`` -> per-sample gradients.
 
     ``in_dims`` refers to the batch arguments (every positional argument but ``argnums``); a tuple with one
-    entry per positional argument of ``fn`` (``None`` at ``argnums``) is accepted too.
+    entry per positional argument of ``fn`` is accepted too, with ``None`` at ``argnums`` (the parameters are
+    shared by every sample: another entry there is refused).
     """
     check_loss(fn)
     if isinstance(argnums, bool) or not (isinstance(argnums, int) and argnums >= 0):
         raise BatchInputError(f"argnums must be an int >= 0, the position of the parameter dict among fn's "
                               f"arguments, got {argnums!r}")
+    return PerSampleGrad(fn, argnums, in_dims, reduce, backend)
 
-    def inner(params, *batch):
+
+class PerSampleGrad:
+    """What ``per_sample_grad`` returns: called as ``fn`` is (the parameter dict at ``argnums``), it gives the
+    per-sample gradients; ``per_sample_function`` is the ``PerSampleFunction`` of the batch arguments it runs,
+    whose parameters are those of the last call."""
+
+    def __init__(self, fn: Callable, argnums: int, in_dims: InDims, reduce: Reduction | None, backend: str):
+        self.fn, self.argnums, self.in_dims = fn, argnums, in_dims
+        self._params: dict[str, Any] = {}
+        self.per_sample_function = PerSampleFunction(self._loss_of_batch, {}, in_dims, reduce, backend)
+
+    def _loss_of_batch(self, *batch):
         full = list(batch)
-        full.insert(argnums, params)
-        return fn(*full)
+        full.insert(self.argnums, self._params)
+        return self.fn(*full)
 
-    state: dict[str, Any] = {}
-    psf = PerSampleFunction(lambda *batch: inner(state["params"], *batch), {}, in_dims, reduce, backend)
-
-    def wrapped(*all_args, **kwargs):
+    def bind(self, args: tuple, kwargs: dict) -> tuple:
+        """Take the parameter dict out of ``fn``'s arguments for ``per_sample_function``; the batch arguments."""
         no_keywords(kwargs)
-        if len(all_args) <= argnums:
-            raise BatchInputError(f"expected the parameter dict at position {argnums}, got {len(all_args)} arguments")
-        params = all_args[argnums]
+        argnums = self.argnums
+        if len(args) <= argnums:
+            raise BatchInputError(f"expected the parameter dict at position {argnums}, got {len(args)} arguments")
+        params = args[argnums]
         if not isinstance(params, Mapping):
             raise BatchInputError(f"argument {argnums} must be a dict of parameters, got {type(params).__name__}")
         refuse_nested(params)
-        dims = in_dims
-        if isinstance(dims, tuple) and len(dims) == len(all_args):
+        dims = self.in_dims
+        if isinstance(dims, tuple) and len(dims) == len(args):
+            if dims[argnums] is not None:  # was dropped silently, as if it were None
+                raise BatchInputError(
+                    f"in_dims[{argnums}]={dims[argnums]!r} is the entry of the parameter dict (argument {argnums}, "
+                    "argnums), which every sample shares: per_sample_grad differentiates the parameters, it does "
+                    f"not batch them. Fix: in_dims[{argnums}]=None, or give in_dims for the batch arguments only "
+                    f"({len(args) - 1} entries)")
             dims = dims[:argnums] + dims[argnums + 1:]
         # fresh leaves each call: the tensors the loss sees are the ones differentiated (and labelled by identity)
-        state["params"] = {k: v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
-                           for k, v in params.items()}
-        psf.params_source = {k: v for k, v in state["params"].items() if isinstance(v, torch.Tensor)}
+        self._params = {k: v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+                        for k, v in params.items()}
+        psf = self.per_sample_function
+        psf.params_source = {k: v for k, v in self._params.items() if isinstance(v, torch.Tensor)}
         psf.in_dims = dims
-        return psf(*(all_args[:argnums] + all_args[argnums + 1:]))
+        return args[:argnums] + args[argnums + 1:]
 
-    wrapped.per_sample_function = psf
-    return wrapped
+    def __call__(self, *args, **kwargs):
+        return self.per_sample_function(*self.bind(args, kwargs))

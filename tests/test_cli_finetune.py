@@ -48,6 +48,35 @@ def test_finetune_without_hf_says_how_to_install(monkeypatch, tmp_path):
         main(["finetune", *QUICK, "--out", str(tmp_path)])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-rank", "0"], "argument --lora-rank: must be a positive int, got 0"),
+    (["--lora-rank", "-2"], "argument --lora-rank: must be a positive int, got -2"),
+    (["--hidden", "12"], "argument --hidden: must be a positive multiple of 8, got 12"),
+    (["--layers", "0"], "argument --layers: must be a positive int, got 0"),
+    (["--seq-len", "1"], "argument --seq-len: must be an int >= 2, got 1"),
+    (["--pretrain-steps", "-1"], "argument --pretrain-steps: must be an int >= 0, got -1"),
+    (["--pretrain-batch-size", "0"], "argument --pretrain-batch-size: must be a positive int, got 0"),
+    (["--pretrain-lr", "-1"], "argument --pretrain-lr: must be a positive finite number, got -1.0"),
+    (["--lr", "inf"], "argument --lr: must be a positive finite number, got inf"),
+    (["--momentum", "-0.5"], "argument --momentum: must be a number in [0, 1), got -0.5"),
+    (["--evals", "-1"], "argument --evals: must be an int >= 0, got -1"),
+    (["--delta", "1"], "argument --delta: must be a number in (0, 1), got 1.0"),
+    (["--seed", "4294967296"], "argument --seed: must be an int in [0, 2**32 - 1], got 4294967296"),
+    (["--seq-len", "10000000"], "argument --seq-len: 10000000 bytes is longer than the held-out text"),
+])
+def test_bad_values_are_one_line_usage_errors(flags, message, tmp_path, capsys):
+    """Each ended in a traceback (peft's ValueError for r=0 after the pre-training, transformers' validation
+    of the width, a NaN loss or a ZeroDivisionError for windows with nothing to predict, torch's "Invalid learning
+    rate") or ran on (--lr inf into NaN weights, --evals -1, --momentum -0.5 with the default Adam, which ignores
+    it). Each is now argparse's usage error naming the flag: one line, exit code 2, before any training."""
+    with pytest.raises(SystemExit) as info:
+        main(["finetune", *QUICK, "--out", str(tmp_path / "run"), *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"compiled-psg finetune: error: {message}" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
 def test_lora_llama_per_sample_gradients_exact():
     """What the job trains: LoRA on a byte-level Llama built by the job, per-sample gradients against the loop."""
     import warnings

@@ -57,11 +57,16 @@ def test_module_entry_point_help():
     (["--epsilon", "0"], "argument --epsilon: must be a positive finite number, got 0.0"),
     (["--out", "/proc/x"], "argument --out: cannot create the folder /proc/x"),
     (["--epsilon", "1e9", "--epochs", "1", "--train-subset", "100"], "target_epsilon=1000000000.0 is met even"),
-    (["--delta", "0"], "delta must be a number in"),
+    (["--delta", "0"], "argument --delta: must be a number in (0, 1), got 0.0"),
+    (["--delta", "nan"], "argument --delta: must be a number in (0, 1), got nan"),
+    (["--lr", "-0.1"], "argument --lr: must be a positive finite number, got -0.1"),
+    (["--momentum", "1"], "argument --momentum: must be a number in [0, 1), got 1.0"),
+    (["--seed", "-1"], "argument --seed: must be an int in [0, 2**32 - 1], got -1"),
 ])
 def test_bad_values_are_one_line_usage_errors(flags, message, tmp_path, capsys):
     """Each of these ended in a traceback (dp-accounting's "count must be positive", a ZeroDivisionError,
-    NoBracketIntervalFoundError, a FileNotFoundError after the whole run) or, for --train-subset -5, ran a full
+    NoBracketIntervalFoundError, a FileNotFoundError after the whole run, torch's "Invalid learning rate",
+    scikit-learn's InvalidParameterError for the seed) or, for --train-subset -5 and --momentum 1, ran a full
     training. Each is now argparse's usage error: one line, exit code 2, before the training."""
     with pytest.raises(SystemExit) as info:
         main(["train", "--out", str(tmp_path / "run"), *flags, "--backend", "eager", "--no-progress"])

@@ -369,3 +369,37 @@ def test_assigning_an_inputs_data_in_the_loss_is_refused_with_the_cause_and_the_
         psg.per_sample(m, backend="eager")(loss)(x, y)
     assert "compiled_psg bug" not in str(info.value)
     assert torch.equal(x, given)
+
+
+def test_an_empty_batch_is_checked_against_the_loss_and_its_loss_is_the_functions():
+    """A batch of zero samples returned empty gradients whatever its shapes (features of the wrong width, float
+    labels: what a batch of any other size is refused for), and the loss 0.0 where the function's loss of no
+    samples is NaN (a mean; 0 for a sum). Now the empty batch is checked as any batch is, and the loss is the
+    function's: per_sample, per_sample_grad and a DP step (whose empty batch is a step of noise alone) alike."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    mean = lambda x, y: F.cross_entropy(model(x), y)
+    total = lambda x, y: F.cross_entropy(model(x), y, reduction="sum")
+    x0, y0 = torch.randn(0, 3), torch.randint(0, 2, (0,))
+    for bad in ((torch.randn(0, 5), y0), (x0, torch.zeros(0))):
+        with pytest.raises(psg.BatchInputError, match=r"the loss fails on this batch(.|\n)*The batch is empty"):
+            psg.per_sample(model)(mean)(*bad)
+        with pytest.raises(psg.BatchInputError, match="the loss fails on this batch"):
+            psg.per_sample_grad(lambda p, x, y: F.cross_entropy(torch.func.functional_call(model, p, (x,)), y))(
+                dict(model.named_parameters()), *bad)
+    for loss_fn in (mean, total):
+        fn = psg.per_sample(model)(loss_fn)
+        loss, losses, grads = fn.with_losses(x0, y0)
+        expected = loss_fn(x0, y0)  # NaN for the mean, 0 for the sum
+        assert torch.equal(loss.isnan(), expected.isnan()) and (expected.isnan() or loss == expected)
+        assert losses.shape == (0,) and {n: g.shape for n, g in grads.items()} == {"weight": (0, 2, 3), "bias": (0, 2)}
+        fn(torch.randn(4, 3), torch.randint(0, 2, (4,)))
+        assert fn.captures == 1  # the empty batch's capture serves every batch size
+    step = psg.compile_step(mean, model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                            noise_multiplier=1.0, expected_batch_size=4)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(psg.BatchInputError, match="The batch is empty"):
+        step(torch.randn(0, 5), y0)
+    assert step.steps_taken == 0 and all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert step(x0, y0).isnan() and step.steps_taken == 1  # a step of noise alone; its loss is the function's
+    assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))

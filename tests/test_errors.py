@@ -6,6 +6,7 @@ Offending lines carry a ``# <marker>`` comment; ``line_of(marker)`` finds their 
 from __future__ import annotations
 
 import re
+import traceback
 from pathlib import Path
 
 import pytest
@@ -479,22 +480,49 @@ def _label_out_of_range(x, y):
     return F.cross_entropy(HEAD(x), y)  # <label-out-of-range>
 
 
-@pytest.mark.parametrize("loss,args,op,backend", [
-    (_ids_out_of_range, (torch.tensor([[1, 2], [3, 12], [0, 1]]),), "aten.embedding", "eager"),
-    (_label_out_of_range, (torch.randn(3, 4, dtype=F64), torch.tensor([0, 5, 1])), "aten.nll_loss_forward", "eager"),
-    (_ids_out_of_range, (torch.tensor([[1, 2], [3, 12], [0, 1]]),), "aten.embedding", "inductor"),
-], ids=["embedding_id", "label", "embedding_id_inductor"])
-def test_a_batch_value_out_of_an_ops_range_names_the_op_its_line_and_the_values(loss, args, op, backend):
+def _gathered_label_out_of_range(x, y):
+    return HEAD(x).gather(1, y[:, None]).sum()  # <gathered-out-of-range>
+
+
+@pytest.mark.parametrize("loss,args,op,accepted,backend", [
+    (_ids_out_of_range, (torch.tensor([[1, 2], [3, 1212], [0, 1]]),), "aten.embedding",
+     "[0, 10), the embedding's rows", "eager"),
+    (_label_out_of_range, (torch.randn(3, 4, dtype=F64), torch.tensor([0, 1717, 1])), "aten.nll_loss_forward",
+     "[0, 3), the number of classes, or the ignore_index -100", "eager"),
+    (_gathered_label_out_of_range, (torch.randn(3, 4, dtype=F64), torch.tensor([0, 1717, 1])), "aten.gather",
+     "[0, 3), the size of dimension 1", "eager"),
+    (_ids_out_of_range, (torch.tensor([[1, 2], [3, 1212], [0, 1]]),), "aten.embedding",
+     "[0, 10), the embedding's rows", "inductor"),
+], ids=["embedding_id", "label", "gathered_label", "embedding_id_inductor"])
+def test_a_batch_value_out_of_an_ops_range_names_the_op_its_line_its_range_and_the_sample_not_the_value(
+        loss, args, op, accepted, backend):
     """An index the capture only saw as a fake tensor fails when the program runs: the error names the op and the
-    user's line (found by running the captured graph again), not the compiled kernel's C++ line."""
+    user's line (found by running the captured graph again), not the compiled kernel's C++ line, the range the op
+    accepts and the failing sample's position. It showed the value too, in its text (torch's "Target 1717 is out
+    of bounds") and in the torch error it was chained to: a training example's content, which a DP library's
+    errors and logs must not carry."""
     before = {n: p.detach().clone() for n, p in HEAD.named_parameters()}
     with pytest.raises(psg.BatchInputError) as info:
         psg.per_sample(nn.ModuleList([EMB, HEAD]), backend=backend)(loss)(*args)
     message = str(info.value)
-    assert op in message and "out of" in message and "Fix: check the batch's labels and indices" in message
-    assert_points_at(message, "ids-out-of-range", "label-out-of-range")
+    assert op in message and f"outside the range the op accepts: {accepted}" in message
+    assert "Fix: check the batch's labels and indices" in message and "positions [1] of the batch" in message
+    assert_points_at(message, "ids-out-of-range", "label-out-of-range", "gathered-out-of-range")
     assert ".cpp" not in message and "please report" not in message
+    shown = "".join(traceback.format_exception(info.value))  # the chain as a log would print it
+    assert "1212" not in shown and "1717" not in shown, shown
     assert all(torch.equal(before[n], p) for n, p in HEAD.named_parameters())
+
+
+def test_a_batch_value_out_of_range_in_a_micro_batch_names_its_position_in_the_batch():
+    """A DP step that splits the batch names the position in the batch the user passed, not the value."""
+    model = nn.Linear(4, 3).double()
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, max_physical_batch_size=2)
+    y = torch.tensor([0, 1, 2, 1, 1717, 0])
+    with pytest.raises(psg.BatchInputError, match=r"positions \[4\] of the batch") as info:
+        step(torch.randn(6, 4, dtype=F64), y)
+    assert "1717" not in "".join(traceback.format_exception(info.value)) and step.steps_taken == 0
 
 
 class _PackedGRU(nn.Module):

@@ -1,5 +1,6 @@
 """psg.per_sample_grad, the functional form, against the naive loop."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from reference import reference_per_sample
@@ -51,3 +52,18 @@ def test_per_sample_grad_with_params_not_first_and_tuple_in_dims():
     got = grad_fn(x, params, y)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name])
+
+
+def test_an_in_dims_entry_for_the_parameter_dict_is_refused():
+    """A tuple in_dims with one entry per argument of fn: the parameter dict's entry was dropped whatever it said
+    (in_dims=(0, 0, 0) ran as (None, 0, 0)). Only None means something there: anything else is refused."""
+    g = torch.Generator().manual_seed(1)
+    params = make_params(5, g)
+    x = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (3,), generator=g)
+    for argnums, dims, args in ((0, (0, 0, 0), (params, x, y)), (1, (0, 1, 0), (x, params, y))):
+        fn = loss if argnums == 0 else (lambda x, p, y: loss(p, x, y))
+        grad_fn = psg.per_sample_grad(fn, argnums=argnums, in_dims=dims, backend="eager")
+        with pytest.raises(psg.BatchInputError, match=rf"in_dims\[{argnums}\]=\d is the entry of the parameter dict"
+                                                      rf"(.|\n)*Fix: in_dims\[{argnums}\]=None"):
+            grad_fn(*args)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import re
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import compiled_psg as psg
 from compiled_psg._analyze.source import group_sites, readable_module_path
@@ -126,6 +128,60 @@ def test_reduction_argument_errors_are_batch_input_errors():
         NoEmit().emit(None)
     with pytest.raises(psg.BatchInputError, match="no example named 'nope'"):
         report_for("nope")
+
+
+def test_save_and_print_graphs_name_a_destination_they_cannot_write(tmp_path, monkeypatch):
+    """A file where the folder goes, a folder that cannot be made, a path that is not one, a stream that is not
+    one or is closed: each raised Python's own error (FileExistsError, AttributeError: 'int' object has no
+    attribute 'write', ...). Each is a BatchInputError naming the destination and the fix."""
+    model = nn.Linear(3, 2)
+    fn = psg.per_sample(model)(lambda x, y: F.cross_entropy(model(x), y))
+    report = psg.explain(fn, torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    with pytest.raises(psg.BatchInputError, match="that path is a file.*Fix: pass the path of a folder"):
+        report.save(a_file)
+    assert a_file.read_text() == "mine"
+    for folder in (a_file / "below", "/proc/no/folder"):
+        with pytest.raises(psg.BatchInputError, match="could not write into the folder .*Fix: pass a folder"):
+            report.save(folder, drawings=False)
+    with pytest.raises(psg.BatchInputError, match="takes the path of a folder .* got int 3"):
+        report.save(3)
+    assert report.save(tmp_path / "new" / "folder", drawings=False)[0].read_text() == str(report) + "\n"
+    closed = io.StringIO()
+    closed.close()
+    for stream, message in ((3, "got int 3"), ("graphs.txt", "got str 'graphs.txt'"),
+                            (closed, "I/O operation on closed file")):
+        with pytest.raises(psg.BatchInputError, match=f"print_graphs.*{message}.*Fix: pass an open text stream"):
+            report.print_graphs(file=stream)
+    printed = io.StringIO()
+    report.print_graphs(file=printed)
+    assert printed.getvalue() == (f"# ===== before =====\n{report.graph_text('before')}\n"
+                                  f"# ===== after =====\n{report.graph_text('after')}\n")
+    monkeypatch.setenv("COMPILED_PSG_DUMP", str(a_file))
+    with pytest.raises(psg.BatchInputError, match="COMPILED_PSG_DUMP=.*a_file.*could not write"):
+        psg.explain(psg.per_sample(model)(lambda x, y: F.cross_entropy(model(x), y)), torch.randn(4, 3),
+                    torch.randint(0, 2, (4,)))
+
+
+def test_explain_of_a_per_sample_grad_function_is_that_of_the_per_sample_function():
+    """explain refused what per_sample_grad makes ("expects a function decorated with @psg.per_sample"). It takes
+    it with its arguments as it takes them (the parameter dict among them): the report is that of the equivalent
+    @per_sample function, and the call that follows reuses its capture."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(2, 3), "b": torch.randn(2)}
+    loss = lambda x, p, y: F.cross_entropy(x @ p["w"].T + p["b"], y)
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    grad_fn = psg.per_sample_grad(loss, argnums=1)
+    report = psg.explain(grad_fn, x, params, y)
+    leaves = {k: v.requires_grad_() for k, v in params.items()}
+    same = psg.explain(psg.per_sample(leaves)(lambda x, y: loss(x, leaves, y)), x, y)
+    assert str(report) == str(same) and [r.name for r in report.rewrites] == ["w", "b"]
+    for which in ("captured", "before", "after"):
+        assert report.graph_text(which) == same.graph_text(which)
+    assert grad_fn(x, params, y)["w"].shape == (4, 2, 3) and grad_fn.per_sample_function.captures == 1
+    with pytest.raises(psg.BatchInputError, match="argument 1 must be a dict of parameters, got Tensor"):
+        psg.explain(grad_fn, x, y, params)
 
 
 def test_explain_of_a_dp_step_shows_its_clip_choices_and_the_step_reuses_the_capture():

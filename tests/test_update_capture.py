@@ -4,6 +4,8 @@ computes, bit for bit, and anything the copies cannot stand for is traced whole.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,10 +13,10 @@ import torch.nn as nn
 import compiled_psg._train.update_graph as update_graph
 
 
-def _model() -> nn.Module:
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
     # repeated kinds: three 6x6 weights, four biases of 6, and one of each other shape
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3))
+    return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)).to(dtype)
 
 
 def _two_groups(params, **kw):
@@ -41,15 +43,15 @@ OPTIMIZERS = {
 }
 
 
-def _ready(make_opt):
+def _ready(make_opt, dtype: torch.dtype = torch.float32):
     """A model, its optimizer after two eager steps (its state exists) and the positions of all parameters."""
-    model = _model()
+    model = _model(dtype)
     params = list(model.parameters())
     opt = make_opt(params)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
+            p.grad = torch.randn(p.shape, generator=gen, dtype=dtype)
         opt.step()
     return params, opt, list(range(len(params)))
 
@@ -102,6 +104,34 @@ def test_one_trace_per_kind_computes_the_whole_trace_bit_for_bit(make_opt, monke
     # and the update did something: every parameter moved
     for p in params:
         assert not torch.equal(got[("tensor", id(p))], p.detach())
+
+
+@pytest.mark.parametrize("name", ["nadam", "radam"])
+def test_float64_counters_read_in_float64_are_copied_bit_for_bit(name, monkeypatch):
+    """A float64 model's update reads its float32 counters (``step``, NAdam's ``mu_product``) in float64 and writes
+    them back as float32 (``update_graph._read_widened``); the graph traced for one parameter of each kind and
+    copied computes what the whole trace computes, counters included."""
+    params, opt, trained = _ready(OPTIMIZERS[name], torch.float64)
+    sizes = _traced_sizes(monkeypatch)
+    copied = update_graph.capture_update(opt, trained, torch.float64)
+    assert sizes == [sizes[0]] and sizes[0] < len(params), sizes
+    whole = update_graph._whole(opt, trained, torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
+    scale = torch.tensor(0.25, dtype=torch.float64)
+    got, want = _run(copied, params, grads, scale), _run(whole, params, grads, scale)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    counters = [opt.state[p]["step"] for p in params]
+    assert all(got[("tensor", id(c))].dtype == torch.float32 and got[("tensor", id(c))] == 3 for c in counters)
+    eager = copy.deepcopy(opt)  # and both are torch's eager step, to float64 rounding
+    eager_params = update_graph.flat_params(eager)
+    for p, g in zip(eager_params, grads, strict=True):
+        p.grad = g * scale
+    eager.step()
+    for p, q in zip(params, eager_params, strict=True):  # _run updated copies: p holds the step's start
+        assert (got[("tensor", id(p))] - q).abs().max() < 1e-12 * (q - p).abs().max()
 
 
 def test_a_subclass_is_traced_whole(monkeypatch):

@@ -28,6 +28,7 @@ from .._heap import opted_in_by_environment, retain_freed_memory
 from .._reduce.reductions import holds_low_precision
 from .._rewrite.rules.conv import calls_batch_as_groups
 from . import indexing  # noqa: F401 - registers the compile phase's index simplification
+from .batch_values import failing_samples, out_of_range, without_numbers
 from .build import Rewritten
 from .prepare import for_inductor
 
@@ -69,6 +70,7 @@ class CompiledGraph:
         self.compiles = 0
         self._plan: list[tuple[int, str, object]] | None = None  # built on first use (_make_plan)
         self._heap_checked = False
+        self._empty_loss_graph: torch.fx.GraphModule | None = None  # built on the first empty batch
 
     def _inputs(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int) -> list:
         if self._plan is None:
@@ -190,7 +192,7 @@ class CompiledGraph:
                         f"the loss failed on this batch's dtypes ({type(e).__name__}: "
                         f"{(str(e).strip().splitlines() or [''])[0]}): {_dtypes(args, params)}. Fix: give the batch "
                         f"the dtype the model computes in ({_to_params_dtype(params)}), or convert the model") from e
-                raise _run_failure(self.rewritten, inputs, e) from e
+                raise _run_failure(self.rewritten, inputs, e) from None  # torch's error may show a value
             if new_values is not None:
                 self._apply_mutations(params, args, new_values)
         return outputs
@@ -218,6 +220,27 @@ class CompiledGraph:
                 target = captured.constants[i]
             target.copy_(value)
 
+    def loss_of_empty_batch(self, params: dict[str, torch.Tensor], args: tuple) -> torch.Tensor:
+        """The loss of a batch of no samples, as the function computes it: NaN for a mean over the samples, 0 for
+        a sum. The rewritten graph's nodes that compute the loss (the captured forward) run op by op on the empty
+        batch, without gradients or the loss's in-place updates; where they raise on zero samples (a shape the
+        loss derives from the batch size, ``x.view(len(x), -1)``), NaN."""
+        if self._empty_loss_graph is None:
+            graph = copy.deepcopy(self.rewritten.graph_module.graph)
+            output = graph.output_node()
+            loss = output.args[0][0]
+            graph.erase_node(output)
+            graph.output(loss)
+            graph.eliminate_dead_code()
+            self._empty_loss_graph = torch.fx.GraphModule(self.rewritten.graph_module, graph)
+        inputs = self._inputs(params, args, 0)
+        try:
+            with torch.no_grad():
+                return self._empty_loss_graph.forward(*inputs)  # not the module call: no global module hooks
+        except Exception:  # noqa: BLE001 -- the loss is undefined on zero samples; the step of noise still is
+            reference = next(iter(params.values()))
+            return torch.full((), float("nan"), dtype=reference.dtype, device=reference.device)
+
     def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
         loss, per_sample_losses, *flat = self.run(params, args, batch_size)
         return loss, per_sample_losses, pytree.tree_unflatten(list(flat), self.rewritten.out_spec)
@@ -226,19 +249,29 @@ class CompiledGraph:
 def _run_failure(rw: Rewritten, inputs: list, e: Exception) -> BatchInputError:
     """The error for an op that raised on the real batch (the capture ran it on fake tensors only): the op and the
     user's line, found by running the captured graph again, node by node, on the same inputs (a compiled kernel's
-    message names its generated C++ line; the op's own eager message is the one shown)."""
+    message names its generated C++ line; the op's own eager message is the one shown, without its numbers: the
+    failure is about the batch's values, which it may name, ``batch_values``)."""
     found = _failing_node(rw, inputs)
     if found is None:
-        first = (str(e).strip().splitlines() or [""])[0]
         return BatchInputError(
-            f"running the rewritten per-sample graph on this batch failed ({type(e).__name__}: {first}). A "
-            "sample's own loss is the loss of a batch of one: if the loss is undefined for one sample (kthvalue "
+            f"running the rewritten per-sample graph on this batch failed ({type(e).__name__}: {_torch_text(e)}). "
+            "A sample's own loss is the loss of a batch of one: if the loss is undefined for one sample (kthvalue "
             "with k > 1 over the batch, a statistic that needs two samples), per-sample gradients are undefined "
             "too; compute that statistic outside the loss. Otherwise please report this message.")
-    node, raised = found
-    first = (str(raised).strip().splitlines() or [""])[0].rstrip(".")
-    where = f"{node.target} at {source_line(node)} raised {type(raised).__name__}: {first}"
-    if isinstance(raised, IndexError) or "out of bounds" in first or "out of range" in first:
+    node, raised, value_of = found
+    where = f"{node.target} at {source_line(node)}"
+    try:
+        outside = out_of_range(node, value_of)
+    except Exception:  # noqa: BLE001 -- naming the range is a courtesy: the message below stands without it
+        outside = None
+    if outside is not None:
+        return failed_check_error(
+            f"the loss fails on this batch: {where} raised {type(raised).__name__}: an index that the batch gives "
+            f"is outside the range the op accepts: {outside.range}. The index itself is left out (it is the "
+            "batch's data). Fix: check the batch's labels and indices", failing_samples(outside, rw.batch.symbol))
+    text = _torch_text(raised)
+    where = f"{where} raised {type(raised).__name__}: {text}"
+    if isinstance(raised, IndexError) or "out of bounds" in text or "out of range" in text:
         return BatchInputError(
             f"the loss fails on this batch: {where}. A value of the batch is outside what the op accepts (a label "
             "at or past the number of classes, an index past an embedding's rows). Fix: check the batch's labels "
@@ -249,6 +282,13 @@ def _run_failure(rw: Rewritten, inputs: list, e: Exception) -> BatchInputError:
         "samples), per-sample gradients are undefined too: compute that statistic outside the loss")
 
 
+def _torch_text(e: BaseException) -> str:
+    """The first line of torch's message, its numbers left out (they may be the batch's values)."""
+    first = (str(e).strip().splitlines() or [""])[0].rstrip(".")
+    shown = without_numbers(first)
+    return shown if shown == first else f"{shown} (numbers left out: they may be the batch's values)"
+
+
 class _NodeTracker(torch.fx.Interpreter):
     current: torch.fx.Node | None = None
 
@@ -257,10 +297,10 @@ class _NodeTracker(torch.fx.Interpreter):
         return super().run_node(n)
 
 
-def _failing_node(rw: Rewritten, inputs: list) -> tuple[torch.fx.Node, Exception] | None:
-    """The node of the captured joint graph that raises on ``inputs``, and what it raises (the graph writes nothing:
-    its updates are outputs); None where a random op would draw again (and advance the generator) or nothing
-    raises."""
+def _failing_node(rw: Rewritten, inputs: list) -> tuple[torch.fx.Node, Exception, Callable] | None:
+    """The node of the captured joint graph that raises on ``inputs``, what it raises, and the values the run
+    computed (an argument of the node -> its value; the graph writes nothing: its updates are outputs); None where
+    a random op would draw again (and advance the generator) or nothing raises."""
     joint = rw.captured.joint
     if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in joint.graph.nodes):
         return None
@@ -270,7 +310,9 @@ def _failing_node(rw: Rewritten, inputs: list) -> tuple[torch.fx.Node, Exception
             tracker.run(*inputs[:len(rw.captured.roles)])
     except Exception as raised:  # noqa: BLE001 - any op's failure is the one to name
         node = tracker.current
-        return (node, raised) if node is not None and node.op == "call_function" else None
+        if node is None or node.op != "call_function":
+            return None
+        return node, raised, lambda arg: tracker.env.get(arg) if isinstance(arg, torch.fx.Node) else arg
     return None
 
 

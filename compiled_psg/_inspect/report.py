@@ -103,11 +103,20 @@ class Report:
         return graph_text(gm, self.labels) if gm is not None else ""
 
     def print_graphs(self, file=None) -> None:
-        """Print both graphs as readable code with shapes; rewritten nodes end in ``# psg: <rule>``."""
-        file = file or sys.stdout
-        for which in ("before", "after"):
-            print(f"# ===== {which} =====", file=file)
-            print(self.graph_text(which), file=file)
+        """Print both graphs as readable code with shapes; rewritten nodes end in ``# psg: <rule>``. ``file``: a
+        text stream, as for ``print`` (default ``sys.stdout``)."""
+        file = sys.stdout if file is None else file
+        fix = ("Fix: pass an open text stream (open(path, 'w'), io.StringIO()), or nothing for standard output; "
+               "report.save(folder) writes the graphs to files")
+        if not callable(getattr(file, "write", None)):
+            raise BatchInputError(f"report.print_graphs(file=...) writes to a text stream (an object with a write "
+                                  f"method, as print takes), got {type(file).__name__} {file!r}. {fix}")
+        text = "".join(f"# ===== {which} =====\n{self.graph_text(which)}\n" for which in ("before", "after"))
+        try:
+            file.write(text)
+        except (OSError, ValueError, TypeError) as e:  # closed, read-only, or a binary stream
+            raise BatchInputError(f"report.print_graphs could not write to {file!r}: {type(e).__name__}: {e}. "
+                                  f"{fix}") from e
 
     def diff(self) -> str:
         """Unified diff of ``before`` and ``after`` restricted to the rewritten region and the outputs."""
@@ -123,8 +132,24 @@ class Report:
 
     def save(self, folder: str | Path, *, drawings: bool = True) -> list[Path]:
         """Write ``summary.txt``, ``captured.txt``, ``before.txt``, ``after.txt``, ``diff.txt`` and, with Graphviz,
-        ``before.svg`` and ``after.svg`` (rewritten nodes highlighted). Returns the paths written."""
+        ``before.svg`` and ``after.svg`` (rewritten nodes highlighted) into ``folder``, created if missing (files of
+        those names already in it are replaced). Returns the paths written."""
+        if not isinstance(folder, str | os.PathLike):
+            raise BatchInputError(f"report.save(folder) takes the path of a folder (a str or a pathlib.Path), got "
+                                  f"{type(folder).__name__} {folder!r}. Fix: report.save('report')")
         folder = Path(folder)
+        if folder.exists() and not folder.is_dir():
+            raise BatchInputError(f"report.save({str(folder)!r}): that path is a file, and the report is several "
+                                  "files written into a folder. Fix: pass the path of a folder (it is created if "
+                                  "missing)")
+        try:
+            return self._save(folder, drawings)
+        except OSError as e:
+            raise BatchInputError(f"report.save could not write into the folder {str(folder)!r}: "
+                                  f"{e.strerror or e} ({e.filename or folder}). Fix: pass a folder you can write to"
+                                  ) from e
+
+    def _save(self, folder: Path, drawings: bool) -> list[Path]:
         folder.mkdir(parents=True, exist_ok=True)
         written = []
         for name, text in (("summary.txt", str(self) + "\n"), ("captured.txt", self.graph_text("captured")),
@@ -186,7 +211,10 @@ def dump_if_asked(rewritten) -> None:
     """Save ``rewritten``'s report (no drawings) under ``$COMPILED_PSG_DUMP``, one folder per rewrite."""
     folder = os.environ.get("COMPILED_PSG_DUMP")
     if folder:
-        Report.from_rewritten(rewritten).save(_next_dump_folder(folder), drawings=False)
+        try:
+            Report.from_rewritten(rewritten).save(_next_dump_folder(folder), drawings=False)
+        except BatchInputError as e:
+            raise BatchInputError(f"COMPILED_PSG_DUMP={folder!r}: {e} (or unset COMPILED_PSG_DUMP)") from e
 
 
 _dumps = 0

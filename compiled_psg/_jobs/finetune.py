@@ -25,7 +25,19 @@ from pathlib import Path
 
 import torch
 
-from .cli import nonnegative_int, output_folder, positive_float, positive_int, run
+from .cli import (
+    FlagError,
+    delta,
+    int_at_least,
+    momentum,
+    nonnegative_int,
+    output_folder,
+    positive_float,
+    positive_int,
+    positive_multiple_of,
+    run,
+    seed,
+)
 from .train import _optimizer, write_metrics_and_plot
 
 HF_MISSING = ("python -m compiled_psg finetune needs transformers and peft (the hf extra): "
@@ -36,30 +48,33 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="compiled-psg finetune", add_help=add_help,
                                 description="DP LoRA fine-tuning of a tiny Llama-style model on stdlib docstrings.")
     p.add_argument("--steps", type=positive_int, default=100, help="DP fine-tuning steps (Poisson-sampled batches)")
-    p.add_argument("--pretrain-steps", type=int, default=300, help="non-private pre-training steps on the public text")
+    p.add_argument("--pretrain-steps", type=nonnegative_int, default=300,
+                   help="non-private pre-training steps on the public text")
     p.add_argument("--epsilon", type=positive_float, default=8.0,
                    help="target epsilon: the noise multiplier is calibrated to reach it after --steps")
     p.add_argument("--sigma", type=positive_float, default=None, help="noise multiplier (overrides --epsilon)")
-    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--delta", type=delta, default=1e-5)
     p.add_argument("--no-dp", action="store_true", help="non-private baseline: no clipping, no noise")
     p.add_argument("--batch-size", type=positive_int, default=64,
                    help="expected batch size; the Poisson sampling rate is batch-size / training windows")
-    p.add_argument("--lr", type=float, default=1e-2, help="fine-tuning learning rate")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--lr", type=positive_float, default=1e-2, help="fine-tuning learning rate")
+    p.add_argument("--momentum", type=momentum, default=0.9)
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="adam")
     p.add_argument("--max-grad-norm", type=positive_float, default=1.0)
-    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-rank", type=positive_int, default=8)
     p.add_argument("--accountant", choices=("rdp", "pld", "prv", "opacus-rdp"), default="rdp")
     p.add_argument("--backend", choices=("inductor", "eager"), default="eager",
                    help="how the step program runs (eager: Inductor's compile of this model costs more than it "
                         "saves in a run this short)")
-    p.add_argument("--seq-len", type=int, default=64, help="bytes per example window")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--pretrain-batch-size", type=int, default=16)
-    p.add_argument("--pretrain-lr", type=float, default=3e-3)
-    p.add_argument("--evals", type=int, default=4, help="held-out evaluations during fine-tuning (for the plot)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq-len", type=int_at_least(2), default=64, help="bytes per example window")
+    p.add_argument("--hidden", type=positive_multiple_of(8), default=128,
+                   help="model width (4 attention heads, each an even rotary dimension: a multiple of 8)")
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--pretrain-batch-size", type=positive_int, default=16)
+    p.add_argument("--pretrain-lr", type=positive_float, default=3e-3)
+    p.add_argument("--evals", type=nonnegative_int, default=4,
+                   help="held-out evaluations during fine-tuning (for the plot)")
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--threads", type=nonnegative_int, default=1, help="torch CPU threads (0: leave torch's setting)")
     p.add_argument("--out", type=output_folder, default=Path("runs/finetune"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -157,6 +172,13 @@ def finetune(args) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     corpus = load_corpus(length=args.seq_len)
+    if min(len(corpus.public), len(corpus.private_train), len(corpus.private_test)) == 0:
+        in_bytes = load_corpus(length=1)  # windows of one byte: each text's length
+        sizes = {"public": len(in_bytes.public), "private training": len(in_bytes.private_train),
+                 "held-out": len(in_bytes.private_test)}
+        shortest = min(sizes, key=sizes.get)
+        raise FlagError(f"argument --seq-len: {args.seq_len} bytes is longer than the {shortest} text "
+                        f"({sizes[shortest]} bytes): use at most {sizes[shortest]}")
     model = build_model(args, transformers)
     base_params = sum(p.numel() for p in model.parameters())
     print(f"text: stdlib docstrings, byte-level windows of {args.seq_len}: {len(corpus.public)} public windows "
@@ -191,7 +213,9 @@ def finetune(args) -> dict:
     train_start = time.perf_counter()
     while taken < args.steps:
         for (x,) in loader:
-            losses.append(float(step(x)))
+            loss = step(x)
+            if len(x):  # an empty batch's step is noise alone, and its loss (a mean over nothing) NaN
+                losses.append(float(loss))
             taken, samples = taken + 1, samples + len(x)
             bar.update(1)
             if taken in eval_at or taken == args.steps:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cli import nonnegative_int, output_folder, positive_float, positive_int, run
+from .cli import delta, momentum, nonnegative_int, output_folder, positive_float, positive_int, run, seed
 
 DEFAULTS = dict(epochs=30, epsilon=8.0, delta=1e-5, batch_size=256, lr=0.25, momentum=0.9, max_grad_norm=1.0,
                 optimizer="sgd")
@@ -38,12 +38,12 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--epsilon", type=positive_float, default=DEFAULTS["epsilon"],
                    help="target epsilon: the noise multiplier is calibrated to reach it after --epochs")
     p.add_argument("--sigma", type=positive_float, default=None, help="noise multiplier (overrides --epsilon)")
-    p.add_argument("--delta", type=float, default=DEFAULTS["delta"])
+    p.add_argument("--delta", type=delta, default=DEFAULTS["delta"])
     p.add_argument("--no-dp", action="store_true", help="non-private baseline: no clipping, no noise")
     p.add_argument("--batch-size", type=positive_int, default=DEFAULTS["batch_size"],
                    help="expected batch size; the Poisson sampling rate is batch-size / training-set size")
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    p.add_argument("--momentum", type=float, default=DEFAULTS["momentum"])
+    p.add_argument("--lr", type=positive_float, default=DEFAULTS["lr"])
+    p.add_argument("--momentum", type=momentum, default=DEFAULTS["momentum"])
     p.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=DEFAULTS["optimizer"])
     p.add_argument("--max-grad-norm", type=positive_float, default=DEFAULTS["max_grad_norm"])
     p.add_argument("--accountant", choices=("rdp", "pld", "prv", "opacus-rdp"), default="rdp")
@@ -51,7 +51,7 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("inductor", "eager"), default="inductor",
                    help="how the step program (forward, rewritten backward, clipping, noise, update) runs")
     p.add_argument("--train-subset", type=positive_int, default=None, help="use only this many training examples")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--threads", type=nonnegative_int, default=1,
                    help="torch CPU threads (1: these tensors are too small to gain from more, and extra "
                         "threads stall badly on a shared machine; 0: leave torch's setting)")
@@ -126,7 +126,9 @@ def train(args) -> dict:
     for epoch in range(1, args.epochs + 1):
         epoch_start, samples, losses = time.perf_counter(), 0, []
         for x, y in loader:
-            losses.append(float(step(x, y)))
+            loss = step(x, y)
+            if len(y):  # an empty batch's step is noise alone, and its loss (a mean over nothing) NaN
+                losses.append(float(loss))
             samples += len(y)
             bar.update(1)
         epoch_seconds = time.perf_counter() - epoch_start

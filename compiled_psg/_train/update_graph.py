@@ -29,6 +29,7 @@ from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import InternalError
 from . import foreach
 
+aten = torch.ops.aten
 log = logging.getLogger(__name__)
 
 
@@ -168,12 +169,13 @@ def _whole(optimizer: torch.optim.Optimizer, trained: list[int], dtype: torch.dt
         raise InternalError("The optimizer's copy holds different tensors")
     gm, traced = _trace(shadow, trained, dtype)
     sources = [key if key[0] in ("grad", "scale", "dot_grad") else ("tensor", real[key]) for key in traced]
-    return UpdateGraph(gm, sources, signature(optimizer, trained))
+    return UpdateGraph(gm, sources, signature(optimizer, trained), gm.meta.get("foreach_unrolled", 0))
 
 
 def _trace(shadow: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype) -> tuple[fx.GraphModule, list]:
     """The update graph of ``shadow`` (a copy: the trace runs its step), and what feeds each placeholder: ``("grad",
     i)``, ``("scale", None)``, or the key of one of ``shadow``'s tensors in ``_tensors_and_values``."""
+    hidden = _hide_float64_state(shadow)
     shadow_tensors, shadow_values = _tensors_and_values(shadow, trained)
     keys = {id(t): key for key, t in shadow_tensors}
     params = flat_params(shadow)
@@ -195,7 +197,27 @@ def _trace(shadow: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype
 
     inner = aot_autograd(fw_compiler=fw_compiler, keep_inference_input_mutations=True)
 
+    param_dtypes = {key[1]: t.dtype for key, t in shadow_tensors if key[0] == "param"}
+    widened: dict[int, torch.dtype] = {}  # id of a float64 copy of a state counter: the counter's own dtype
+
     def backend(gm, example_inputs):
+        # AOT autograd traces the one-element state in float64 where Dynamo traced it in float32 (see "one-element
+        # state" below): the float64 state itself, or a float64 copy of float32 state that eager code reads as a
+        # Python float
+        for name, tensor in list(gm.named_buffers(remove_duplicate=False)):
+            key = keys.get(id(tensor))
+            if key is None:
+                continue
+            if id(tensor) in hidden:
+                traced = hidden[id(tensor)]
+            elif _reads_as_python_number(key, tensor, param_dtypes):
+                traced = tensor.to(torch.float64)
+                widened[id(traced)] = tensor.dtype
+            else:
+                continue
+            owner, _, attribute = name.rpartition(".")
+            gm.get_submodule(owner)._buffers[attribute] = traced
+            keys[id(traced)] = key
         # aot_autograd lifts the Dynamo graph's parameters and buffers (optimizer state) before its inputs
         lifted = [*dict(gm.named_parameters(remove_duplicate=False)).values(),
                   *dict(gm.named_buffers(remove_duplicate=False)).values()]
@@ -225,6 +247,15 @@ def _trace(shadow: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
         raise InternalError(f"{len(placeholders)} update placeholders for {len(inputs)} inputs")
+    if widened:
+        # one op per parameter first: an in-place update of the state (NAdam's `_foreach_mul_(mu_products, mus)`)
+        # is then an element op, which _read_widened computes at the state's dtype
+        gm.meta["foreach_unrolled"] = foreach.unroll_foreach(gm.graph)
+        for node, value in zip(placeholders, inputs, strict=True):
+            if id(value) in widened:
+                _read_widened(gm.graph, node, widened[id(value)])
+        gm.graph.lint()
+        gm.recompile()
     grad_index = {id(g): i for i, g in enumerate(new_grads)}
     fed: list = []
     for value in inputs:
@@ -237,6 +268,105 @@ def _trace(shadow: torch.optim.Optimizer, trained: list[int], dtype: torch.dtype
         else:
             raise InternalError(f"The optimizer step reads an unknown input of type {type(value)}")
     return gm, fed
+
+
+# ----- one-element state -----
+#
+# Eager code reads a one-element state tensor as a Python float (``_get_value(step)`` is ``step.item()``): the bias
+# corrections ``1 - beta2 ** step``, RAdam's rectification, NAdam's ``mu``, ASGD's ``eta`` are computed in
+# double. Traced, they stay tensors of the state's dtype, float32 unless the default dtype was float64 when the
+# state was made: ``1 - 0.999 ** step`` rounded to float32 puts Adam's update 6e-6 off at step 1, RAdam's 1e-3.
+# For a float64 parameter, AOT autograd traces such state in float64 (``_reads_as_python_number``), and the graph
+# reads it converted and writes it back at its own dtype (``_read_widened``), as eager code does. A float32
+# parameter keeps the traced float32 terms, which eager code rounds to float32 where they meet the parameter: its
+# program holds no float64 arithmetic.
+#
+# Dynamo itself sees float32 state only (``_hide_float64_state``): on a one-element float64 tensor it drops an
+# in-place update that ``.item()`` reads (Adafactor's ``step += 1; step.item()``, torch 2.13), so that the graph
+# would never count a step.
+
+
+def _hide_float64_state(shadow: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """Replace each one-element float64 tensor of ``shadow``'s state with a float32 copy, for Dynamo's trace; the
+    float64 tensor, by the copy's id, for AOT autograd's (``_trace``'s backend puts it back)."""
+    hidden = {}
+    for state in shadow.state.values():
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float64:
+                state[key] = value.to(torch.float32)
+                hidden[id(state[key])] = value
+    return hidden
+
+
+def _reads_as_python_number(key: tuple, tensor: torch.Tensor, param_dtypes: dict[int, torch.dtype]) -> bool:
+    """Whether the traced step reads ``tensor`` (the shadow's, at ``key`` of ``_tensors_and_values``) in float64:
+    a one-element floating state tensor below float64 (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and
+    ``mu``) of a float64 parameter."""
+    return (key[0] == "state" and param_dtypes.get(key[1]) == torch.float64 and tensor.dim() == 0
+            and tensor.is_floating_point() and tensor.dtype != torch.float64)
+
+
+def _read_widened(graph: fx.Graph, placeholder: fx.Node, dtype: torch.dtype) -> None:
+    """Make ``placeholder``, traced as float64, the state tensor itself (``dtype``) read in float64.
+
+    Pre: the graph was traced with a float64 copy at ``placeholder`` and writes it back with one closing
+    ``copy_(placeholder, value)`` if at all. Post: the placeholder has ``dtype``; its readers read it converted to
+    float64; the written value is rounded to ``dtype`` before any other node reads it, as a write into the state
+    stores it; an in-place update of the state (``mu_product *= mu``: the value is a pointwise op of the state's
+    read) is computed at ``dtype``, with the Python numbers that eager code passes it (here float64 tensors)
+    rounded to ``dtype`` first, as eager torch does with a Python number."""
+    wide_value = placeholder.meta["val"]
+    with wide_value.fake_mode:
+        placeholder.meta["val"] = wide_value.to(dtype)
+    writes = [n for n in placeholder.users if n.target is aten.copy_.default and n.args[0] is placeholder]
+    readers = [n for n in placeholder.users if n not in writes]
+    with graph.inserting_after(placeholder):
+        read = _convert(graph, placeholder, torch.float64)
+    for reader in readers:
+        reader.replace_input_with(placeholder, read)
+    if len(writes) != 1:
+        return
+    (write,) = writes
+    written = write.args[1]
+    if _is_update_of(written, read):
+        with graph.inserting_after(written):
+            narrow_args = [placeholder if a is read else _convert_before(graph, written, a, dtype)
+                           for a in written.args]
+            stored = graph.call_function(written.target, tuple(narrow_args), dict(written.kwargs))
+    else:
+        with graph.inserting_after(written):
+            stored = _convert(graph, written, dtype)
+    stored.meta["val"] = _fake_like(written.meta["val"], dtype)
+    with graph.inserting_after(stored):
+        reread = _convert(graph, stored, torch.float64)
+    for reader in [n for n in written.users if n not in (write, stored)]:
+        reader.replace_input_with(written, reread)
+    write.replace_input_with(written, stored)
+    if not written.users:
+        graph.erase_node(written)
+
+
+def _is_update_of(value: fx.Node, read: fx.Node) -> bool:
+    return (value.op == "call_function" and isinstance(value.target, torch._ops.OpOverload)
+            and torch.Tag.pointwise in value.target.tags and bool(value.args) and value.args[0] is read)
+
+
+def _convert(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    converted = graph.call_function(torch.ops.prims.convert_element_type.default, (node, dtype))
+    converted.meta["val"] = _fake_like(node.meta["val"], dtype)
+    return converted
+
+
+def _convert_before(graph: fx.Graph, user: fx.Node, arg, dtype: torch.dtype):
+    if not isinstance(arg, fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
+        return arg
+    with graph.inserting_before(user):
+        return _convert(graph, arg, dtype)
+
+
+def _fake_like(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    with value.fake_mode:
+        return value.to(dtype)
 
 
 # ----- one trace per kind of parameter -----
@@ -300,7 +430,8 @@ def _by_representatives(optimizer: torch.optim.Optimizer, trained: list[int], dt
     chosen = sorted(first.values())  # the representatives, by position in flat_params
     shadow, group_of = _shadow_over(optimizer, chosen)
     gm, fed = _trace(shadow, list(range(len(chosen))), dtype)
-    unrolled = foreach.unroll_foreach(gm.graph)  # one op per parameter, so that the parts separate
+    # one op per parameter, so that the parts separate
+    unrolled = foreach.unroll_foreach(gm.graph) + gm.meta.get("foreach_unrolled", 0)
 
     # whose each node of the traced graph is: the index of its representative, or None (shared)
     owner: dict[fx.Node, int | None] = {}
