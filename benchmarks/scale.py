@@ -40,9 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from . import keep_freed_memory
+from . import first_step_report, keep_freed_memory
 from .measure import Device, Plan, environment, interleaved_times, short_error
-from .probes import first_step
 from .scale_models import SCALE_MODELS, build_scale_model
 
 MAX_NORM, NOISE_MULTIPLIER, LR = 1.0, 1.0, 0.01
@@ -756,7 +755,7 @@ def page(docs: Path = DOCS) -> str:
             continue
         rows = json.loads(path.read_text())
         parts += [f"Command: `{command}`. Code measured: {commit}. Records: [{name}]({name}).", "",
-                  first_step.table(rows), "", first_step.targets(rows), ""]
+                  first_step_report.table(rows), "", first_step_report.targets(rows), ""]
     notes = Path(__file__).with_name("scale_notes.md")
     if notes.exists():
         parts += [notes.read_text().rstrip(), ""]

@@ -286,7 +286,7 @@ def test_first_step_targets_compare_cold_first_steps_and_judge_the_warm_step_alo
     """``benchmarks.probes.first_step``: the cold DP first step against compiled vmap's, the warm process's first
     step against 3 s (the process's start, imports and model build shown beside it, not judged); a model without
     a peer's row says so."""
-    from benchmarks.probes.first_step import PHASES, table, targets
+    from benchmarks.first_step_report import PHASES, table, targets
 
     def row(model, method, cache, process, first):
         return {"model": model, "method": method, "cache": cache, "batch": 8, "process_s": process,
