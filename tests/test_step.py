@@ -419,6 +419,48 @@ def test_float64_step_counters_advance(float64_default_dtype):
     assert max_diff(ours, ref) < 1e-12
 
 
+@pytest.mark.inductor
+def test_an_update_that_reads_a_number_runs_eagerly_beside_the_inductor_program():
+    """Adafactor's step reads its step count as a Python number (``step_t.item()``): traced whole (one parameter of
+    each kind), the fused program held it as an unbacked symbol, on which Inductor failed (torch 2.13: "'NoneType'
+    object has no attribute 'lower'"), a CompileError at every step. The update runs eagerly after the compiled
+    per-sample graph, and equals torch's own step on the loop's clipped sum."""
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(5, 3))
+    ref, start = copy.deepcopy(ours), copy.deepcopy(ours)
+    opt_ours, opt_ref = (torch.optim.Adafactor(m.parameters(), lr=0.01) for m in (ours, ref))
+    loss_fn = lambda model, x, y: F.cross_entropy(model(x), y)
+    step = compile_step(lambda x, y: loss_fn(ours, x, y), ours, opt_ours, max_grad_norm=1.0, noise_multiplier=0.0,
+                        expected_batch_size=4)
+    gen = torch.Generator().manual_seed(1)
+    for n in (4, 3, 4):
+        x, y = torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+        step(x, y)
+        params = dict(ref.named_parameters())
+        grads = reference_per_sample(lambda x, y: loss_fn(ref, x, y), params, (x, y))
+        for p_name, clipped_sum in ref_clip_sum(grads, 1.0).items():
+            params[p_name].grad = clipped_sum / 4
+        opt_ref.step()
+    assert not step.fused and "Adafactor.step reads a tensor's value as a Python number" in step.fallback_reason
+    assert step.steps_taken == 3
+    assert max_diff(ours, ref) < 1e-5 * max_diff(ref, start)
+
+
+def test_an_optimizer_setting_its_parameters_cannot_hold_is_refused_before_the_step():
+    """``lr=1e308`` cannot multiply a float32 gradient: torch's SGD raised its own RuntimeError ("value cannot be
+    converted to type float without overflow") out of the DP step, halfway through its update. The setting is
+    refused before the step, naming it; the step did not happen (parameters as before, not counted)."""
+    model = small_cnn()
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=1e308)
+    step = compile_step(lambda x, y: ce_mean(model, x, y), model, opt, max_grad_norm=1.0, backend="eager")
+    with pytest.raises(DPConfigError, match=r"param_groups\[0\]\['lr'\] of the SGD is 1e\+308, beyond the largest "
+                       r"torch.float32 number"):
+        step(*batch(6, seed=0))
+    assert step.steps_taken == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_a_float32_program_holds_no_float64_arithmetic():
     """The float64 reading of the step counters is for float64 parameters only: a float32 model's program (its
     update traced from float32 counters, as torch.compile traces it) stays float32, as fast as before."""

@@ -8,6 +8,8 @@ the step then drops its programs, which were built for the old set.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -86,3 +88,21 @@ class OptimizerBinding:
         for p, buffer in zip(self.params, self.dot_grads, strict=True):
             if p.grad is not buffer:
                 p.grad = buffer
+
+
+def check_optimizer_scalars(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, before the step, a numeric setting of a parameter group that its parameters' dtype cannot hold
+    (``lr=1e308`` with float32 weights): torch's step would fail halfway with its own error ("value cannot be
+    converted to type float without overflow")."""
+    for k, group in enumerate(optimizer.param_groups):
+        dtypes = [p.dtype for p in group["params"] if p.is_floating_point()]
+        if not dtypes:
+            continue
+        largest = min(torch.finfo(d).max for d in dtypes)
+        for name, value in group.items():
+            if type(value) in (int, float) and math.isfinite(value) and abs(value) > largest:
+                raise DPConfigError(
+                    f"param_groups[{k}][{name!r}] of the {type(optimizer).__name__} is {value:g}, beyond the "
+                    f"largest {min(dtypes, key=lambda d: torch.finfo(d).max)} number ({largest:g}) its parameters "
+                    f"hold: the optimizer's step cannot use it. Fix: set {name} within the parameters' range")
+

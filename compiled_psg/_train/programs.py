@@ -25,6 +25,13 @@ log = logging.getLogger("compiled_psg")
 _STEP_HOOKS = "the optimizer has step hooks, which run in Python (until they are removed)"
 
 
+def _reads_numbers(gm: torch.fx.GraphModule) -> bool:
+    """Whether the update graph turns a tensor into a Python number (``aten._local_scalar_dense``, ``.item()``):
+    Inductor fails on its unbacked symbol inside the fused program (torch 2.13), where the graph run op by op
+    computes it."""
+    return any(n.target is torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes)
+
+
 class ProgramCache:
     def __init__(self, optimizer: torch.optim.Optimizer, binding: OptimizerBinding, distributed: bool):
         self.optimizer = optimizer
@@ -83,6 +90,11 @@ class ProgramCache:
                 self.fall_back(f"{type(self.optimizer).__name__}.step could not be captured whole "
                                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
                 return None
+        if entry.backend != "eager" and _reads_numbers(self._update.gm):
+            self.fall_back(f"{type(self.optimizer).__name__}.step reads a tensor's value as a Python number "
+                           "(.item(), as Adafactor reads its step count), which Inductor cannot compile into the "
+                           "step's program")
+            return None
         # noise is an input only where it is added: on rank 0, and when sigma > 0 (sigma is read at run time)
         noisy = config.noise_std > 0 and dist_utils.rank() == 0
         divide_by_count = config.divide_by_count and self.distributed  # else the scale input holds 1 / count

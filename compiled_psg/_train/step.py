@@ -44,7 +44,7 @@ from .._reduce.reductions import Reduction
 from . import distributed as dist_utils
 from . import update_graph
 from .adaptive import next_bound
-from .binding import OptimizerBinding
+from .binding import OptimizerBinding, check_optimizer_scalars
 from .checkpoint import load_step_state, step_state
 from .config import DPConfig
 from .eager import NoiseSource
@@ -305,6 +305,7 @@ class DPStep(StepSettings):
         if self._stalled_bound is not None:
             raise DPConfigError(self._stalled_bound)
         config.check_noise_range(self._acc_dtype())  # the model's dtype may have changed since the config was set
+        check_optimizer_scalars(self.optimizer)  # settings are the user's to change between steps
         batch = contiguous_batch(batch)
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
