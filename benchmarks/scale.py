@@ -739,23 +739,19 @@ def page(docs: Path = DOCS) -> str:
              "first step, compile included (GPU: five model processes compiling at once, so these are upper "
              "bounds). Targets: DP step time over the faster plain step; DP step peak over the plain "
              "step of lower peak; DP step time over Opacus ghost clipping's.", ""]
-    for title, name, command, commit in PAGE_SOURCES:
-        path = docs / name
-        parts += [f"## {title}", ""]
-        if not path.exists():
-            parts += ["Not measured yet.", ""]
-            continue
-        parts += [f"Command: `{command}`. Code measured: {commit}. Records: [{name}]({name}).", "", report(path),
-                  ""]
-    for title, name, command, commit in FIRST_STEP_SOURCES:
-        path = docs / name
-        parts += [f"## {title}", ""]
-        if not path.exists():
-            parts += ["Not measured yet.", ""]
-            continue
+    def first_step_tables(path: Path) -> str:
         rows = json.loads(path.read_text())
-        parts += [f"Command: `{command}`. Code measured: {commit}. Records: [{name}]({name}).", "",
-                  first_step_report.table(rows), "", first_step_report.targets(rows), ""]
+        return first_step_report.table(rows) + "\n\n" + first_step_report.targets(rows)
+
+    for sources, tables in ((PAGE_SOURCES, report), (FIRST_STEP_SOURCES, first_step_tables)):
+        for title, name, command, commit in sources:
+            path = docs / name
+            parts += [f"## {title}", ""]
+            if not path.exists():
+                parts += ["Not measured yet.", ""]
+                continue
+            parts += [f"Command: `{command}`. Code measured: {commit}. Records: [{name}]({name}).", "",
+                      tables(path), ""]
     notes = Path(__file__).with_name("scale_notes.md")
     if notes.exists():
         parts += [notes.read_text().rstrip(), ""]

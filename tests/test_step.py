@@ -369,6 +369,17 @@ def tiny_mlp() -> nn.Module:
                          nn.Linear(6, 3)).double()
 
 
+def reference_dp_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, batch: tuple, bound: float,
+                      expected_batch_size: int) -> None:
+    """The noiseless DP step by hand: the loop's per-sample gradients clipped to ``bound`` and summed, divided by
+    ``expected_batch_size`` into ``.grad``, then the optimizer's own step."""
+    params = dict(model.named_parameters())
+    grads = reference_per_sample(lambda *b: loss_fn(model, *b), params, batch)
+    for name, clipped_sum in ref_clip_sum(grads, bound).items():
+        params[name].grad = clipped_sum / expected_batch_size
+    optimizer.step()
+
+
 @pytest.mark.parametrize("name", list(BIAS_CORRECTED))
 def test_float64_step_count_terms_equal_the_eager_optimizer(name):
     """Eager torch computes the bias corrections (RAdam's rectification, NAdam's mu, ASGD's eta) from the float32
@@ -386,11 +397,7 @@ def test_float64_step_count_terms_equal_the_eager_optimizer(name):
     for n in (8, 5, 8, 3, 8, 8, 6):
         x, y = torch.randn(n, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (n,), generator=gen)
         step(x, y)
-        params = dict(ref.named_parameters())
-        grads = reference_per_sample(lambda x, y: loss_fn(ref, x, y), params, (x, y))
-        for p_name, clipped_sum in ref_clip_sum(grads, 0.5).items():
-            params[p_name].grad = clipped_sum / 8
-        opt_ref.step()
+        reference_dp_step(ref, opt_ref, loss_fn, (x, y), 0.5, 8)
     assert step.fused, step.fallback_reason
     assert max_diff(ours, ref) < 1e-12 * max_diff(ref, start)
 
@@ -436,11 +443,7 @@ def test_an_update_that_reads_a_number_runs_eagerly_beside_the_inductor_program(
     for n in (4, 3, 4):
         x, y = torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen)
         step(x, y)
-        params = dict(ref.named_parameters())
-        grads = reference_per_sample(lambda x, y: loss_fn(ref, x, y), params, (x, y))
-        for p_name, clipped_sum in ref_clip_sum(grads, 1.0).items():
-            params[p_name].grad = clipped_sum / 4
-        opt_ref.step()
+        reference_dp_step(ref, opt_ref, loss_fn, (x, y), 1.0, 4)
     assert not step.fused and "Adafactor.step reads a tensor's value as a Python number" in step.fallback_reason
     assert step.steps_taken == 3
     assert max_diff(ours, ref) < 1e-5 * max_diff(ref, start)
