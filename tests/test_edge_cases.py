@@ -384,7 +384,9 @@ def test_an_empty_batch_is_checked_against_the_loss_and_its_loss_is_the_function
     for bad in ((torch.randn(0, 5), y0), (x0, torch.zeros(0))):
         with pytest.raises(psg.BatchInputError, match=r"the loss fails on this batch(.|\n)*The batch is empty"):
             psg.per_sample(model)(mean)(*bad)
-        with pytest.raises(psg.BatchInputError, match="the loss fails on this batch"):
+        # torch 2.15's Dynamo reports the failing op of functional_call as the loss's own raise
+        with pytest.raises(psg.BatchInputError, match=r"(the loss fails on this batch|the loss function raised "
+                                                      r"RuntimeError)(.|\n)*The batch is empty"):
             psg.per_sample_grad(lambda p, x, y: F.cross_entropy(torch.func.functional_call(model, p, (x,)), y))(
                 dict(model.named_parameters()), *bad)
     for loss_fn in (mean, total):
