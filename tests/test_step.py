@@ -464,6 +464,18 @@ def test_an_optimizer_setting_its_parameters_cannot_hold_is_refused_before_the_s
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_only_the_settings_that_scale_tensors_are_held_to_the_parameters_dtype():
+    """ASGD's ``t0=1e6`` (a step count compared in Python) is beyond float16's largest number and is fine; a
+    learning rate beyond it is not."""
+    from compiled_psg._train.binding import check_optimizer_scalars
+
+    half = [nn.Parameter(torch.zeros(3, dtype=torch.float16))]
+    check_optimizer_scalars(torch.optim.ASGD(half, lr=0.01))
+    with pytest.raises(DPConfigError, match=r"param_groups\[0\]\['lr'\] of the SGD is 100000, beyond the largest "
+                                            r"torch.float16 number \(65504\)"):
+        check_optimizer_scalars(torch.optim.SGD(half, lr=1e5))
+
+
 def test_a_float32_program_holds_no_float64_arithmetic():
     """The float64 reading of the step counters is for float64 parameters only: a float32 model's program (its
     update traced from float32 counters, as torch.compile traces it) stays float32, as fast as before."""

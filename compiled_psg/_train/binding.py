@@ -90,16 +90,21 @@ class OptimizerBinding:
                 p.grad = buffer
 
 
+#: the group settings torch's optimizers pass to tensor ops as scalars of the parameters' dtype (others, such as
+#: ASGD's ``t0=1e6``, are step counts compared in Python, which a float16 model may well hold)
+_SCALAR_SETTINGS = ("lr", "weight_decay", "momentum", "dampening")
+
+
 def check_optimizer_scalars(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse, before the step, a numeric setting of a parameter group that its parameters' dtype cannot hold
-    (``lr=1e308`` with float32 weights): torch's step would fail halfway with its own error ("value cannot be
-    converted to type float without overflow")."""
+    """Refuse, before the step, a learning rate (weight decay, momentum, dampening) of a parameter group that its
+    parameters' dtype cannot hold (``lr=1e308`` with float32 weights): torch's step would fail halfway with its
+    own error ("value cannot be converted to type float without overflow")."""
     for k, group in enumerate(optimizer.param_groups):
         dtypes = [p.dtype for p in group["params"] if p.is_floating_point()]
         if not dtypes:
             continue
         largest = min(torch.finfo(d).max for d in dtypes)
-        for name, value in group.items():
+        for name, value in ((n, group.get(n)) for n in _SCALAR_SETTINGS):
             if type(value) in (int, float) and math.isfinite(value) and abs(value) > largest:
                 raise DPConfigError(
                     f"param_groups[{k}][{name!r}] of the {type(optimizer).__name__} is {value:g}, beyond the "
