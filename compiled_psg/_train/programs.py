@@ -90,16 +90,16 @@ class ProgramCache:
                 self.fall_back(f"{type(self.optimizer).__name__}.step could not be captured whole "
                                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
                 return None
-        if entry.backend != "eager" and _reads_numbers(self._update.gm):
-            self.fall_back(f"{type(self.optimizer).__name__}.step reads a tensor's value as a Python number "
-                           "(.item(), as Adafactor reads its step count), which Inductor cannot compile into the "
-                           "step's program")
-            return None
         # noise is an input only where it is added: on rank 0, and when sigma > 0 (sigma is read at run time)
         noisy = config.noise_std > 0 and dist_utils.rank() == 0
         divide_by_count = config.divide_by_count and self.distributed  # else the scale input holds 1 / count
         key = (id(entry), noisy, divide_by_count, accumulate)
-        if key not in self._programs:
+        if key not in self._programs:  # once per program: the checks below are not on every step's path
+            if entry.backend != "eager" and _reads_numbers(self._update.gm):
+                self.fall_back(f"{type(self.optimizer).__name__}.step reads a tensor's value as a Python number "
+                               "(.item(), as Adafactor reads its step count), which Inductor cannot compile into "
+                               "the step's program")
+                return None
             program = fuse_step(entry.rewritten, self._update, binding.params, binding.names, noisy=noisy,
                                 group_name=dist_utils.group_name() if self.distributed else None,
                                 divide_by_count=divide_by_count, accumulate=accumulate)
