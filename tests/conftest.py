@@ -38,3 +38,12 @@ def module_call_not_left_patched(request):
         torch.nn.Module.__call__ = _MODULE_CALL
         pytest.fail(f"{request.node.nodeid} left torch.nn.Module.__call__ patched by torch.fx's tracer "
                     "(two traces ran at once in two threads); restored for the tests after it", pytrace=False)
+
+
+@pytest.fixture
+def eager_first_step(monkeypatch):
+    """The first step of plain SGD runs eagerly, as an optimizer with state does (``update_graph.creates_no_state``
+    says no): for the tests that check the eager path and the fused program with plain SGD's simple reference."""
+    from compiled_psg._train import update_graph
+
+    monkeypatch.setattr(update_graph, "creates_no_state", lambda optimizer: False)

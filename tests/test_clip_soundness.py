@@ -114,6 +114,7 @@ def token_model():
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
 
 
+@pytest.mark.usefixtures("eager_first_step")
 @pytest.mark.parametrize("budget", [None, 0], ids=["fastest", "bounded"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
 def test_a_sample_whose_gradient_is_not_finite_adds_nothing_to_the_step(clipping, budget):

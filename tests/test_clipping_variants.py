@@ -95,6 +95,7 @@ def update_of(step, model, x, y, start: list[torch.Tensor]) -> dict[str, torch.T
     return {n: (s - p.detach()) for (n, p), s in zip(model.named_parameters(), start, strict=True)}
 
 
+@pytest.mark.usefixtures("eager_first_step")
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_exact_against_naive_loop_and_clip_bound(variant):
     """Two steps (the eager first step, then the fused program): each update equals the loop's clipped sum.

@@ -222,6 +222,7 @@ def test_conv_critic_clip_sum_on_inductor():
     assert fn.captures == 1 and fn.compiles == 1
 
 
+@pytest.mark.usefixtures("eager_first_step")
 def test_dp_step_with_gradient_penalty():
     """One clipped DP-SGD step (no noise) equals clipping the loop's per-sample gradients by hand."""
     ours, ref_net = mlp(nn.Tanh()), mlp(nn.Tanh())

@@ -80,6 +80,7 @@ def autocast_loss(model, device: str = "cpu"):
     return loss
 
 
+@pytest.mark.usefixtures("eager_first_step")
 @pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("clipping", ["flat", "automatic"])
 def test_autocast_step_against_float64_reference(clipping, device, backend):

@@ -237,6 +237,29 @@ def test_every_batch_size_one_graph_each():
     assert step.program_builds == 1 and step.programs == 1
 
 
+@pytest.mark.parametrize("momentum, python_updates", [(0.0, 0), (0.9, 1)])
+def test_a_stateless_update_runs_in_the_program_from_the_first_step(momentum, python_updates, monkeypatch):
+    """Plain SGD keeps no state: its first step runs the program (no eager step over the rewritten graph op by
+    op); with momentum the first step's update runs in Python to create the momentum buffers. Both equal the
+    non-private step where clipping and noise are off."""
+    model = small_cnn()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum)
+    calls = []
+    real = opt.step
+    monkeypatch.setattr(opt, "step", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    step = compile_step(lambda x, y: ce_mean(model, x, y), model, opt, max_grad_norm=1e6, noise_multiplier=0.0,
+                        backend="eager")
+    for n in (8, 5):
+        x, y = batch(n, seed=n)
+        step(x, y)
+        plain_step(ref, opt_ref, lambda m, a, b: ce_mean(m, a, b), x, y)
+        assert max_diff(model, ref) < 1e-5
+    assert len(calls) == python_updates
+    assert step.program_builds == 1
+
+
 @pytest.mark.inductor
 def test_inductor_no_recompile_across_batch_sizes():
     torch.manual_seed(0)

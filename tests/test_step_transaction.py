@@ -7,6 +7,8 @@ uninterrupted one."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -403,7 +405,8 @@ def test_a_failed_eager_update_gives_back_the_optimizers_group_settings(monkeypa
     the group's settings are restored with its state."""
     x, y = _data(24)
     gen = torch.Generator().manual_seed(5)
-    model, step = _stepper(gen, optimizer=torch.optim.SGD)
+    # with momentum: the first step's update runs in Python (plain SGD's runs in the program)
+    model, step = _stepper(gen, optimizer=functools.partial(torch.optim.SGD, momentum=0.9))
     group = step.optimizer.param_groups[0]
     group["adapted"] = [1.0]
     real_step = step.optimizer.step
@@ -542,6 +545,7 @@ def _interrupt_on(monkeypatch, target, name, call: int):
 
 @pytest.mark.parametrize("where", ["before the step runs", "after the update, before it is counted"])
 @pytest.mark.parametrize("path", ["eager first step", "fused later step"])
+@pytest.mark.usefixtures("eager_first_step")
 def test_an_interrupt_anywhere_in_a_step_leaves_the_update_and_the_accountant_agreeing(monkeypatch, where, path):
     """Interrupted on entry the step changes and counts nothing (the accountant does not count the previous
     step's settings again); interrupted between its update and its count, the update is either undone (the eager
@@ -607,6 +611,7 @@ def test_an_interrupt_right_after_the_step_marks_itself_running_leaves_it_usable
 
 
 @pytest.mark.parametrize("path", ["eager first step", "fused later step"])
+@pytest.mark.usefixtures("eager_first_step")
 def test_a_listener_that_raises_keeps_the_update_and_counts_the_step_once(path):
     """A listener of ``on_release`` raising after the update: the eager path restored the update but kept the
     count, the fused path counted the step twice. The update stays (it was applied) and each record is made once;

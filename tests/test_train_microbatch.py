@@ -74,6 +74,7 @@ def test_per_sample_losses_come_back_whole():
             torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.usefixtures("eager_first_step")
 @pytest.mark.inductor
 def test_micro_batches_do_not_recompile():
     """Inductor: the per-sample graph (earlier micro-batches) and the step program (the last one) compile once
@@ -108,6 +109,7 @@ def test_make_private_accounts_logical_steps():
     assert private.accountant.steps == len(sizes) == 3 and private.dp_step.steps_taken == 3
 
 
+@pytest.mark.usefixtures("eager_first_step")
 def test_a_forward_that_writes_buffers_writes_them_once_per_logical_step():
     """``spectral_norm``'s power iteration writes ``weight_u`` in every forward: each micro-batch starts from the
     buffers as the step found them, so the step (eager first step and fused program) equals the whole batch's."""
@@ -126,6 +128,7 @@ def test_a_forward_that_writes_buffers_writes_them_once_per_logical_step():
         torch.testing.assert_close(results[1][name], value, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.usefixtures("eager_first_step")
 @pytest.mark.parametrize("physical", [None, 3, 5], ids=["whole", "micro3", "micro5"])
 def test_a_failing_sample_is_named_at_its_position_in_the_users_batch(physical):
     """Sample 6 of 8 fails cholesky: the refusal names position 6 and the loss's line whether the batch runs whole

@@ -84,6 +84,7 @@ def _assert_std(noise: torch.Tensor, std: float) -> None:
     assert abs(noise.mean().item()) < 5 * std / math.sqrt(n)
 
 
+@pytest.mark.usefixtures("eager_first_step")
 def test_noise_std_follows_the_current_sigma_and_C():
     step, noise = _zero_gradient_step(max_grad_norm=1.0, noise_multiplier=0.5)
     _assert_std(noise(), 0.5)  # the eager first step

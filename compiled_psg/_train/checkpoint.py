@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from .._errors import DPConfigError
+from . import update_graph
 
 
 def step_state(step) -> dict:
@@ -45,10 +46,11 @@ def load_step_state(step, state: dict) -> None:
     if step.noise.generator is not None:
         step.noise.generator.set_state(state["generator"])
     step.steps_taken = int(state["steps_taken"])
-    # The first step runs eagerly so that the optimizer creates its state, which the program reads. A run
-    # that has stepped has that state (none at all for a stateless optimizer, plain SGD): resume on the
-    # program, as the uninterrupted run would.
-    step.state_ready = step.steps_taken > 0 or bool(step.optimizer.state)
+    # The first step runs eagerly so that the optimizer creates its state, which the program reads (a stateless
+    # optimizer, plain SGD, runs the program from the first step). A run that has stepped has that state: resume
+    # on the program, as the uninterrupted run would.
+    step.state_ready = (step.steps_taken > 0 or bool(step.optimizer.state)
+                        or update_graph.creates_no_state(step.optimizer))
 
 
 def _check_model_state(model: nn.Module, saved: dict) -> None:

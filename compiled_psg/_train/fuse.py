@@ -43,6 +43,7 @@ from .._compile.build import Rewritten
 from .._errors import InternalError
 from . import foreach
 from .inputs import InputKind
+from .results import split_result
 from .update_graph import UpdateGraph
 
 aten = torch.ops.aten
@@ -72,6 +73,8 @@ def fuse_step(rewritten: Rewritten, update: UpdateGraph, params: list[torch.Tens
     env: dict[fx.Node, fx.Node] = {}
     loss, losses, *flat = graph.graph_copy(per_sample_gm.graph, env)
     result = pytree.tree_unflatten(list(flat), rewritten.out_spec)
+    # a custom reduction's result, checked as the eager path checks it (the program may run from the first step)
+    split_result(pytree.tree_map(lambda v: v.meta.get("val") if isinstance(v, fx.Node) else v, result), names, params)
     sums, norms = result if isinstance(result, tuple) else (result, None)
     missing = [n for n in names if n not in sums]
     if missing:

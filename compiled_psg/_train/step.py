@@ -15,7 +15,8 @@ outside the program").
 
 The first step runs eagerly (the rewritten graph without a compiler, then ``optimizer.step()``): optimizers
 create their state lazily, and the program reads that state. The program is built and compiled at the end of
-that first step. Empty batches (Poisson sampling) also take the eager path: a step with noise only. An
+that first step. An optimizer that keeps no state (``torch.optim.SGD`` without momentum) runs the program from
+the first step. Empty batches (Poisson sampling) also take the eager path: a step with noise only. An
 optimizer with step hooks, or one Dynamo cannot trace whole, keeps the eager update after the compiled
 per-sample graph (``step.fused`` is False, ``step.fallback_reason`` says why, and a warning is logged).
 
@@ -152,7 +153,8 @@ class DPStep(StepSettings):
         self.inputs = StepInputs(self.binding, self.noise, self._acc_dtype)
         if self.distributed:
             dist_utils.broadcast_parameters(self.binding.params)
-        self.state_ready = False
+        # a stateless update (plain SGD) runs in the program from the first step; others create state eagerly first
+        self.state_ready = update_graph.creates_no_state(optimizer)
         self.compile_seconds = 0.0
         self.steps_taken = 0
         self.last_batch_size = 0

@@ -83,6 +83,13 @@ def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
                 or getattr(optim_module, "_global_optimizer_post_hooks", None))
 
 
+def creates_no_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` keeps no state, so that the step's program can run from the first step (no
+    eager step to create state first). Known for torch's ``SGD`` without momentum (DP-SGD's own update), whose
+    ``step`` reads ``state`` only where ``momentum != 0``; any other optimizer takes one eager step first."""
+    return type(optimizer) is torch.optim.SGD and all(group["momentum"] == 0 for group in optimizer.param_groups)
+
+
 def fresh_function(fn: Callable) -> Callable:
     """A copy of ``fn`` with its own code object, so that Dynamo keeps a separate cache for it."""
     code = fn.__code__.replace()
