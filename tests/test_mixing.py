@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import reference_per_sample
+from reference import ref_clip_sum, reference_per_sample
 
 import compiled_psg as psg
 from compiled_psg._compat import reconnects_inner_gradients
@@ -233,11 +233,19 @@ def two_rows_of_values_broadcast_over_the_batch(lin, x, y):
     return F.cross_entropy(lin(x)[:, ids[:2].sum(0) % C], y)  # <broadcast_two_rows>
 
 
-def one_row_of_a_parameter_broadcast_over_the_batch(lin, x, y):
-    """Every row alike, but a gradient flows back through the row kept: autograd gives it every sample's share."""
-    rows = lin.weight.unsqueeze(0).expand(x.shape[0], -1, -1)
+def one_row_of_a_parameter_broadcast_by_arithmetic(lin, x, y):
+    """Every row alike, but broadcast by a product, not an ``expand``: a gradient flows back through the row kept,
+    and autograd gives it every sample's share."""
+    rows = lin.weight * torch.ones(x.shape[0], 1, 1, dtype=x.dtype)
     prompt = rows[:1].repeat(x.shape[0], 1, 1)  # <broadcast_parameter_row>
     return F.cross_entropy(lin(torch.cat([prompt, x.unsqueeze(1)], 1).tanh().sum(1)), y)
+
+
+def first_sample_broadcast_and_flipped(lin, x, y):
+    """``x[:1]`` broadcast over the batch holds sample 0 in every row: flipping or slicing the broadcast does not
+    make it each sample's own."""
+    first = x[:1].expand(x.shape[0], -1).flip(0)[-1:]  # <broadcast_first_sample>
+    return F.cross_entropy(lin(x * first), y)
 
 
 REFUSED = {  # name -> (program, extra batched args, marker)
@@ -279,8 +287,10 @@ REFUSED = {  # name -> (program, extra batched args, marker)
     "slice_of_interleaved_rows_keeps_half_of_each_sample": (slice_half_of_interleaved_rows, (), "interleaved_half"),
     "two_rows_of_values_broadcast_over_the_batch": (two_rows_of_values_broadcast_over_the_batch, (),
                                                     "broadcast_two_rows"),
-    "one_row_of_a_parameter_broadcast_over_the_batch": (one_row_of_a_parameter_broadcast_over_the_batch, (),
-                                                        "broadcast_parameter_row"),
+    "one_row_of_a_parameter_broadcast_by_arithmetic": (one_row_of_a_parameter_broadcast_by_arithmetic, (),
+                                                       "broadcast_parameter_row"),
+    "first_sample_broadcast_then_flipped_and_sliced": (first_sample_broadcast_and_flipped, (),
+                                                       "broadcast_first_sample"),
 }
 
 
@@ -486,6 +496,14 @@ def one_row_of_values_broadcast_over_the_batch(lin, x, y):
     return F.cross_entropy(lin(joined.tanh().sum(1)) + constant[:2].sum() + ids.narrow(0, -1, 1).sum(), y)
 
 
+def one_row_of_a_parameter_broadcast_over_the_batch(lin, x, y):
+    """A row of a parameter expanded over the batch is the parameter, for a batch of one too: read as it
+    (``_capture/broadcast_rows.py``), its gradient is each sample's own."""
+    rows = lin.weight.unsqueeze(0).expand(x.shape[0], -1, -1)
+    prompt = rows[:1].repeat(x.shape[0], 1, 1)
+    return F.cross_entropy(lin(torch.cat([prompt, x.unsqueeze(1)], 1).tanh().sum(1)), y)
+
+
 def tiled_rows_against_constant_targets(lin, x, y):
     """``F.mse_loss(m, torch.zeros_like(m))`` over ``[2n]`` rows of a tiled batch (a constant target holds any
     layout), and class 0 as the target of every row."""
@@ -528,6 +546,7 @@ ACCEPTED = {
     "put_with_an_empty_index": put_nothing,
     "whole_batch_slices": whole_batch_slices,
     "one_row_of_values_broadcast_over_the_batch": one_row_of_values_broadcast_over_the_batch,
+    "one_row_of_a_parameter_broadcast_over_the_batch": one_row_of_a_parameter_broadcast_over_the_batch,
     "whole_blocks_of_a_tiled_batch": whole_blocks_of_a_tiled_batch,
     "tiled_rows_against_constant_targets": tiled_rows_against_constant_targets,
     "batch_major_rows_times_weights_tiled_per_sample": batch_major_rows_times_tiled_weights,
@@ -543,6 +562,96 @@ def test_accepted_exact(name):
     ref = reference_per_sample(lambda x, y: program(lin, x, y), dict(fn.params_source.named_parameters()), args)
     for key, r in ref.items():
         torch.testing.assert_close(got[key], r, **TOL, msg=lambda m, k=key: f"{name} {k}: {m}")
+
+
+# --------------------------------------------------------------- rows of a parameter broadcast over the batch
+
+K = 3  # rows of a prompt
+
+
+class Prompt(nn.Module):
+    """A prompt ``[1, K, D]``, one ``[K, D]`` and a readout ``[D]``: the parameters of ``BROADCAST_ROWS``."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.p1 = nn.Parameter(torch.randn(1, K, D, generator=g, dtype=F64))
+        self.p = nn.Parameter(torch.randn(K, D, generator=g, dtype=F64))
+        self.w = nn.Parameter(torch.randn(D, generator=g, dtype=F64))
+
+    def rows(self, n: int) -> torch.Tensor:
+        """``p`` expanded over a batch of ``n``: every row is ``p``."""
+        return self.p.unsqueeze(0).expand(n, -1, -1)
+
+
+def _readout(m: Prompt, h: torch.Tensor) -> torch.Tensor:
+    """Each sample's own nonlinear loss of ``h`` ``[n, K, D]``, summed."""
+    return (h * m.w).sum(-1).tanh().pow(2).sum() + h.pow(2).mean()
+
+
+def _cat_of_its_slices(m: Prompt, x: torch.Tensor) -> torch.Tensor:
+    rows = m.rows(x.shape[0])
+    return _readout(m, x + torch.cat([rows[:1], rows[1:]]))
+
+
+# name -> (loss of (module, x [n, K, D]), how many row ops are read as the parameter broadcast: a cat's ``[1:]``,
+# ``n - 1`` rows, is not, no node holding that size, and the cat of it is)
+BROADCAST_ROWS = {
+    "first_row_times_x": (lambda m, x: _readout(m, x * m.rows(x.shape[0])[:1]), 1),
+    "last_row_plus_x": (lambda m, x: _readout(m, x + m.p1.expand(x.shape[0], -1, -1)[-1:]), 1),
+    "first_row_of_the_flipped_rows": (lambda m, x: _readout(m, x * m.rows(x.shape[0]).flip(0)[:1]), 2),
+    "flipped_rows": (lambda m, x: _readout(m, x + m.p1.expand(x.shape[0], -1, -1).flip(0)), 1),
+    "rolled_rows": (lambda m, x: _readout(m, x * m.rows(x.shape[0]).roll(1, 0)), 1),
+    "cat_of_its_slices": (_cat_of_its_slices, 2),
+    "cat_of_slices_of_two_expands": (lambda m, x: _readout(m, x + torch.cat([m.rows(x.shape[0])[:1],
+                                                                             m.rows(x.shape[0])[1:]])), 2),
+    "last_row_of_a_repeat": (lambda m, x: _readout(m, x * m.p1.repeat(x.shape[0], 1, 1)[-1:]), 1),
+    "first_row_of_a_clone": (lambda m, x: _readout(m, x + m.rows(x.shape[0]).clone()[:1]), 1),
+    # the flip made a contiguous copy, which a flat view reads; the broadcast is copied for it
+    "flipped_rows_viewed_flat": (lambda m, x: (x.reshape(-1) * m.rows(x.shape[0]).flip(0).reshape(-1)).tanh().sum()
+                                 + _readout(m, x), 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROADCAST_ROWS))
+def test_rows_of_a_parameter_broadcast_over_the_batch_exact(name):
+    """Slices, flips, rolls and cats along the batch of a parameter expanded over it are the parameter broadcast,
+    for a batch of one too: exact against the loop (they were refused), at two batch sizes of one capture."""
+    loss, folded = BROADCAST_ROWS[name]
+    m = Prompt()
+    fn = psg.per_sample(m, backend="eager")(lambda x: loss(m, x))
+    params = dict(m.named_parameters())
+    g = torch.Generator().manual_seed(3)
+    for n in (B, B + 3):
+        x = torch.randn(n, K, D, generator=g, dtype=F64)
+        got = fn(x)
+        for key, want in reference_per_sample(lambda x: loss(m, x), params, (x,)).items():
+            torch.testing.assert_close(got[key], want, **TOL, msg=lambda msg, k=key: f"{name} {k}: {msg}")
+    assert fn.captures == 1
+    assert fn.compiled_for(x)[0].rewritten.forward.meta["broadcast_rows_folded"] == folded
+
+
+def test_dp_step_through_rows_of_a_parameter_broadcast_over_the_batch():
+    """One noiseless DP-SGD step whose loss reads the prompt's first row and a cat of its rows equals the loop's
+    per-sample gradients, clipped (the bound cuts about half of them), summed and divided by the batch size."""
+    def loss(m, x):
+        rows = m.p1.expand(x.shape[0], -1, -1)
+        return _readout(m, x * m.rows(x.shape[0]).flip(0)[:1] + torch.cat([rows[:1], rows[1:]]))
+
+    ours, ref = Prompt(), Prompt()
+    x = torch.randn(B + 2, K, D, generator=torch.Generator().manual_seed(4), dtype=F64)
+    params = dict(ref.named_parameters())
+    grads = reference_per_sample(lambda x: loss(ref, x), params, (x,))
+    norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    bound = norms.median().item()
+    step = psg.compile_step(lambda x: loss(ours, x), ours, torch.optim.SGD(ours.parameters(), lr=0.5),
+                            max_grad_norm=bound, noise_multiplier=0.0, expected_batch_size=len(x), backend="eager")
+    step(x)
+    assert step.fused, step.fallback_reason
+    for key, clipped_sum in ref_clip_sum(grads, bound).items():
+        want = params[key].detach() - 0.5 * clipped_sum / len(x)
+        torch.testing.assert_close(dict(ours.named_parameters())[key].detach(), want, **TOL,
+                                   msg=lambda msg, k=key: f"{k}: {msg}")
 
 
 # --------------------------------------------------------------- batches merged with frames or tiled tokens

@@ -711,7 +711,8 @@ def _sliced(an: Analysis, node: fx.Node, kw: dict, fact: PerSample | SampleIndex
         # every row holds the same values (``prompt.expand(n, -1)[:1]``, as PEFT's prompt tuning takes its token
         # ids): the same value for every sample where a batch of one keeps as many rows. Not where a gradient
         # flows back through it: the rows kept would receive every sample's gradient, and the rows of the other
-        # samples none
+        # samples none (the capture reads such slices of an ``expand`` as the value expanded,
+        # ``_capture/broadcast_rows.py``; what reaches here was broadcast otherwise, ``w * ones(n, 1)``)
         alone = _rows_of_a_batch_of_one(kw, src.shape[fact.dim], an.batch)
         if out.shape[fact.dim] != alone:
             kept = "a different number" if alone is None else alone
@@ -720,10 +721,11 @@ def _sliced(an: Analysis, node: fx.Node, kw: dict, fact: PerSample | SampleIndex
                        "batch size", "slice one row (h[:1]) or every row (h[-n:]), or take the value before "
                        "expanding it over the batch")
         if an.carries_gradient(node):
-            raise _mix("it keeps some rows of a value that is the same for every sample (expanded over the batch) "
+            raise _mix("it keeps some rows of a value that is the same for every sample (broadcast over the batch) "
                        "and computed from a parameter: autograd gives the rows kept the gradient of every sample, "
-                       "so no per-sample gradient can follow it", "take the value before expanding it over the "
-                       "batch (w rather than w.expand(n, -1)[:1]), and expand the result where it meets the samples")
+                       "so no per-sample gradient can follow it", "take the value before broadcasting it over the "
+                       "batch (w rather than (w * torch.ones(n, 1))[:1]), or broadcast it with expand, whose rows "
+                       "are read as the value itself (w.expand(n, -1)[:1] is w)")
         return SHARED
     blocks = layout or (an.batch.factor(src.shape[fact.dim]) or 1, 1)
     start = kw.get("start")

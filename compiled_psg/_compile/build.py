@@ -16,6 +16,7 @@ from .._analyze.batch_dims import BatchDims, find_batch_symbol, value_of
 from .._analyze.mixing import MixingSite, find_mixing
 from .._analyze.source import group_sites, source_line
 from .._capture import batch_size_branches, patches
+from .._capture.broadcast_rows import fold_broadcast_rows
 from .._capture.dynamo import Captured, Role, capture_joint, shape_from_values
 from .._capture.retrace import forward_slice, retrace_joint
 from .._compat import reconnects_inner_gradients
@@ -74,6 +75,9 @@ def _build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: di
     _refuse_reads_after_renorm(forward)
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     params = {n for n, role in zip(placeholders, roles, strict=True) if role.kind == "param"}
+    # w.expand(n, -1)[:1] read as w: the analysis would refuse the slice, through which autograd gives one batch
+    # position every sample's gradient
+    forward.meta["broadcast_rows_folded"] = fold_broadcast_rows(forward, batch)
     mixing = find_mixing(forward.graph, batch, params)
     if mixing:
         raise _refusal(captured, forward, mixing)
