@@ -374,3 +374,32 @@ def test_a_poisson_loader_without_a_generator_resumes_exactly_beside_dropout():
     assert not torch.equal(rng, after_construction)  # the one draw that seeds the sampler
     assert len(list(loader)) == len(list(loader)) == 10
     assert torch.equal(torch.get_rng_state(), after_construction)  # epochs draw nothing from the global generator
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_what_a_checkpoint_reveals(secure):
+    """docs/training.md, "A checkpoint is as secret as the training data": a seeded checkpoint holds the noise
+    generator's seed and the sampler's epoch state (its batches can be drawn again); a secure one holds neither."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    data = TensorDataset(torch.randn(30, 4), torch.randint(0, 3, (30,)))
+    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=10),
+                           lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager",
+                           secure_rng=secure, generator=None if secure else torch.Generator().manual_seed(1234))
+    members = []
+    for x, _ in private.data_loader:
+        members.append(x.clone())
+        private.step(x, _)
+        if len(members) == 2:
+            break
+    state = private.state_dict()
+    if secure:
+        assert state["step"]["generator"] is None and state["sampler"] == {"epoch_state": None, "drawn": 2}
+        return
+    noise = torch.Generator()
+    noise.set_state(state["step"]["generator"])
+    assert noise.initial_seed() == 1234
+    sampler = PoissonBatchSampler(30, private.sample_rate, generator=torch.Generator())
+    sampler.generator.set_state(state["sampler"]["epoch_state"])
+    redrawn = [data.tensors[0][batch] for batch in list(sampler)[:2]]
+    assert all(torch.equal(a, b) for a, b in zip(redrawn, members, strict=True))
