@@ -11,7 +11,7 @@ from dp_accounting import pld, rdp
 from torch.utils.data import DataLoader, TensorDataset
 
 import compiled_psg as psg
-from compiled_psg._errors import DPConfigError
+from compiled_psg._errors import BatchInputError, DPConfigError
 from compiled_psg._train.accounting import Accountant, calibrate_noise, epsilon
 from compiled_psg._train.private import make_private
 from compiled_psg._train.sampling import PoissonBatchSampler, poisson_loader
@@ -98,6 +98,73 @@ def test_poisson_loader_yields_empty_batches():
     x, y = empty[0]
     assert x.shape == (0, 3) and x.dtype == torch.float32 and y.shape == (0,) and y.dtype == torch.long
 
+
+
+def _sequence_first(rows):
+    """Collate (T, F) samples to x of shape (T, B, F) (batch second), with y (B,) and an unbatched weight (F,)."""
+    return torch.stack([r[0] for r in rows], 1), torch.stack([r[1] for r in rows]), torch.ones(4)
+
+
+def test_an_empty_poisson_batch_is_cut_along_each_arguments_batch_dim():
+    """``_CollateWithEmpty`` cut every tensor along dim 0: with a sequence-first collate the empty batch was x of
+    shape (0, 1, F), a batch of one sample of length 0 (make_private's step refused it, "batched arguments
+    disagree on the batch size"). Each argument is cut along its in_dims entry; a None entry is left whole."""
+    data = TensorDataset(torch.randn(5, 6, 4), torch.arange(5))
+    loader = poisson_loader(DataLoader(data, batch_size=2, collate_fn=_sequence_first), 0.02, steps=30,
+                            generator=torch.Generator().manual_seed(0), in_dims=(1, 0, None))
+    empty = [b for b in loader if len(b[1]) == 0]
+    assert empty
+    x, y, w = empty[0]
+    assert x.shape == (6, 0, 4) and y.shape == (0,) and w.shape == (4,) and torch.equal(w, torch.ones(4))
+    with pytest.raises(BatchInputError, match="in_dims has 2 entries but the collate function's batch is 3"):
+        list(poisson_loader(DataLoader(data, batch_size=2, collate_fn=_sequence_first), 0.02, steps=30,
+                            generator=torch.Generator().manual_seed(0), in_dims=(1, 0)))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "adaptive"])
+def test_an_empty_poisson_batch_with_the_batch_second_is_a_step_of_noise_alone(clipping):
+    """make_private(in_dims=(1, 0, None)) over a sequence-first loader: the loader's empty batch steps (it raised
+    a BatchInputError, and a single-argument version a CaptureError from a ZeroDivisionError) and moves the
+    parameters by exactly what the same empty step does with the batch first (in_dims=0): noise alone."""
+    options = {"unclipped_num_std": 1.0} if clipping == "adaptive" else {}
+    data = TensorDataset(torch.randn(40, 5, 4), torch.randint(0, 3, (40,)))
+
+    def built(batch_first):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        if batch_first:
+            loader = DataLoader(data, batch_size=2, collate_fn=lambda rows: tuple(
+                t.transpose(0, 1) if t.dim() == 3 else t for t in _sequence_first(rows)))
+            loss_fn, in_dims = (lambda x, y, w: F.cross_entropy(model(x * w).mean(1), y)), (0, 0, None)
+        else:
+            loader = DataLoader(data, batch_size=2, collate_fn=_sequence_first)
+            loss_fn, in_dims = (lambda x, y, w: F.cross_entropy(model(x * w).mean(0), y)), (1, 0, None)
+        return model, make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, loss_fn,
+                                   noise_multiplier=1.0, sample_rate=0.01, backend="eager", in_dims=in_dims,
+                                   generator=torch.Generator().manual_seed(0), clipping=clipping, **options)
+
+    results = []
+    for batch_first in (True, False):
+        model, private = built(batch_first)
+        batch = next(b for b in private.data_loader if len(b[1]) == 0)
+        assert batch[0].shape == ((0, 5, 4) if batch_first else (5, 0, 4))
+        private.step(*batch)
+        assert private.steps == 1 and private.dp_step.last_batch_size == 0
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*results, strict=True))
+
+
+def test_a_loader_of_single_samples_is_refused_for_what_it_is():
+    """DataLoader(batch_size=None) yields samples, not batches: make_private raised "in_dims[1]=0 is out of range
+    for argument 1 of shape ()", about an in_dims the user never passed."""
+    model, optimizer, _, loss_fn = _setup()
+    data = TensorDataset(torch.randn(20, 4), torch.randint(0, 3, (20,)))
+    for build in (lambda: make_private(model, optimizer, DataLoader(data, batch_size=None), loss_fn,
+                                       noise_multiplier=1.0, backend="eager"),
+                  lambda: poisson_loader(DataLoader(data, batch_size=None))):
+        with pytest.raises(DPConfigError, match=r"yields single samples.*batch_size=None.*Fix: give the loader a "
+                                                r"batch size"):
+            build()
 
 def _setup(n=60, batch_size=10, model=None):
     torch.manual_seed(0)

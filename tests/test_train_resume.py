@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from compiled_psg import compile_step
 from compiled_psg._errors import DPConfigError
 from compiled_psg._train.private import make_private
-from compiled_psg._train.sampling import PoissonBatchSampler
+from compiled_psg._train.sampling import PoissonBatchSampler, poisson_loader
 from compiled_psg._train.schedulers import ExponentialNoise
 
 EPOCHS = 2
@@ -169,3 +169,237 @@ def test_copying_or_pickling_a_training_points_to_state_dict():
             with pytest.raises(DPConfigError, match=f"a {type(training).__name__} cannot be copied .* state_dict"):
                 copy_it(training)
     assert private.steps == 1
+
+
+def _snapshot(private) -> dict:
+    """Everything a load could change, copied: a refused load must leave all of it as it was."""
+    sampler = private.data_loader.batch_sampler if private.poisson_sampling else None
+    return {"model": copy.deepcopy(private.model.state_dict()),
+            "optimizer": copy.deepcopy(private.optimizer.state_dict()),
+            "history": list(private.accountant.history), "steps": private.dp_step.steps_taken,
+            "config": (private.noise_multiplier, private.max_grad_norm),
+            "generator": private.dp_step.noise.generator.get_state(),
+            "sampler": None if sampler is None else copy.deepcopy(sampler.state_dict()),
+            "sampler_generator": None if sampler is None else sampler.generator.get_state()}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert repr(a["optimizer"]) == repr(b["optimizer"])
+    assert (a["history"], a["steps"], a["config"]) == (b["history"], b["steps"], b["config"])
+    assert torch.equal(a["generator"], b["generator"])
+    if a["sampler"] is None:
+        assert b["sampler"] is None
+    else:
+        assert a["sampler"]["drawn"] == b["sampler"]["drawn"]
+        assert torch.equal(a["sampler"]["epoch_state"], b["sampler"]["epoch_state"])
+        assert torch.equal(a["sampler_generator"], b["sampler_generator"])
+
+
+@pytest.mark.parametrize("k", [4, 6])  # mid-epoch, and exactly at the end of the first epoch
+def test_a_state_saved_right_after_a_load_resumes_where_the_loaded_one_does(k, tmp_path, uninterrupted):
+    """A checkpoint saved after a load and before the loader was iterated (a hook at the start of a job) held
+    drawn=0 and the fresh generator's state: resuming from it repeated the epoch's first batches, the same Poisson
+    coins used twice while the accountant counted them as independent. It is the loaded state, however often it
+    is saved."""
+    model, private = uninterrupted
+    _, private_a, scheduler_a = build()
+    train(private_a, scheduler_a, EPOCHS, stop_after=k)
+    first = private_a.state_dict()
+    torch.save({"training": first, "scheduler": scheduler_a.state_dict()}, tmp_path / "first.pt")
+
+    _, private_b, scheduler_b = build(seed=1)
+    checkpoint = torch.load(tmp_path / "first.pt")
+    private_b.load_state_dict(checkpoint["training"])
+    again, twice = private_b.state_dict(), private_b.state_dict()
+    for state in (again, twice):
+        assert state["sampler"]["drawn"] == first["sampler"]["drawn"] == k % 6
+        assert torch.equal(state["sampler"]["epoch_state"], first["sampler"]["epoch_state"])
+    torch.save({"training": again, "scheduler": checkpoint["scheduler"]}, tmp_path / "again.pt")
+
+    model_c, private_c, scheduler_c = build(seed=2)
+    checkpoint = torch.load(tmp_path / "again.pt")
+    private_c.load_state_dict(checkpoint["training"])
+    scheduler_c.load_state_dict(checkpoint["scheduler"])
+    if k < 6:
+        for x, y in private_c.data_loader:
+            private_c.step(x, y)
+    scheduler_c.step()
+    train(private_c, scheduler_c, EPOCHS - 1)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model_c.parameters(), strict=True))
+    assert private_c.accountant.history == private.accountant.history
+
+
+def test_a_sampler_state_round_trips_through_load_and_save():
+    """At every position (before an epoch, in it, at its end, after a load, saved twice) the sampler's state
+    loaded into a fresh sampler and saved again is the same state, and the batches that follow are the same."""
+    def fresh(seed=99):
+        return PoissonBatchSampler(40, 0.25, generator=torch.Generator().manual_seed(seed))
+
+    sampler = fresh(0)
+    iterator = iter(sampler)
+    positions = [sampler.state_dict()]
+    for _ in range(4):
+        next(iterator)
+        positions.append(sampler.state_dict())
+    for state in positions:
+        resumed = fresh()
+        resumed.load_state_dict(state)
+        for saved in (resumed.state_dict(), resumed.state_dict()):
+            assert saved["drawn"] == state["drawn"] and torch.equal(saved["epoch_state"], state["epoch_state"])
+        replay, reference = fresh(), fresh(1)
+        replay.load_state_dict(resumed.state_dict())
+        reference.load_state_dict(state)
+        assert list(replay) == list(reference) and list(replay) == list(reference)
+    secure = PoissonBatchSampler(40, 0.25, secure=True)
+    iterator = iter(secure)
+    next(iterator), next(iterator)
+    assert secure.state_dict() == {"epoch_state": None, "drawn": 2}  # it said drawn=0: a whole epoch again
+    resumed = PoissonBatchSampler(40, 0.25, secure=True)
+    resumed.load_state_dict(secure.state_dict())
+    assert resumed.state_dict() == {"epoch_state": None, "drawn": 2} and len(list(resumed)) == 2
+
+
+def test_a_sampler_state_it_cannot_resume_is_refused():
+    seeded = PoissonBatchSampler(40, 0.25, generator=torch.Generator().manual_seed(0))
+    secure = PoissonBatchSampler(40, 0.25, secure=True)
+    with pytest.raises(DPConfigError, match=r"from a generator, this one from os.urandom"):
+        secure.load_state_dict(seeded.state_dict())
+    with pytest.raises(DPConfigError, match=r"from os.urandom \(secure_rng=True\), this one from a generator"):
+        seeded.load_state_dict(secure.state_dict())
+    with pytest.raises(DPConfigError, match="had drawn 4 batches of an epoch of 4"):
+        seeded.load_state_dict({"epoch_state": seeded.generator.get_state(), "drawn": 4})
+    assert seeded.state_dict()["drawn"] == 0 and seeded._resume is None
+
+
+def test_an_in_memory_state_of_an_earlier_step_is_refused():
+    """``best = private.state_dict()`` kept in memory follows the training (its tensors are the live ones):
+    loading it after 5 more steps set the accountant and the step count back to 3 while the weights and Adam's
+    moments stayed those after 8 steps, so epsilon covered 3 steps of a model trained for 8. Refused, changing
+    nothing; a deep copy rolls back."""
+    model, private, _ = build()
+    batches = iter(private.data_loader)
+    for _ in range(3):
+        private.step(*next(batches))
+    best, kept = private.state_dict(), copy.deepcopy(private.state_dict())
+    weights_at_best = [p.detach().clone() for p in model.parameters()]
+    private.load_state_dict(private.state_dict())  # the live state at its own step: nothing to refuse
+    for _ in range(2):
+        private.step(*next(batches))
+    before = _snapshot(private)
+    with pytest.raises(DPConfigError, match=r"saved at step 3 but holds the live model's and optimizer's tensors.*"
+                                            r"after step 5.*Nothing was loaded.*copy.deepcopy\(private.state_dict"):
+        private.load_state_dict(best)
+    _assert_same(before, _snapshot(private))
+    with pytest.raises(DPConfigError, match="saved at step 3 but holds the live"):
+        private.dp_step.load_state_dict(best["step"])
+    _assert_same(before, _snapshot(private))
+    private.load_state_dict(kept)
+    assert private.steps == private.dp_step.steps_taken == 3
+    assert all(torch.equal(p, q) for p, q in zip(weights_at_best, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("saved_poisson", [True, False])
+def test_a_state_of_the_other_sampling_is_refused(saved_poisson):
+    """A poisson_sampling=True state loaded into a poisson_sampling=False training (or the reverse) was accepted,
+    the sampler's position ignored."""
+    def built(poisson):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        data = TensorDataset(torch.randn(30, 4), torch.randint(0, 3, (30,)))
+        return make_private(model, torch.optim.Adam(model.parameters(), lr=0.01), DataLoader(data, batch_size=10),
+                            lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager",
+                            generator=torch.Generator().manual_seed(0), poisson_sampling=poisson)
+
+    saved = built(saved_poisson)
+    for x, y in saved.data_loader:
+        saved.step(x, y)
+        break
+    state = copy.deepcopy(saved.state_dict())
+    other = built(not saved_poisson)
+    other.step(*next(iter(other.data_loader)))
+    other.step(*next(iter(other.data_loader)))
+    before = _snapshot(other)
+    with pytest.raises(DPConfigError, match=rf"make_private\(poisson_sampling={saved_poisson}\), this one with "
+                                            rf"poisson_sampling={not saved_poisson}.*Nothing was loaded"):
+        other.load_state_dict(state)
+    _assert_same(before, _snapshot(other))
+
+
+def test_a_poisson_loader_without_a_generator_resumes_exactly_beside_dropout():
+    """poisson_loader without generator= drew its coins from torch's global generator, which dropout draws from
+    between batches: a resume (sampler state, step state and torch.get_rng_state) gave other batches, and loading
+    the sampler rewound the global generator. The sampler has its own generator, seeded by one draw at
+    construction, and the loader draws nothing from the global one when an epoch starts."""
+    g = torch.Generator().manual_seed(5)
+    data = TensorDataset(torch.randn(80, 6, generator=g), torch.randint(0, 3, (80,), generator=g))
+
+    def built():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.3), nn.Linear(8, 3))
+        step = compile_step(lambda a, b: F.cross_entropy(model(a), b), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, noise_multiplier=1.0,
+                            expected_batch_size=8.0, backend="eager", generator=torch.Generator().manual_seed(1))
+        return model, step, poisson_loader(data, 0.1)
+
+    torch.manual_seed(42)
+    model_a, step_a, loader_a = built()
+    reference = []
+    for x, y in loader_a:
+        step_a(x, y)
+        reference.append(x.clone())
+    model_b, step_b, loader_b = built()
+    for k, (x, y) in enumerate(loader_b):
+        step_b(x, y)
+        if k == 2:
+            state = copy.deepcopy({"sampler": loader_b.batch_sampler.state_dict(), "step": step_b.state_dict(),
+                                   "rng": torch.get_rng_state()})
+            break
+    model_c, step_c, loader_c = built()
+    step_c.load_state_dict(state["step"])
+    torch.set_rng_state(state["rng"])
+    loader_c.batch_sampler.load_state_dict(state["sampler"])
+    assert torch.equal(torch.get_rng_state(), state["rng"])  # the load does not touch the global generator
+    resumed = []
+    for x, y in loader_c:
+        step_c(x, y)
+        resumed.append(x.clone())
+    assert len(resumed) == len(reference) - 3
+    assert all(torch.equal(a, b) for a, b in zip(resumed, reference[3:], strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(model_a.parameters(), model_c.parameters(), strict=True))
+    rng = torch.get_rng_state()
+    loader = poisson_loader(data, 0.1)
+    after_construction = torch.get_rng_state()
+    assert not torch.equal(rng, after_construction)  # the one draw that seeds the sampler
+    assert len(list(loader)) == len(list(loader)) == 10
+    assert torch.equal(torch.get_rng_state(), after_construction)  # epochs draw nothing from the global generator
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_what_a_checkpoint_reveals(secure):
+    """docs/training.md, "A checkpoint is as secret as the training data": a seeded checkpoint holds the noise
+    generator's seed and the sampler's epoch state (its batches can be drawn again); a secure one holds neither."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    data = TensorDataset(torch.randn(30, 4), torch.randint(0, 3, (30,)))
+    private = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=10),
+                           lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager",
+                           secure_rng=secure, generator=None if secure else torch.Generator().manual_seed(1234))
+    members = []
+    for x, _ in private.data_loader:
+        members.append(x.clone())
+        private.step(x, _)
+        if len(members) == 2:
+            break
+    state = private.state_dict()
+    if secure:
+        assert state["step"]["generator"] is None and state["sampler"] == {"epoch_state": None, "drawn": 2}
+        return
+    noise = torch.Generator()
+    noise.set_state(state["step"]["generator"])
+    assert noise.initial_seed() == 1234
+    sampler = PoissonBatchSampler(30, private.sample_rate, generator=torch.Generator())
+    sampler.generator.set_state(state["sampler"]["epoch_state"])
+    redrawn = [data.tensors[0][batch] for batch in list(sampler)[:2]]
+    assert all(torch.equal(a, b) for a, b in zip(redrawn, members, strict=True))

@@ -13,9 +13,10 @@ def step_state(step) -> dict:
     """What resuming the training needs: the settings (``max_grad_norm``, ``noise_multiplier``,
     ``expected_batch_size``), ``steps_taken``, the model's and the optimizer's ``state_dict`` and the noise
     generator's state (when ``generator=`` was given). Tensors are shared with the live objects, as in
-    ``nn.Module.state_dict``: ``torch.save`` it. Torch's global generator is the user's to save
-    (``torch.get_rng_state``), and ``secure_rng=True`` (``os.urandom``) cannot be resumed by design: its
-    draws are not reproducible."""
+    ``nn.Module.state_dict``: ``torch.save`` it, or keep ``copy.deepcopy`` of it (loading a state whose tensors
+    are still the live ones, after steps were taken, is refused: ``_check_not_live``). Torch's global generator
+    is the user's to save (``torch.get_rng_state``), and ``secure_rng=True`` (``os.urandom``) cannot be resumed
+    by design: its draws are not reproducible."""
     return {"config": {"max_grad_norm": step.max_grad_norm, "noise_multiplier": step.noise_multiplier,
                        "expected_batch_size": step.expected_batch_size},
             "steps_taken": step.steps_taken,
@@ -35,6 +36,7 @@ def load_step_state(step, state: dict) -> None:
     config = step.config.replace(**state["config"])
     _check_model_state(step.model, state["model"])
     _check_optimizer_state(step.optimizer, state["optimizer"])
+    _check_not_live(step, state)
     if step.noise.generator is not None and (
             not isinstance(state["generator"], torch.Tensor)
             or state["generator"].shape != step.noise.generator.get_state().shape):
@@ -88,3 +90,44 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> Non
 
 #: optimizer settings torch added over versions, which its ``load_state_dict`` fills in for an older state
 _FLAGS_ADDED_BY_VERSIONS = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
+
+
+def _check_not_live(step, saved: dict) -> None:
+    """Refuse a state whose model or optimizer tensors are the live ones when it was saved at another step: an
+    in-memory ``state_dict()`` follows the training (its tensors are shared, as in ``nn.Module.state_dict``), so
+    loading it would set the step count (and a ``PrivateTraining``'s accountant) back while the weights stay
+    those after every step taken: epsilon would cover fewer steps than the model was trained for. Refused rather
+    than reconciled: the weights of the saved step no longer exist anywhere, and a rollback that silently keeps
+    the current weights is not the rollback the user asked for."""
+    if int(saved["steps_taken"]) == step.steps_taken:
+        return  # the live state at the same step: loading it changes nothing
+    live = {_storage(t) for t in _tensors((step.model.state_dict(), step.optimizer.state))} - {None}
+    shared = [name for name, t in _named_tensors(saved["model"]) if _storage(t) in live]
+    shared += [f"optimizer state of parameter {k}" for k, per_param in saved["optimizer"].get("state", {}).items()
+               if any(_storage(t) in live for t in _tensors(per_param))]
+    if shared:
+        raise DPConfigError(
+            f"this state was saved at step {int(saved['steps_taken'])} but holds the live model's and optimizer's "
+            f"tensors ({', '.join(map(str, shared[:3]))}{', ...' if len(shared) > 3 else ''}), which now hold the "
+            f"weights after step {step.steps_taken}: state_dict() shares them with the training, as "
+            "nn.Module.state_dict does. Loading it would count fewer steps than the weights were trained for. "
+            "Nothing was loaded. Fix: keep a copy when saving, best = copy.deepcopy(private.state_dict()) (or "
+            "torch.save it and torch.load it)")
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _named_tensors(state: dict) -> list[tuple[str, torch.Tensor]]:
+    return [(name, t) for name, t in state.items() if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s memory (a shard's local tensor for a DTensor), None where there is none."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    try:
+        ptr = local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (functional, ...)
+        return None
+    return ptr or None

@@ -17,7 +17,7 @@ from .._errors import BatchInputError, DPConfigError
 from . import distributed as dist_utils
 from .accounting import Accountant, calibrate_noise, check_delta, check_sample_rate, check_steps
 from .api import compile_step
-from .sampling import PoissonBatchSampler, dataset_of, poisson_loader
+from .sampling import PoissonBatchSampler, check_batched, dataset_of, poisson_loader
 from .step import DPStep, refuse_copy
 
 
@@ -112,8 +112,15 @@ class PrivateTraining:
         """Everything a resumed run needs, for ``torch.save``: the step's state (the model's and the optimizer's
         ``state_dict``, the settings, the noise generator's state: see ``DPStep.state_dict``), the accountant's
         history and the Poisson sampler's position (its generator's state at the start of the epoch and the
-        batches drawn since). Noise from ``secure_rng=True`` (``os.urandom``) is not reproducible by design: a
-        resumed secure run is a valid continuation, not a replay. A noise scheduler has its own ``state_dict``."""
+        batches drawn since; a state loaded and not yet iterated, as loaded). Noise from ``secure_rng=True``
+        (``os.urandom``) is not reproducible by design: a resumed secure run is a valid continuation, not a replay.
+        A noise scheduler has its own ``state_dict``.
+
+        The model's and the optimizer's tensors are the live ones (as ``nn.Module.state_dict``): a state kept in
+        memory follows the training. Keep ``copy.deepcopy(private.state_dict())`` to roll back to it later.
+
+        The state holds the generators' states, seeds included: the noise and the batches can be re-drawn from it
+        (docs/training.md, "Save and resume"). Keep it as secret as the training data."""
         sampler = self._sampler()
         if sampler is not None and self.data_loader.num_workers > 0 and 0 < sampler.state_dict()["drawn"]:
             warnings.warn("a loader with worker processes draws batches ahead of the training: a state saved in "
@@ -122,19 +129,40 @@ class PrivateTraining:
         return {"step": self.dp_step.state_dict(),
                 "accountant": {"mechanism": self.accountant.mechanism, "history": list(self.accountant.history)},
                 "sampler": None if sampler is None else sampler.state_dict(),
-                "sample_rate": self.sample_rate}
+                "sample_rate": self.sample_rate,
+                "poisson_sampling": self.poisson_sampling}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict`` into a ``PrivateTraining`` built the same way (same model class, optimizer,
         loader and ``make_private`` arguments, a fresh seeded generator where the saved run had one). The next
-        ``for batch in private.data_loader`` continues the interrupted epoch."""
+        ``for batch in private.data_loader`` continues the interrupted epoch. Everything is checked before anything
+        is loaded: a refused state changes nothing (parameters, optimizer, accountant, generators, sampler)."""
         if state["accountant"]["mechanism"] != self.accountant.mechanism or state["sample_rate"] != self.sample_rate:
-            raise DPConfigError("the saved training used another accountant or sampling rate: build the "
-                                "PrivateTraining with the same make_private arguments")
-        self.dp_step.load_state_dict(state["step"])
-        self.accountant.history = [tuple(entry) for entry in state["accountant"]["history"]]
+            raise DPConfigError(
+                "the saved training used another accountant or sampling rate (saved: "
+                f"{state['accountant']['mechanism']!r}, q={state['sample_rate']}; here: "
+                f"{self.accountant.mechanism!r}, q={self.sample_rate}). Nothing was loaded. Fix: build the "
+                "PrivateTraining with the same make_private arguments")
+        saved_poisson = state.get("poisson_sampling", state["sampler"] is not None)  # a state of an older release
+        if saved_poisson != self.poisson_sampling:
+            raise DPConfigError(
+                f"the saved training was built with make_private(poisson_sampling={saved_poisson}), this one with "
+                f"poisson_sampling={self.poisson_sampling}: the saved run's sampling (and what its accounting "
+                "assumed) cannot continue here. Nothing was loaded. Fix: build the training with "
+                f"poisson_sampling={saved_poisson}, as the saved run was")
         sampler = self._sampler()
-        if sampler is not None and state["sampler"] is not None:
+        if (state["sampler"] is None) != (sampler is None):
+            raise DPConfigError(
+                "the saved training " + ("had no Poisson sampler state, but this one's data_loader is Poisson-sampled"
+                                         if sampler is not None else "holds a Poisson sampler's position, but this "
+                                         "one's data_loader is not the Poisson loader make_private built")
+                + ". Nothing was loaded. Fix: iterate private.data_loader as make_private returned it, in both runs")
+        if sampler is not None:
+            sampler.check_state(state["sampler"])
+        history = [tuple(entry) for entry in state["accountant"]["history"]]
+        self.dp_step.load_state_dict(state["step"])  # checks everything it loads before loading any of it
+        self.accountant.history = history
+        if sampler is not None:
             sampler.load_state_dict(state["sampler"])
 
 
@@ -185,6 +213,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                             "make_private replaces it with a Poisson-sampling loader over the same dataset. Fix: "
                             "DataLoader(dataset, batch_size=...)")
     dataset_of(data_loader, "data_loader")
+    check_batched(data_loader, "data_loader")
     check_delta(target_delta)
     if sample_rate is None:
         sample_rate = 1 / len(data_loader)
@@ -232,6 +261,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         seed = int(torch.randint(0, 2**62, (), generator=generator,
                                  device="cpu" if generator is None else generator.device))
         loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch,
-                                generator=torch.Generator().manual_seed(seed), secure=secure_rng)
+                                generator=torch.Generator().manual_seed(seed), secure=secure_rng,
+                                in_dims=clipping_options.get("in_dims", 0))
     return PrivateTraining(model, optimizer, loader, dp_step, Accountant(accountant), sample_rate,
                            target_delta, poisson_sampling)

@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from .._errors import DPConfigError
+from .._errors import BatchInputError, DPConfigError
 from .accounting import check_sample_rate
 from .dp import secure_uniform
 
@@ -21,13 +21,20 @@ from .dp import secure_uniform
 class PoissonBatchSampler:
     """Yields ``steps`` batches of indices into ``range(num_samples)``, each index kept with probability
     ``sample_rate``. ``steps`` defaults to ``round(1 / sample_rate)`` (one epoch in expectation). With
-    ``secure=True`` the coin flips use ``os.urandom`` instead of ``generator``.
+    ``secure=True`` the coin flips use ``os.urandom`` instead of a generator.
+
+    The coins come from ``generator``, or, without one, from a generator of the sampler's own, seeded once at
+    construction by one draw from torch's global generator: the sampler never draws from the global generator
+    after that, so dropout and other global draws between batches neither change the batches nor are changed by a
+    resume (which sets the sampler's generator, never the global one).
 
     Resumable: ``state_dict()`` records the generator's state at the start of the current epoch and how many
     batches of it were drawn; after ``load_state_dict`` the next epoch replays those draws and yields the rest,
-    so a resumed run samples exactly the batches the interrupted one would have. The count is of batches drawn:
-    a ``DataLoader`` with worker processes draws a few ahead of the training, so save between epochs there.
-    ``os.urandom`` cannot be replayed: a secure sampler resumes with the remaining batches of the epoch, fresh.
+    so a resumed run samples exactly the batches the interrupted one would have. A state loaded and not yet
+    iterated is what ``state_dict()`` returns, so a checkpoint saved right after a resume resumes at the same
+    batch. The count is of batches drawn: a ``DataLoader`` with worker processes draws a few ahead of the
+    training, so save between epochs there. ``os.urandom`` cannot be replayed: a secure sampler resumes with the
+    remaining batches of the epoch, fresh.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
@@ -36,11 +43,14 @@ class PoissonBatchSampler:
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.steps = max(1, round(1 / sample_rate)) if steps is None else steps
+        if generator is None and not secure:
+            # one draw from the global generator, so that an unseeded loader follows torch.manual_seed
+            generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))
         self.generator = generator
         self.secure = secure
         self._epoch_state: torch.Tensor | None = None  # the generator's state when the current epoch began
         self._drawn = 0  # batches drawn in the current epoch
-        self._resume: tuple[torch.Tensor | None, int] | None = None
+        self._resume: tuple[torch.Tensor | None, int] | None = None  # a loaded state, until the next epoch starts
 
     def __len__(self) -> int:
         return self.steps
@@ -53,23 +63,15 @@ class PoissonBatchSampler:
         return torch.nonzero(u < self.sample_rate).flatten().tolist()
 
     def _state(self) -> torch.Tensor | None:
-        if self.secure:
-            return None
-        return self.generator.get_state() if self.generator is not None else torch.get_rng_state()
-
-    def _set_state(self, state: torch.Tensor) -> None:
-        if self.generator is not None:
-            self.generator.set_state(state)
-        else:
-            torch.set_rng_state(state)
+        return None if self.secure else self.generator.get_state()
 
     def __iter__(self) -> Iterator[list[int]]:
         skip = 0
         if self._resume is not None:
             state, skip = self._resume
             self._resume = None
-            if state is not None and not self.secure:
-                self._set_state(state)
+            if state is not None:
+                self.generator.set_state(state)
         self._epoch_state, self._drawn = self._state(), 0
         for k in range(self.steps):
             batch = self._draw() if not (self.secure and k < skip) else []
@@ -78,31 +80,91 @@ class PoissonBatchSampler:
                 yield batch
 
     def state_dict(self) -> dict:
-        """The position in the current epoch (an epoch drawn whole counts as none begun)."""
-        if self._epoch_state is None or self._drawn >= self.steps:
+        """The position in the current epoch (an epoch drawn whole counts as none begun); a loaded state that no
+        iteration has started from yet is returned as loaded."""
+        if self._resume is not None:
+            state, drawn = self._resume
+            return {"epoch_state": None if state is None else state.clone(), "drawn": drawn}
+        if self._drawn == 0 or self._drawn >= self.steps:
             return {"epoch_state": self._state(), "drawn": 0}
-        return {"epoch_state": self._epoch_state, "drawn": self._drawn}
+        return {"epoch_state": None if self.secure else self._epoch_state.clone(), "drawn": self._drawn}
+
+    def check_state(self, state: dict) -> None:
+        """Refuse, changing nothing, a state that ``load_state_dict`` could not resume exactly: one of a secure
+        sampler into a seeded one or the reverse, another generator's state, a position outside the epoch."""
+        if not isinstance(state, dict) or set(state) != {"epoch_state", "drawn"}:
+            raise DPConfigError("the saved sampler state is not a PoissonBatchSampler's state_dict() (keys "
+                                f"{sorted(state) if isinstance(state, dict) else type(state).__name__}). Nothing was "
+                                "loaded. Fix: load the state saved by PrivateTraining.state_dict()")
+        epoch_state, drawn = state["epoch_state"], state["drawn"]
+        if self.secure != (epoch_state is None):
+            saved, here = "a generator", "os.urandom (secure_rng=True)"
+            if not self.secure:
+                saved, here = here, saved
+            raise DPConfigError(f"the saved Poisson sampler drew its coins from {saved}, this one from {here}: the "
+                                "saved position cannot be resumed. Nothing was loaded. Fix: build the training with "
+                                "the secure_rng of the saved run")
+        if epoch_state is not None and (not isinstance(epoch_state, torch.Tensor)
+                                        or epoch_state.shape != self.generator.get_state().shape):
+            raise DPConfigError("the saved Poisson sampler state is not one of this sampler's generator. Nothing was "
+                                "loaded. Fix: build the sampler with a generator of the same kind (a CPU "
+                                "torch.Generator) as the saved run's")
+        if not isinstance(drawn, int) or isinstance(drawn, bool) or not 0 <= drawn < self.steps:
+            raise DPConfigError(f"the saved Poisson sampler had drawn {drawn!r} batches of an epoch of "
+                                f"{self.steps} here. Nothing was loaded. Fix: build the loader with the sampling "
+                                "rate and steps of the saved run")
 
     def load_state_dict(self, state: dict) -> None:
         """The next iteration resumes the saved epoch (see the class docstring)."""
-        self._resume = (state["epoch_state"], int(state["drawn"]))
+        self.check_state(state)
+        epoch_state = state["epoch_state"]
+        self._resume = (None if epoch_state is None else epoch_state.clone(), state["drawn"])
 
 
 class _CollateWithEmpty:
-    """Wrap a collate function: an empty list of samples becomes the collate of one sample, cut to size 0."""
+    """Wrap a collate function: an empty list of samples becomes the collate of one sample, cut to size 0 along
+    each argument's batch dimension (``in_dims``, as ``compile_step`` reads it: an int for every argument, or one
+    entry per argument, None for an unbatched one, which is left as one sample collates it)."""
 
-    def __init__(self, dataset: Dataset, collate_fn):
+    def __init__(self, dataset: Dataset, collate_fn, in_dims=0):
         self.dataset = dataset
         self.collate_fn = collate_fn or default_collate
+        self.in_dims = in_dims
         self._empty = None
 
     def __call__(self, samples):
         if samples:
             return self.collate_fn(samples)
         if self._empty is None:
-            one = self.collate_fn([self.dataset[0]])
-            self._empty = pytree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, one)
+            self._empty = empty_batch(self.collate_fn([self.dataset[0]]), self.in_dims)
         return self._empty
+
+
+def empty_batch(one, in_dims):
+    """``one`` (a collated batch of one sample) cut to 0 samples along the batch dimensions ``in_dims`` names."""
+    def cut(dim):
+        def leaf(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.dim() == 0 or not -t.dim() <= dim < t.dim():
+                raise BatchInputError(
+                    f"the collate function's batch holds a tensor of shape {tuple(t.shape)}, which has no batch "
+                    f"dimension {dim} (in_dims) to cut to an empty Poisson batch. Fix: collate every batched "
+                    "tensor with its batch along in_dims, or mark an argument that holds nothing per sample None in "
+                    "in_dims")
+            return t.narrow(dim, 0, 0)
+        return leaf
+
+    if isinstance(in_dims, tuple):
+        if not isinstance(one, list | tuple) or len(one) != len(in_dims):
+            got = f"{len(one)} arguments" if isinstance(one, list | tuple) else "one argument"
+            raise BatchInputError(f"in_dims has {len(in_dims)} entries but the collate function's batch is {got}. "
+                                  "Fix: give one in_dims entry per element of the batch the loader yields")
+        parts = [part if d is None else pytree.tree_map(cut(d), part) for part, d in zip(one, in_dims, strict=True)]
+        return type(one)(*parts) if hasattr(one, "_fields") else type(one)(parts)  # a namedtuple, or not
+    if in_dims is None:
+        return one
+    return pytree.tree_map(cut(in_dims), one)
 
 
 def dataset_of(data: Dataset | DataLoader, name: str) -> Dataset:
@@ -121,14 +183,21 @@ def dataset_of(data: Dataset | DataLoader, name: str) -> Dataset:
 
 
 def poisson_loader(data: Dataset | DataLoader, sample_rate: float | None = None, *, steps: int | None = None,
-                   generator: torch.Generator | None = None, secure: bool = False) -> DataLoader:
+                   generator: torch.Generator | None = None, secure: bool = False, in_dims=0) -> DataLoader:
     """A ``DataLoader`` over ``data``'s dataset whose batches are Poisson samples at ``sample_rate``.
 
     From a ``DataLoader``, the rate defaults to ``1 / len(loader)`` (its batch size over the dataset size,
-    as in Opacus) and its collate function, workers and pinning are kept.
+    as in Opacus) and its collate function, workers and pinning are kept. The coins come from ``generator``, or
+    from the sampler's own generator seeded by one draw from torch's global one (``PoissonBatchSampler``); the
+    loader draws nothing from the global generator after its construction (the worker processes' seeds come
+    from a generator of its own, which a resume does not restore: with workers, save between epochs). An
+    empty batch is the collate of one sample cut to size 0 along each argument's batch dimension: give the
+    ``in_dims`` of the step (``compile_step(..., in_dims=)``) when the collate function does not put the batch
+    first.
     """
     dataset = dataset_of(data, "data")
     if isinstance(data, DataLoader):
+        check_batched(data, "data")
         collate = data.collate_fn
         options = dict(num_workers=data.num_workers, pin_memory=data.pin_memory)
         if sample_rate is None:
@@ -138,5 +207,23 @@ def poisson_loader(data: Dataset | DataLoader, sample_rate: float | None = None,
         if sample_rate is None:
             raise DPConfigError("sample_rate is required when building a Poisson loader from a dataset")
     sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator=generator, secure=secure)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=_CollateWithEmpty(dataset, collate),
-                      **options)
+    # A DataLoader draws its worker processes' base seed at every iter(), from torch's global generator unless it
+    # has one: its own, so that starting an epoch (again after a resume) does not move the global stream that the
+    # user saves and restores for dropout. Seeded by one draw from the sampler's generator, at construction.
+    seeds = torch.Generator()
+    if secure:
+        seeds.seed()
+    else:
+        seeds.manual_seed(int(torch.randint(0, 2**62, (), generator=sampler.generator)))
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=_CollateWithEmpty(dataset, collate, in_dims),
+                      generator=seeds, **options)
+
+
+def check_batched(loader: DataLoader, name: str) -> None:
+    """Refuse a loader that yields single samples (``batch_size=None``): its length is the dataset's, not a number
+    of batches, and its collate function (``default_convert``) does not stack samples into a batch."""
+    if loader.batch_sampler is None:
+        raise DPConfigError(f"{name} yields single samples, not batches (DataLoader(..., batch_size=None)): the "
+                            "sampling rate is batch size / dataset size, and the Poisson loader collates its "
+                            "samples into batches with the loader's collate_fn. Fix: give the loader a batch size, "
+                            "DataLoader(dataset, batch_size=...), the expected size of a Poisson batch")
