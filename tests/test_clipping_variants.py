@@ -413,3 +413,18 @@ def test_per_layer_with_an_optimizer_on_some_parameters():
     for n, want in expected.items():
         torch.testing.assert_close(before[n] - params[n].detach(), want, rtol=1e-10, atol=1e-12)
     assert torch.equal(before["0.weight"], params["0.weight"].detach())
+
+
+@pytest.mark.parametrize(("variant", "changes", "setting"), [
+    ("flat", dict(loss_reduction="mean"), "loss_reduction"),
+    ("per_layer", dict(clip_groups=GROUPS, max_grad_norm=[0.3, 0.1]), "clip_groups"),
+    ("per_layer_groups", dict(clip_groups=None, max_grad_norm=PER_LAYER), "clip_groups"),
+])
+def test_settings_that_define_the_mechanism_are_fixed_when_built(variant, changes, setting):
+    """The clipping mode, the loss reduction and the clip groups define the mechanism (what the noise is added
+    to, and what a saved state means when it is loaded): ``config.replace`` cannot change them between steps."""
+    step, _ = sum_step(mlp(), **VARIANTS[variant])
+    config = step.config
+    with pytest.raises(DPConfigError, match=f"{setting} is fixed when the step is built"):
+        step.config = step.config.replace(**changes)
+    assert step.config == config

@@ -4,6 +4,7 @@ for bit (seeded noise, seeded Poisson sampling), with the same accountant histor
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 
 import pytest
@@ -403,3 +404,136 @@ def test_what_a_checkpoint_reveals(secure):
     sampler.generator.set_state(state["sampler"]["epoch_state"])
     redrawn = [data.tensors[0][batch] for batch in list(sampler)[:2]]
     assert all(torch.equal(a, b) for a, b in zip(redrawn, members, strict=True))
+
+
+# ----- the whole config, and the settings fixed when a step is built ------------------------------------------
+
+
+def _mechanism_step(clipping: str = "flat", bound=1.0, seed: int = 0, backend: str = "eager", **kw):
+    """A two-layer MLP's step with seeded noise; ``seed`` its initialization."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if clipping == "adaptive":
+        kw.setdefault("unclipped_num_std", 2.0)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, optimizer, max_grad_norm=bound,
+                        noise_multiplier=1.0, expected_batch_size=8, clipping=clipping, backend=backend,
+                        generator=torch.Generator().manual_seed(0), **kw)
+    return model, step
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(n)]
+
+
+GROUPS = [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
+
+
+@pytest.mark.parametrize(("saved", "live", "setting"), [
+    (dict(clipping="flat"), dict(clipping="per_layer", bound=0.3), "clipping: saved 'flat', this step 'per_layer'"),
+    (dict(clipping="flat"), dict(clipping="automatic", bound=0.3), "clipping: saved 'flat', this step 'automatic'"),
+    (dict(clipping="flat"), dict(clipping="adaptive", bound=0.3), "clipping: saved 'flat', this step 'adaptive'"),
+    (dict(clipping="per_layer", bound=[0.5] * 4), dict(clipping="flat"),
+     "clipping: saved 'per_layer', this step 'flat'"),
+    (dict(loss_reduction="sum"), dict(), "loss_reduction: saved 'sum', this step 'mean'"),
+    (dict(clipping="per_layer", clip_groups=GROUPS), dict(clipping="per_layer"),
+     r"clip_groups: saved \(\('0.weight', '0.bias'\), \('2.weight', '2.bias'\)\), this step None"),
+])
+def test_a_state_of_another_clipping_mechanism_loads_nothing(saved, live, setting):
+    """The clipping mode, the loss reduction and the clip groups define the mechanism and are fixed when a step is
+    built: a state saved by a step built otherwise is refused, naming the saved and the live setting (a flat
+    state loaded silently into a per_layer step, whose C then meant C / sqrt(K) per group; a per_layer state into
+    a flat step was refused as 'a list of bounds needs clipping=per_layer'). Nothing changes."""
+    _, source = _mechanism_step(**saved)
+    source(*_batches(1)[0])
+    state = source.state_dict()
+    model, step = _mechanism_step(seed=1, **live)
+    step(*_batches(1)[0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config, optimizer_before = step.config, repr(step.optimizer.state_dict())
+    generator_before = step.noise.generator.get_state()
+    with pytest.raises(DPConfigError, match=f"built otherwise.*{setting}.*Nothing was loaded"):
+        step.load_state_dict(state)
+    assert step.config == config and step.steps_taken == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert repr(step.optimizer.state_dict()) == optimizer_before
+    assert torch.equal(step.noise.generator.get_state(), generator_before)
+
+
+def test_a_state_without_the_mechanism_settings_loads_nothing():
+    """A state whose config lacks the settings that define the mechanism cannot be checked against this step."""
+    model, step = _mechanism_step()
+    state = step.state_dict()
+    state["config"] = {k: state["config"][k] for k in ("max_grad_norm", "noise_multiplier", "expected_batch_size")}
+    with pytest.raises(DPConfigError, match=r"has no \[.*'clip_groups', .*'clipping', .*Nothing was loaded"):
+        step.load_state_dict(state)
+
+
+@pytest.mark.parametrize(("clipping", "changes"), [
+    ("adaptive", dict(target_unclipped_quantile=0.9, clipbound_learning_rate=1.0, unclipped_num_std=3.0,
+                      min_clipbound=0.05, max_clipbound=40.0, memory_budget=1e6)),
+    ("automatic", dict(automatic_gamma=0.5, max_grad_norm=0.7, expected_batch_size=6.0)),
+])
+def test_settings_changed_during_the_run_are_resumed(clipping, changes):
+    """``step.config = step.config.replace(...)`` between steps (the documented way to change the clipping
+    variants' options) is part of the saved state: the resumed run equals the uninterrupted one bit for bit
+    (the resumed adaptive run went back to the options the step was built with: final C 0.94 instead of 2.02)."""
+    batches = _batches(6)
+    model, step = _mechanism_step(clipping, bound=0.5)
+    for batch in batches[:2]:
+        step(*batch)
+    step.config = step.config.replace(**changes)
+    buffer = io.BytesIO()
+    torch.save(step.state_dict(), buffer)
+    for batch in batches[2:]:
+        step(*batch)
+    resumed_model, resumed = _mechanism_step(clipping, bound=0.5, seed=1)
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer))
+    for batch in batches[2:]:
+        resumed(*batch)
+    assert resumed.config == step.config
+    for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.inductor
+def test_adaptive_options_changed_during_the_run_are_resumed_inductor():
+    batches = _batches(5)
+    model, step = _mechanism_step("adaptive", bound=0.5, backend="inductor")
+    for batch in batches[:2]:
+        step(*batch)
+    step.config = step.config.replace(target_unclipped_quantile=0.9, clipbound_learning_rate=1.0)
+    state = copy.deepcopy(step.state_dict())
+    for batch in batches[2:]:
+        step(*batch)
+    resumed_model, resumed = _mechanism_step("adaptive", bound=0.5, seed=1, backend="inductor")
+    resumed.load_state_dict(state)
+    for batch in batches[2:]:
+        resumed(*batch)
+    assert resumed.max_grad_norm == step.max_grad_norm
+    for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_stalled_adaptive_bound_is_resumed():
+    """Adaptive clipping that moved its bound past the noise's range refuses the next step until the user sets a
+    bound; the saved state keeps that (the resumed step took the step the saved one refused)."""
+    _, step = _mechanism_step("adaptive", bound=0.5, target_unclipped_quantile=1.0, clipbound_learning_rate=1e4)
+    x, y = _batches(1)[0]
+    step(x, y)
+    with pytest.raises(DPConfigError, match="moved the clip bound to inf") as stalled:
+        step(x, y)
+    state = step.state_dict()
+    model, resumed = _mechanism_step("adaptive", bound=0.5, target_unclipped_quantile=1.0,
+                                     clipbound_learning_rate=1e4, seed=1)
+    resumed.load_state_dict(state)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DPConfigError) as again:
+        resumed(x, y)
+    assert str(again.value) == str(stalled.value) and resumed.steps_taken == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    resumed.max_grad_norm = 0.5  # the user's bound: the training goes on
+    resumed(x, y)
+    assert resumed.steps_taken == 2

@@ -270,9 +270,9 @@ def test_noise_that_overflows_is_refused_before_any_step():
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(DPConfigError, match="finite number >= 0, got inf"):
         private.noise_multiplier = math.inf
-    with pytest.raises(DPConfigError, match=r"1 \* 1e\+39 is past the range of torch.float32"):
+    with pytest.raises(DPConfigError, match=r"1 \* 1e\+39: .*past the range of torch.float32"):
         private.max_grad_norm = 1e39
-    with pytest.raises(DPConfigError, match="1e\\+308 \\* 0.5 is past the range"):
+    with pytest.raises(DPConfigError, match="1e\\+308 \\* 0.5: .*past the range"):
         ExponentialNoise(private, gamma=1e308).step()  # a schedule that explodes
     assert private.dp_step.config == DPConfig(0.5, 1.0, 10.0) and private.steps == 0 and _untouched(model, before)
     double = nn.Linear(3, 2).double()  # float64 noise reaches 1e39 * sigma
@@ -335,3 +335,100 @@ def test_objects_of_the_wrong_kind_are_refused_naming_the_argument():
         psg.poisson_loader(None, 0.1)
     with pytest.raises(DPConfigError, match="ExponentialNoise: training must be .* got NoneType"):
         ExponentialNoise(None, gamma=0.9)
+
+
+def _wide_step(dtype: torch.dtype, bound: float, lr: float = 1e-30, **kw):
+    torch.manual_seed(0)
+    model = nn.Linear(50, 20).to(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    kw = {"noise_multiplier": 1.0, "expected_batch_size": 8, **kw}
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, optimizer, max_grad_norm=bound, **kw)
+    return model, step
+
+
+@pytest.mark.parametrize(("dtype", "bound", "kw", "match"), [
+    # sigma * C = 1e38 passed the check (below float32's 3.4e38), and the draws beyond 3.4 std were inf
+    (torch.float32, 1e38, {}, r"1 \* 1e\+38: .*past the range of torch.float32"),
+    (torch.float32, 1e37, {}, r"1 \* 1e\+37: .*past the range of torch.float32"),
+    # the noisy sum is multiplied by 1 / expected_batch_size in float32
+    (torch.float32, 1e35, {"expected_batch_size": 1e-3}, r"times 1/expected_batch_size = 1e\+03"),
+    # the sensitivity sqrt(C^2) overflowed to inf and the message named it so
+    (torch.float64, 1e307, {}, r"1 \* 1e\+307: .*past the range of torch.float64"),
+    # float16 parameters: the noisy sum is float32, the .grad it is written into float16
+    (torch.float16, 2e3, {"loss_reduction": "sum"}, r"1 \* 2e\+03: .*torch.float16 .*the dtype of the parameters'"),
+    # adaptive: C is a float32 input of the graph, and its noise std 0.5 * 3e38 was accepted
+    (torch.float32, 3e38, {"clipping": "adaptive", "noise_multiplier": 0.5, "unclipped_num_std": 1.0},
+     r"past the range of torch.float32"),
+])
+def test_noise_range_leaves_room_for_the_largest_draw(dtype, bound, kw, match):
+    """The noise std sigma * C just under a dtype's largest value passed, and the draws past it (4 of 1020 at
+    C = 1e38 in float32) made parameters inf. The check requires the largest plausible draw, 40 std, plus one
+    sample's clipped contribution to be finite in the dtype the noise is added in (and, scaled, in the
+    parameters' .grad): refused at build, and on assignment with nothing changed."""
+    with pytest.raises(DPConfigError, match=match) as refused:
+        _wide_step(dtype, bound, **kw)
+    assert "largest plausible draw (40 std" in str(refused.value)
+    model, step = _wide_step(dtype, 1.0, **kw)
+    before, config = [p.detach().clone() for p in model.parameters()], step.config
+    with pytest.raises(DPConfigError, match=match):
+        step.max_grad_norm = bound
+    assert step.config == config and step.steps_taken == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize(("dtype", "bound", "kw"), [
+    (torch.float32, 5e36, {}), (torch.float32, 1e30, {"loss_reduction": "sum"}),
+    (torch.float64, 1e200, {}),  # was refused: sqrt(C * C) overflowed Python's float
+    (torch.float64, 1e300, {"clipping": "per_layer"}), (torch.float16, 1e2, {"loss_reduction": "sum"}),
+])
+def test_noise_range_takes_large_bounds_that_stay_finite(dtype, bound, kw):
+    model, step = _wide_step(dtype, bound, lr=1e-300 if dtype == torch.float64 else 1e-30, **kw)
+    g = torch.Generator().manual_seed(1)
+    step(torch.randn(8, 50, generator=g).to(dtype), torch.randint(0, 20, (8,), generator=g))
+    assert all(torch.isfinite(p.grad).all() and torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(("name", "value", "match"), [
+    # -inf * 0 = nan when the unclipped fraction met the target: the stall then said "moved the clip bound to nan"
+    ("clipbound_learning_rate", math.inf, "clipbound_learning_rate must be a finite number >= 0, got inf"),
+    ("clipbound_learning_rate", math.nan, "clipbound_learning_rate must be a finite number >= 0, got nan"),
+    # C g / (||g|| + inf) is 0 for every sample: no gradient at all
+    ("automatic_gamma", math.inf, "automatic_gamma must be a positive finite number, got inf"),
+    # the count noise, drawn in float64, came out as -inf
+    ("unclipped_num_std", 1e308, r"unclipped_num_std=1e\+308 .*40 std.*float64"),
+    ("min_clipbound", math.nan, "min_clipbound"),
+    ("target_unclipped_quantile", math.inf, "target_unclipped_quantile"),
+])
+def test_clipping_options_that_are_not_finite_are_refused(name, value, match):
+    """Refused by the constructor and by ``config.replace`` (the step keeps its config), naming the option."""
+    clipping = "automatic" if name == "automatic_gamma" else "adaptive"
+
+    def build(**options):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        if clipping == "adaptive":
+            options = {"unclipped_num_std": 1.0, **options}
+        step = compile_step(lambda x: model(x).pow(2).sum(), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            max_grad_norm=1.0, noise_multiplier=1.0, clipping=clipping,
+                            generator=torch.Generator().manual_seed(0), **options)
+        return model, step
+
+    with pytest.raises(DPConfigError, match=match):
+        build(**{name: value})
+    model, step = build()
+    step(torch.randn(4, 3))
+    config, before = step.config, [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DPConfigError, match=match):
+        step.config = step.config.replace(**{name: value})
+    assert step.config == config and step.steps_taken == 1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_adaptive_noise_multipliers_are_computed_without_overflow():
+    """sigma_g = (sigma^-2 - (2 sigma_b)^-2)^-1/2 raised OverflowError for sigma below 1e-154 (sigma^-2 past
+    Python's float), in the constructor's range check; it is computed as sigma / sqrt(1 - (sigma / 2 sigma_b)^2)."""
+    config = DPConfig(1.0, 1e-200, clipping="adaptive", unclipped_num_std=1.0)
+    assert config.gradient_noise_multiplier == 1e-200 and config.accounted_noise_multiplier == 1e-200
+    config = DPConfig(1.0, 1.0, clipping="adaptive", unclipped_num_std=2.0)
+    assert config.gradient_noise_multiplier == pytest.approx((1 - 1 / 16) ** -0.5, rel=1e-15)
+    assert config.accounted_noise_multiplier == pytest.approx(1.0, rel=1e-15)

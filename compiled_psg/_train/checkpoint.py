@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 import torch.nn as nn
 
 from .._errors import DPConfigError
 from . import update_graph
+from .config import MECHANISM, DPConfig
 
 
 def step_state(step) -> dict:
-    """What resuming the training needs: the settings (``max_grad_norm``, ``noise_multiplier``,
-    ``expected_batch_size``), ``steps_taken``, the model's and the optimizer's ``state_dict`` and the noise
-    generator's state (when ``generator=`` was given). Tensors are shared with the live objects, as in
-    ``nn.Module.state_dict``: ``torch.save`` it, or keep ``copy.deepcopy`` of it (loading a state whose tensors
-    are still the live ones, after steps were taken, is refused: ``_check_not_live``). Torch's global generator
-    is the user's to save (``torch.get_rng_state``), and ``secure_rng=True`` (``os.urandom``) cannot be resumed
-    by design: its draws are not reproducible."""
-    return {"config": {"max_grad_norm": step.max_grad_norm, "noise_multiplier": step.noise_multiplier,
-                       "expected_batch_size": step.expected_batch_size},
+    """What resuming the training needs: the settings (every field of ``config``, as assigned between steps), why
+    adaptive clipping stalled (None if it did not), ``steps_taken``, the model's and the optimizer's
+    ``state_dict`` and the noise generator's state (when ``generator=`` was given). Tensors are shared with the
+    live objects, as in ``nn.Module.state_dict``: ``torch.save`` it, or keep ``copy.deepcopy`` of it (loading a
+    state whose tensors are still the live ones, after steps were taken, is refused: ``_check_not_live``).
+    Torch's global generator is the user's to save (``torch.get_rng_state``), and ``secure_rng=True``
+    (``os.urandom``) cannot be resumed by design: its draws are not reproducible."""
+    return {"config": {f.name: getattr(step.config, f.name) for f in fields(DPConfig)},
+            "stalled_bound": step._stalled_bound,
             "steps_taken": step.steps_taken,
             "model": step.model.state_dict(),
             "optimizer": step.optimizer.state_dict(),
@@ -27,13 +30,13 @@ def step_state(step) -> dict:
 
 def load_step_state(step, state: dict) -> None:
     """Restore what ``state_dict`` saved, into a step built the same way (same model class, optimizer and
-    arguments). The next step continues exactly where the saved run stopped (same noise with a seeded
-    ``generator``). Everything is checked before anything is loaded: a state of another model or optimizer
-    changes nothing."""
+    arguments; the settings that define the mechanism, ``config.MECHANISM``, must be the saved ones). The next
+    step continues exactly where the saved run stopped (same noise with a seeded ``generator``). Everything is
+    checked before anything is loaded: a state of another model, optimizer or mechanism changes nothing."""
     if (state["generator"] is not None) != (step.noise.generator is not None):
         raise DPConfigError("the saved step and this one disagree on generator=: build the step with a "
                             "torch.Generator exactly when the saved one had one")
-    config = step.config.replace(**state["config"])
+    config = _saved_config(step.config, state["config"])
     _check_model_state(step.model, state["model"])
     _check_optimizer_state(step.optimizer, state["optimizer"])
     _check_not_live(step, state)
@@ -42,7 +45,12 @@ def load_step_state(step, state: dict) -> None:
             or state["generator"].shape != step.noise.generator.get_state().shape):
         raise DPConfigError("the saved generator state is not one of this step's generator: build the step with "
                             "a generator of the same kind (device) as the saved run's")
+    stalled = state.get("stalled_bound")
+    if not (stalled is None or isinstance(stalled, str)):
+        raise DPConfigError(f"the saved stalled_bound must be a message or None, got {type(stalled).__name__}. "
+                            "Nothing was loaded")
     step.config = config
+    step._stalled_bound = stalled  # after the config, whose assignment clears it
     step.model.load_state_dict(state["model"])
     step.optimizer.load_state_dict(state["optimizer"])
     if step.noise.generator is not None:
@@ -53,6 +61,29 @@ def load_step_state(step, state: dict) -> None:
     # on the program, as the uninterrupted run would.
     step.state_ready = (step.steps_taken > 0 or bool(step.optimizer.state)
                         or update_graph.creates_no_state(step.optimizer))
+
+
+def _saved_config(live: DPConfig, saved: dict) -> DPConfig:
+    """The saved config, validated, once it is known to define the same mechanism as ``live``'s (with ``live``'s
+    ``memory_budget``)."""
+    names = [f.name for f in fields(DPConfig)]
+    missing, unknown = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if missing or unknown:
+        raise DPConfigError(f"the saved settings are not a DPConfig's: the state has no {missing}"
+                            + (f" and unknown {unknown}" if unknown else "") + " (state_dict() saves every field "
+                            "of step.config). Nothing was loaded. Fix: load a state saved by DPStep.state_dict()")
+    mechanism = {name: saved[name] for name in MECHANISM}
+    if mechanism["clip_groups"] is not None:  # lists, from a format without tuples: compared as DPConfig holds them
+        mechanism["clip_groups"] = tuple(tuple(g) for g in mechanism["clip_groups"])
+    differ = [f"{name}: saved {value!r}, this step {getattr(live, name)!r}"
+              for name, value in mechanism.items() if value != getattr(live, name)]
+    if differ:
+        raise DPConfigError(f"the saved step was built otherwise: {'; '.join(differ)}. These define the mechanism "
+                            "(what is clipped, and what the noise is calibrated to) and are fixed when a step is "
+                            "built. Nothing was loaded. Fix: build the step with the saved run's settings")
+    # memory_budget describes the machine, not the mechanism or the run: the loading step's stays
+    return DPConfig(**{name: saved[name] for name in names if name != "memory_budget"},
+                    memory_budget=live.memory_budget)
 
 
 def _check_model_state(model: nn.Module, saved: dict) -> None:

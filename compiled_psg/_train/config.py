@@ -62,10 +62,24 @@ def _as_bound(value):
 
 _LOG_FLOAT_MAX = math.log(sys.float_info.max)
 
+#: How many stds the range checks leave room for in one noise draw. A standard normal passes 40 with probability
+#: erfc(40 / sqrt 2) = 7.3e-350 per draw: 1.3e-329 for 2^64 draws, more than any training makes.
+NOISE_TAIL_STDS = 40.0
 
-def noise_overflows(noise_multiplier: float, bound: float, dtype: torch.dtype) -> bool:
-    """Whether noise of std ``noise_multiplier * bound``, drawn in ``dtype``, is past that dtype's range."""
-    return not noise_multiplier * bound < torch.finfo(dtype).max
+#: The settings that define the mechanism: what is clipped, how, and what the noise is added to. They are fixed
+#: when a step is built; a saved state is loaded only into a step built with the same ones.
+MECHANISM = ("clipping", "loss_reduction", "clip_groups")
+
+
+def _largest(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def draw_overflows(std: float, dtype: torch.dtype, offset: float = 0.0, factor: float = 1.0) -> bool:
+    """Whether ``(offset + 40 std) * factor``, the largest plausible draw of N(0, std^2) moved by ``offset`` and
+    scaled by ``factor``, is past ``dtype``'s range. In Python floats (float64): a product past float64's range is
+    inf, which fails the comparison as it should."""
+    return not (offset + NOISE_TAIL_STDS * std) * factor < _largest(dtype)
 
 
 @dataclass(frozen=True)
@@ -138,16 +152,18 @@ class DPConfig:
             if len(set(names)) != len(names):
                 raise DPConfigError("clip_groups: a parameter may belong to one group only")
             object.__setattr__(self, "clip_groups", groups)
-        if not self.automatic_gamma > 0:
-            raise DPConfigError(f"automatic_gamma must be positive, got {self.automatic_gamma}")
+        if not 0 < self.automatic_gamma < math.inf:  # inf makes every contribution C g / (||g|| + inf) zero
+            raise DPConfigError(f"automatic_gamma must be a positive finite number, got {self.automatic_gamma}")
         object.__setattr__(self, "memory_budget", check_memory_budget(self.memory_budget, DPConfigError))
         self._check_adaptive()
 
     def _check_adaptive(self) -> None:
         if not 0 <= self.target_unclipped_quantile <= 1:
             raise DPConfigError(f"target_unclipped_quantile must be in [0, 1], got {self.target_unclipped_quantile}")
-        if not self.clipbound_learning_rate >= 0:
-            raise DPConfigError(f"clipbound_learning_rate must be >= 0, got {self.clipbound_learning_rate}")
+        if not 0 <= self.clipbound_learning_rate < math.inf:
+            # inf times an unclipped fraction exactly on the target is NaN
+            raise DPConfigError(f"clipbound_learning_rate must be a finite number >= 0, got "
+                                f"{self.clipbound_learning_rate}")
         if not 0 <= self.min_clipbound < self.max_clipbound:
             raise DPConfigError(f"need 0 <= min_clipbound < max_clipbound, got {self.min_clipbound}, "
                                 f"{self.max_clipbound}")
@@ -168,6 +184,11 @@ class DPConfig:
         if sigma_b is not None and not sigma_b < math.inf:
             raise DPConfigError(f"unclipped_num_std must be finite, got {sigma_b}: infinite noise on the count of "
                                 "unclipped samples moves the clip bound to its limits and stalls the training")
+        if sigma_b is not None and draw_overflows(sigma_b, torch.float64):
+            raise DPConfigError(f"unclipped_num_std={sigma_b:.3g} is past the range of the count's noise: its largest "
+                                f"plausible draw ({NOISE_TAIL_STDS:g} std) is past torch.float64's "
+                                f"{_largest(torch.float64):.3g}, the dtype it is drawn in. Fix: about "
+                                "expected_batch_size / 20 (Andrew et al.)")
 
     # --- the mechanism --------------------------------------------------------------------------------------
     @property
@@ -187,7 +208,7 @@ class DPConfig:
     @property
     def sensitivity(self) -> float:
         """The L2 sensitivity of the clipped sum to adding or removing one sample (see the module docstring)."""
-        return math.sqrt(sum(b * b for b in self.bounds))
+        return math.hypot(*self.bounds)  # scaled inside: C * C overflows Python's float from C = 1.4e154
 
     @property
     def bound(self) -> float:
@@ -201,7 +222,8 @@ class DPConfig:
         sigma = self.noise_multiplier
         if self.clipping != "adaptive" or sigma == 0:
             return sigma
-        return (sigma ** -2 - (2 * self.unclipped_num_std) ** -2) ** -0.5
+        # sigma / sqrt(1 - (sigma / 2 sigma_b)^2): the powers -2 overflow Python's float for sigma below 1e-154
+        return sigma / math.sqrt(1 - (sigma / (2 * self.unclipped_num_std)) ** 2)
 
     @property
     def accounted_noise_multiplier(self) -> float:
@@ -213,7 +235,7 @@ class DPConfig:
         if not self.unclipped_num_std:
             return 0.0  # an exact count releases it without noise: no privacy
         # min: the recomposition equals noise_multiplier up to rounding; never report less noise than was set
-        return min((sigma_g ** -2 + (2 * self.unclipped_num_std) ** -2) ** -0.5, self.noise_multiplier)
+        return min(sigma_g / math.hypot(1.0, sigma_g / (2 * self.unclipped_num_std)), self.noise_multiplier)
 
     @property
     def noise_std(self) -> float:
@@ -222,15 +244,50 @@ class DPConfig:
             return 0.0
         return self.gradient_noise_multiplier * self.sensitivity
 
-    def check_noise_range(self, dtype: torch.dtype) -> None:
-        """Refuse a noise std past the range of ``dtype``, the dtype the noise is drawn and added in: every
-        parameter would become inf/NaN (adaptive clipping refuses its moving bound the same way)."""
-        if self.noise_multiplier > 0 and noise_overflows(self.gradient_noise_multiplier, self.sensitivity, dtype):
-            raise DPConfigError(
-                f"the noise std noise_multiplier * max_grad_norm = {self.gradient_noise_multiplier:.3g} * "
-                f"{self.sensitivity:.3g} is past the range of {dtype} (largest {torch.finfo(dtype).max:.3g}), the "
-                "dtype the noise is drawn in: every parameter would become inf/NaN. Fix: a smaller max_grad_norm "
-                "(per-sample gradient norms are rarely above 1e3) or noise_multiplier")
+    @property
+    def largest_scale(self) -> float:
+        """The largest factor ``scale`` can give: ``1 / expected_batch_size``, or 1 (a sum, or a divisor that is
+        the actual batch size, at least 1)."""
+        if self.loss_reduction == "mean" and self.expected_batch_size is not None:
+            return 1.0 / self.expected_batch_size
+        return 1.0
+
+    def range_problem(self, dtype: torch.dtype, grad_dtype: torch.dtype | None = None) -> str | None:
+        """Why (a sentence) this config's noisy sum could leave the range of ``dtype`` (the dtype the clipped sum
+        is computed and the noise drawn and added in) or, once multiplied by ``scale``, of ``grad_dtype`` (the
+        parameters' dtype of least range, which ``.grad`` holds): every parameter would become inf/NaN. None if
+        it cannot.
+
+        Bound: one sample's clipped contribution (its norm is at most the sensitivity) plus the largest plausible
+        draw of the noise, ``NOISE_TAIL_STDS`` stds. The clipped sum of B samples is not bounded by B times the
+        sensitivity here: its entries are at most the samples' own gradient norms summed, which overflow where
+        the model's own gradient would, whatever the settings. Checked with noise, and under adaptive clipping,
+        where ``C`` itself is a tensor of ``dtype`` (the learning rate is the optimizer's: its update is the
+        optimizer's arithmetic)."""
+        if not (self.noise_multiplier > 0 or self.clipping == "adaptive") or self.max_grad_norm is None:
+            return None
+        sigma, sensitivity, scale = self.gradient_noise_multiplier, self.sensitivity, self.largest_scale
+        checks = [(dtype, max(scale, 1.0), "the dtype the noise is drawn and added in")]
+        if grad_dtype is not None and _largest(grad_dtype) < _largest(dtype):
+            checks.append((grad_dtype, scale, "the dtype of the parameters' .grad, which the scaled noisy sum is "
+                                              "written into"))
+        for target, factor, role in checks:
+            if draw_overflows(sigma * sensitivity, target, offset=sensitivity, factor=factor):
+                scaled = f", times 1/expected_batch_size = {factor:.3g}," if factor != 1 else ""
+                return (f"the noise std noise_multiplier * max_grad_norm = {sigma:.3g} * {sensitivity:.3g}: its "
+                        f"largest plausible draw ({NOISE_TAIL_STDS:g} std; a normal draw passes it with "
+                        f"probability 7e-350) plus one sample's clipped contribution ({sensitivity:.3g})"
+                        f"{scaled} is past the range of {target} (largest {_largest(target):.3g}), {role}: every "
+                        "parameter would become inf/NaN")
+        return None
+
+    def check_noise_range(self, dtype: torch.dtype, grad_dtype: torch.dtype | None = None) -> None:
+        """Refuse a config whose noisy sum could leave the range of ``dtype`` or ``grad_dtype``
+        (``range_problem``)."""
+        problem = self.range_problem(dtype, grad_dtype)
+        if problem is not None:
+            raise DPConfigError(f"{problem}. Fix: a smaller max_grad_norm (per-sample gradient norms are rarely "
+                                "above 1e3) or noise_multiplier")
 
     def scale(self, batch_size: int) -> float:
         """The factor the noisy sum is multiplied by."""
@@ -254,7 +311,8 @@ class DPConfig:
         fraction = (unclipped - batch_size / 2 + count_noise) / m + 0.5
         # checked in logarithms: a large learning rate makes the factor overflow (math.exp raises past e^709);
         # the bound then saturates at max_clipbound, or is infinite, which DPStep refuses to step with
-        exponent = -self.clipbound_learning_rate * (fraction - self.target_unclipped_quantile)
+        lr = self.clipbound_learning_rate  # finite: a fraction past float64's range (m tiny) makes inf, not NaN
+        exponent = -lr * (fraction - self.target_unclipped_quantile) if lr else 0.0
         overflows = math.log(self.max_grad_norm) + exponent >= _LOG_FLOAT_MAX
         bound = math.inf if overflows else self.max_grad_norm * math.exp(exponent)
         return min(max(bound, self.min_clipbound, 1e-12), self.max_clipbound)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from .._errors import DPConfigError
-from .config import DPConfig
+from .config import MECHANISM, DPConfig
 
 
 class StepSettings:
     """``config`` (a frozen ``DPConfig``) and its fields that may be assigned between steps, the micro-batch size,
     and what the last step used. Reads ``_config``, ``_stalled_bound``, ``_custom_reduce`` and ``last_config``
-    of the step, and calls its ``_acc_dtype`` (the noise's dtype, whose range the noise std must fit)."""
+    of the step, and calls its ``_acc_dtype`` and ``_grad_dtype`` (the noise's dtype and the parameters' of least
+    range, whose ranges the noisy sum must fit). ``clipping``, ``loss_reduction`` and ``clip_groups`` define the
+    mechanism: fixed when the step is built."""
 
     _config: DPConfig
     _stalled_bound: str | None
@@ -23,10 +25,13 @@ class StepSettings:
     def config(self, value: DPConfig) -> None:
         if not isinstance(value, DPConfig):
             raise DPConfigError(f"config must be a DPConfig, got {type(value).__name__}")
-        if value.clipping != self._config.clipping:
-            raise DPConfigError(f"the clipping mode is fixed when the step is built ({self._config.clipping!r}), "
-                                f"got {value.clipping!r}")
-        value.check_noise_range(self._acc_dtype())
+        for name in MECHANISM:
+            if getattr(value, name) != getattr(self._config, name):
+                what = "the clipping mode" if name == "clipping" else name
+                raise DPConfigError(f"{what} is fixed when the step is built ({getattr(self._config, name)!r}), got "
+                                    f"{getattr(value, name)!r}: it defines the mechanism. Fix: build a step with "
+                                    f"{name}={getattr(value, name)!r}")
+        value.check_noise_range(self._acc_dtype(), self._grad_dtype())
         self._config = value
         self._stalled_bound = None  # a new bound (or max_clipbound) from the user: adaptive clipping goes on
 

@@ -98,8 +98,9 @@ class DPStep(StepSettings):
     recaptures the per-sample graph once per bound, since ``C`` is a constant of that graph; switching noise on
     or off selects the program with or without the noise input). ``last_config`` is what the last step used.
     The other fields of ``config`` (the clipping variants' options, e.g. ``target_unclipped_quantile``) change
-    with ``step.config = step.config.replace(...)``; the clipping mode itself is fixed. Under adaptive clipping
-    the step sets ``max_grad_norm`` itself after every step.
+    with ``step.config = step.config.replace(...)``; the clipping mode, the loss reduction and the clip groups
+    define the mechanism and are fixed. Under adaptive clipping the step sets ``max_grad_norm`` itself after
+    every step.
     """
 
     def __init__(self, loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -144,7 +145,7 @@ class DPStep(StepSettings):
             p.device.type == "cpu" and p.dtype != torch.float64 for p in model.parameters()))
         self.distributed = dist_utils.is_distributed() if distributed is None else distributed
         self.binding = OptimizerBinding(model, optimizer)
-        self._config.check_noise_range(self._acc_dtype())
+        self._config.check_noise_range(self._acc_dtype(), self._grad_dtype())
         self._warn_untrained()
         self.per_sample  # noqa: B018 -- the per-sample function of the initial config, checked now
         self.program_cache = ProgramCache(optimizer, self.binding, self.distributed)
@@ -177,6 +178,11 @@ class DPStep(StepSettings):
     def _acc_dtype(self) -> torch.dtype:
         """What norms, clip factors and clipped sums are computed in: float32, float64 for float64 models."""
         return torch.float64 if any(p.dtype == torch.float64 for p in self.binding.params) else torch.float32
+
+    def _grad_dtype(self) -> torch.dtype:
+        """The trained parameters' dtype of least range: the ``.grad`` the scaled noisy sum is written into."""
+        return min((p.dtype for p in self.binding.params), key=lambda d: torch.finfo(d).max,
+                   default=self._acc_dtype())
 
     def _reduction_for(self, config: DPConfig) -> Reduction:
         if config.clipping == "custom":
@@ -306,7 +312,8 @@ class DPStep(StepSettings):
         refuse_ambient_autocast()
         if self._stalled_bound is not None:
             raise DPConfigError(self._stalled_bound)
-        config.check_noise_range(self._acc_dtype())  # the model's dtype may have changed since the config was set
+        # the model's dtype may have changed since the config was set
+        config.check_noise_range(self._acc_dtype(), self._grad_dtype())
         check_optimizer_scalars(self.optimizer)  # settings are the user's to change between steps
         batch = contiguous_batch(batch)
         before = (self.captures, self.program_builds, self.compiles)
@@ -358,7 +365,8 @@ class DPStep(StepSettings):
     def _adapt_bound(self, config: DPConfig) -> None:
         """Adaptive clipping: the next step's ``C`` (``adaptive.next_bound``), or the reason the next step
         cannot be taken (its noise would overflow)."""
-        step = next_bound(config, self.last_norms, self.noise, self.distributed, self._acc_dtype(), self.steps_taken)
+        step = next_bound(config, self.last_norms, self.noise, self.distributed, self._acc_dtype(),
+                          self._grad_dtype(), self.steps_taken)
         self.last_unclipped, self.last_count_noise = step.unclipped, step.count_noise
         if step.stalled is not None:
             self._stalled_bound = step.stalled
