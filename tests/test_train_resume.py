@@ -470,9 +470,21 @@ def test_a_state_without_the_mechanism_settings_loads_nothing():
         step.load_state_dict(state)
 
 
+def test_the_loading_step_keeps_its_own_memory_budget():
+    """``memory_budget`` describes the machine the step runs on, not the run: a resumed step keeps its own."""
+    model, step = _mechanism_step()
+    step.config = step.config.replace(memory_budget=1e6)
+    state = copy.deepcopy(step.state_dict())
+    _, resumed = _mechanism_step(seed=1)
+    resumed.config = resumed.config.replace(memory_budget=0)
+    resumed.load_state_dict(state)
+    assert resumed.config.memory_budget == 0
+    assert resumed.config.replace(memory_budget=1e6) == step.config
+
+
 @pytest.mark.parametrize(("clipping", "changes"), [
     ("adaptive", dict(target_unclipped_quantile=0.9, clipbound_learning_rate=1.0, unclipped_num_std=3.0,
-                      min_clipbound=0.05, max_clipbound=40.0, memory_budget=1e6)),
+                      min_clipbound=0.05, max_clipbound=40.0)),
     ("automatic", dict(automatic_gamma=0.5, max_grad_norm=0.7, expected_batch_size=6.0)),
 ])
 def test_settings_changed_during_the_run_are_resumed(clipping, changes):
