@@ -201,6 +201,7 @@ def test_a_clipped_contribution_of_an_embedding_stays_within_the_bound(magnitude
     assert worst <= 1.0 + 1e-5
 
 
+@pytest.mark.usefixtures("eager_first_step")  # the eager update, then the program's compile, which fails
 @pytest.mark.parametrize("transactional", [True, False])
 def test_a_step_failing_after_its_noisy_update_is_undone_or_accounted(monkeypatch, transactional):
     """The first step applies the eager noisy update, then compiles the program: a CompileError (or Ctrl-C) there
