@@ -561,6 +561,12 @@ def test_reduce_argument():
     with pytest.raises(DPConfigError, match="clipping bound"):
         compile_step(lambda x, y: ce_mean(model, x, y), model, opt, noise_multiplier=1.0,
                      reduce=psg.custom(lambda name, g: g.sum(0)))
+    # a bound beside a custom reduction: nothing would clip to it (it was dropped, and the step did not clip)
+    for noise in (0.0, 1.0):
+        with pytest.raises(DPConfigError, match=r"max_grad_norm=0.01 applies to the default clip_sum .* would not "
+                                                r"clip to it"):
+            compile_step(lambda x, y: ce_mean(model, x, y), model, opt, max_grad_norm=0.01, noise_multiplier=noise,
+                         reduce=psg.custom(lambda name, g: g.sum(0)))
 
 
 def test_changed_float_hyperparameter_rebuilds_tensor_one_does_not():

@@ -157,8 +157,14 @@ def test_every_refusal_is_a_per_sample_error():
     with pytest.raises(DPConfigError, match="no gradient per parameter"):
         compile_step(loss, model, opt, reduce=psg.gram())
     bad = compile_step(loss, model, opt, reduce=psg.custom(lambda n, g: g.sum()), backend="eager")
-    with pytest.raises(DPConfigError, match="shaped like the parameter"):
+    with pytest.raises(DPConfigError, match=r"shaped like the parameter\} .* got weight: shape \(\), the "
+                                            r"parameter's \(2, 3\); bias: shape \(\)"):
         bad(torch.randn(4, 3))
+    for dtype in (torch.int64, torch.bool, torch.complex64):  # .grad would hold them only by dropping values
+        cast = compile_step(loss, model, opt, reduce=psg.custom(lambda n, g, d=dtype: g.sum(0).to(d)),
+                            backend="eager")
+        with pytest.raises(DPConfigError, match=f"weight: dtype {dtype}, not floating"):
+            cast(torch.randn(4, 3))
     for call in (lambda: compile_step(loss, model, opt, noise_multiplier=1.0),
                  lambda: compile_step(loss, model, opt, max_physical_batch_size=0),
                  lambda: psg.Accountant("moments"),

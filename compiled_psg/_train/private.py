@@ -17,6 +17,7 @@ from .._errors import BatchInputError, DPConfigError
 from . import distributed as dist_utils
 from .accounting import Accountant, calibrate_noise, check_delta, check_sample_rate, check_steps
 from .api import compile_step
+from .checkpoint import load_step_state
 from .sampling import PoissonBatchSampler, check_batched, dataset_of, poisson_loader
 from .step import DPStep, refuse_copy
 
@@ -43,6 +44,7 @@ class PrivateTraining:
         self.poisson_sampling = poisson_sampling
         # the step counts each step it releases, however it is called (``self.step`` or ``self.dp_step``)
         dp_step.on_release(self._account)
+        dp_step.accounted_by = type(self).__name__  # its state loads with the accountant's, through this object
 
     def _account(self, noise_multiplier: float) -> None:
         self.accountant.step(noise_multiplier, self.sample_rate)
@@ -160,7 +162,7 @@ class PrivateTraining:
         if sampler is not None:
             sampler.check_state(state["sampler"])
         history = [tuple(entry) for entry in state["accountant"]["history"]]
-        self.dp_step.load_state_dict(state["step"])  # checks everything it loads before loading any of it
+        load_step_state(self.dp_step, state["step"])  # checks everything it loads before loading any of it
         self.accountant.history = history
         if sampler is not None:
             sampler.load_state_dict(state["sampler"])

@@ -28,6 +28,12 @@ def resolve_reduction(reduce: Reduction | None,
         raise DPConfigError(f"reduce={type(reduce).__name__.lower()}() gives no gradient per parameter for the "
                             "optimizer. Fix: reduce=psg.clip_sum(C), or psg.custom(...) returning {name: tensor "
                             "shaped like the parameter}")
+    if max_grad_norm is not None:  # a custom reduction computes the update's sums itself: nothing would clip to C
+        raise DPConfigError(f"max_grad_norm={max_grad_norm} applies to the default clip_sum reduction, and "
+                            f"reduce={type(reduce).__name__}(...) replaces it: the step would not clip to it. Fix: "
+                            "drop reduce= to clip to max_grad_norm (reduce=psg.clip_sum(C) for a memory budget), "
+                            "or drop max_grad_norm and bound the custom reduction's sums yourself (it is then not "
+                            "noised: noise needs the clipping bound clip_sum gives)")
     return reduce, None, None
 
 

@@ -11,13 +11,28 @@ from .._errors import DPConfigError
 def split_result(result, names: list[str], params: list[torch.Tensor]) -> tuple[dict, torch.Tensor | None]:
     """``(sums, norms)`` from a reduction's result, checked: the optimizer needs one tensor per parameter."""
     sums, norms = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
-    bad = (not isinstance(sums, dict) or any(not isinstance(sums.get(n), torch.Tensor) or sums[n].shape != p.shape
-                                             for n, p in zip(names, params, strict=True)))
-    if bad:
-        raise DPConfigError("the reduction must give {name: tensor shaped like the parameter} for every trained "
-                            f"parameter ({names}), got {type(sums).__name__}. Fix: reduce=psg.clip_sum(C) or a "
-                            "psg.custom(...) reduction of that form")
+    if not isinstance(sums, dict):
+        wrong = [f"a {type(sums).__name__}, not a dict"]
+    else:
+        wrong = [_wrong_sum(n, sums.get(n), p) for n, p in zip(names, params, strict=True)]
+        wrong = [w for w in wrong if w is not None]
+    if wrong:
+        raise DPConfigError("the reduction must give {name: floating tensor shaped like the parameter} for every "
+                            f"trained parameter, got {'; '.join(wrong[:3])}{'; ...' if len(wrong) > 3 else ''}. "
+                            "Fix: reduce=psg.clip_sum(C) or a psg.custom(...) reduction of that form")
     return sums, norms
+
+
+def _wrong_sum(name: str, value, param: torch.Tensor) -> str | None:
+    """What is wrong with a reduction's sum for ``param`` (None: nothing): a missing entry, another shape, or a
+    dtype ``.grad`` would hold only by dropping values (integers, booleans, complex parts)."""
+    if not isinstance(value, torch.Tensor):
+        return f"{name}: {'missing' if value is None else type(value).__name__}"
+    if value.shape != param.shape:
+        return f"{name}: shape {tuple(value.shape)}, the parameter's {tuple(param.shape)}"
+    if not value.dtype.is_floating_point:
+        return f"{name}: dtype {value.dtype}, not floating"
+    return None
 
 
 def add_into(total: list[torch.Tensor] | None, sums: dict, names: list[str]) -> list[torch.Tensor]:

@@ -166,6 +166,7 @@ class DPStep(StepSettings):
         # which ``_count_release`` counts; a transactional step that fails before restores everything
         self.released_config: DPConfig | None = None
         self._release_listeners: list[Callable[[float], None]] = []
+        self.accounted_by: str | None = None  # the owner whose accountant counts this step's releases
         self.snapshot: Snapshot | None = None  # the current call's transaction (``transaction.py``)
         # one call at a time: a second thread waits for the running step; a call from inside it (an optimizer
         # hook, the loss) is refused, since its commit would be undone by the outer call's rollback
@@ -402,6 +403,12 @@ class DPStep(StepSettings):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` saved, into a step built the same way (``checkpoint.load_step_state``)."""
+        if self.accounted_by is not None:  # its accountant would keep counting from its own history
+            raise DPConfigError(
+                f"this step belongs to a {self.accounted_by}, whose accountant counts its steps: loading a step state "
+                "through it would set the weights and steps_taken of the saved run while the accountant's history "
+                f"stays this run's (epsilon would not cover the loaded steps). Nothing was loaded. Fix: load the "
+                f"{self.accounted_by}'s own state_dict() with its load_state_dict")
         load_step_state(self, state)
 
 
