@@ -718,6 +718,10 @@ FIRST_STEP_SOURCES = (
      "python -m benchmarks.probes.first_step --models bert_last gpt2 vit resnet50_gn --methods psg vmap_dp --warm 3 "
      "--out FILE",
      "b342022 (2 cores shared with two test runs: every figure is an upper bound)"),
+    ("CPU, scaled configs: plain SGD's first DP step on the program", "benchmarks-scale-cpu-first-step-sgd.json",
+     "python -m benchmarks.probes.first_step --models bert_last gpt2 --methods psg --warm 3 --out FILE",
+     "6a1c8a0: `torch.optim.SGD` without momentum runs the step's program from the first step, no eager step "
+     "(2 cores shared with a test run and a red team's probes: every figure is an upper bound)"),
 )
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
