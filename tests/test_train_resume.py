@@ -278,7 +278,7 @@ def test_an_in_memory_state_of_an_earlier_step_is_refused():
     """``best = private.state_dict()`` kept in memory follows the training (its tensors are the live ones):
     loading it after 5 more steps set the accountant and the step count back to 3 while the weights and Adam's
     moments stayed those after 8 steps, so epsilon covered 3 steps of a model trained for 8. Refused, changing
-    nothing; a deep copy rolls back."""
+    nothing; a deep copy is a rollback past released steps there, refused too, and resumes in a fresh training."""
     model, private, _ = build()
     batches = iter(private.data_loader)
     for _ in range(3):
@@ -296,9 +296,16 @@ def test_an_in_memory_state_of_an_earlier_step_is_refused():
     with pytest.raises(DPConfigError, match="belongs to a PrivateTraining, whose accountant"):
         private.dp_step.load_state_dict(kept["step"])  # the accountant's history would stay this run's
     _assert_same(before, _snapshot(private))
-    private.load_state_dict(kept)
-    assert private.steps == private.dp_step.steps_taken == 3
-    assert all(torch.equal(p, q) for p, q in zip(weights_at_best, model.parameters(), strict=True))
+    # a copy of step 3 into the training that released steps 4 and 5: a rollback past released updates (epsilon
+    # would forget them, and the seeded generator would draw their noise again), refused
+    with pytest.raises(DPConfigError, match=r"released 2 step\(s\) since it was built or last loaded \(now at step "
+                                            r"5\), and the state is of step 3.*Nothing was loaded"):
+        private.load_state_dict(kept)
+    _assert_same(before, _snapshot(private))
+    fresh_model, fresh, _ = build()  # a training built afresh resumes the copy
+    fresh.load_state_dict(kept)
+    assert fresh.steps == fresh.dp_step.steps_taken == 3
+    assert all(torch.equal(p, q) for p, q in zip(weights_at_best, fresh_model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("saved_poisson", [True, False])

@@ -40,6 +40,7 @@ def load_step_state(step, state: dict) -> None:
     _check_model_state(step.model, state["model"])
     _check_optimizer_state(step.optimizer, state["optimizer"])
     _check_not_live(step, state)
+    _check_no_rollback(step, state)
     if step.noise.generator is not None and (
             not isinstance(state["generator"], torch.Tensor)
             or state["generator"].shape != step.noise.generator.get_state().shape):
@@ -55,7 +56,7 @@ def load_step_state(step, state: dict) -> None:
     step.optimizer.load_state_dict(state["optimizer"])
     if step.noise.generator is not None:
         step.noise.generator.set_state(state["generator"])
-    step.steps_taken = int(state["steps_taken"])
+    step.steps_taken = step.steps_at_load = int(state["steps_taken"])
     # The first step runs eagerly so that the optimizer creates its state, which the program reads (a stateless
     # optimizer, plain SGD, runs the program from the first step). A run that has stepped has that state: resume
     # on the program, as the uninterrupted run would.
@@ -144,6 +145,23 @@ def _check_not_live(step, saved: dict) -> None:
             "nn.Module.state_dict does. Loading it would count fewer steps than the weights were trained for. "
             "Nothing was loaded. Fix: keep a copy when saving, best = copy.deepcopy(private.state_dict()) (or "
             "torch.save it and torch.load it)")
+
+
+def _check_no_rollback(step, saved: dict) -> None:
+    """Refuse a state of another step count into a step that has released steps since it was built or last
+    loaded: a rollback past released updates. The accountant would forget them, and a seeded noise generator
+    would draw their noise again for the steps taken anew: two updates of one step (with another C, learning rate
+    or batch) would cancel each other's noise and release a function of the clipped sums without noise."""
+    released = step.steps_taken - step.steps_at_load
+    if released > 0 and int(saved["steps_taken"]) != step.steps_taken:
+        raise DPConfigError(
+            f"this training released {released} step(s) since it was built or last loaded (now at step "
+            f"{step.steps_taken}), and the state is of step {int(saved['steps_taken'])}: loading it would roll back "
+            "past released updates, which epsilon() would then not count, and a seeded generator would draw their "
+            "noise again for the steps taken anew (noise that cancels between two updates of one step). Nothing "
+            "was loaded. Fix: keep the best parameters for evaluation (copy.deepcopy(model.state_dict())) and go "
+            "on training; resume a checkpoint in a training built afresh, only where the steps after it were not "
+            "released")
 
 
 def _tensors(tree) -> list[torch.Tensor]:
