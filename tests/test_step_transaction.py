@@ -790,3 +790,151 @@ def test_a_function_passed_as_the_model_is_named():
     model = nn.Linear(4, 3)
     with pytest.raises(DPConfigError, match="model must be an nn.Module"):
         compile_step(lambda x: model(x).sum(), lambda x: model(x), torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+# ----- hooks that would see the batch's un-noised gradient, or change it ------------------------------------------
+
+
+def _scale_gradient(g):
+    return g * 2
+
+
+def _optimizer_in_backward(p):
+    with torch.no_grad():
+        p.add_(p.grad, alpha=-0.1)
+
+
+def _double_input_gradients(module, grad_input, grad_output):
+    return tuple(None if g is None else 2 * g for g in grad_input)
+
+
+def _double_output_gradients(module, grad_output):
+    return tuple(None if g is None else 2 * g for g in grad_output)
+
+
+#: hook -> (register it on ``_stepper``'s model, what the refusal names: the qualified name and the hook kind)
+GRADIENT_HOOKS = {
+    "post_accumulate_grad": (lambda m: m[0].weight.register_post_accumulate_grad_hook(_optimizer_in_backward),
+                             r"parameter 0\.weight has a post-accumulate-grad hook "
+                             r"\(register_post_accumulate_grad_hook\): _optimizer_in_backward at .*"
+                             r"test_step_transaction\.py:\d+.*optimizer in backward.*Fix: remove the hook"),
+    "register_hook": (lambda m: m[2].bias.register_hook(_scale_gradient),
+                      r"parameter 2\.bias has a gradient hook \(register_hook\): _scale_gradient at .*"
+                      r"test_step_transaction\.py:\d+.*Fix: remove the hook"),
+    "full_backward_hook": (lambda m: m[2].register_full_backward_hook(_double_input_gradients),
+                           r"module 2 \(Linear\), which holds parameters that require grad, has a backward "
+                           r"hook \(register_full_backward_hook\): _double_input_gradients at .*Fix: remove the hook"),
+    "backward_hook": (lambda m: m[0].register_backward_hook(_double_input_gradients),
+                      r"module 0 \(Linear\), which holds parameters that require grad, has a backward hook "
+                      r"\(register_backward_hook\)"),
+    "full_backward_pre_hook": (lambda m: m.register_full_backward_pre_hook(_double_output_gradients),
+                               r"the model \(Sequential\), which holds parameters that require grad, has a backward "
+                               r"pre-hook "
+                               r"\(register_full_backward_pre_hook\): _double_output_gradients at .*Fix: "
+                               r"remove the hook"),
+}
+
+
+def _everything(model, step, generator):
+    """``_state`` and torch's global generator (the model's dropout draws from it)."""
+    return _state(model, step, generator), torch.get_rng_state()
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam], ids=["sgd", "adam"])
+@pytest.mark.parametrize("hook", list(GRADIENT_HOOKS))
+def test_a_gradient_hook_added_after_the_step_was_built_is_refused_and_changes_nothing(hook, optimizer):
+    """A hook on a trained parameter or on a module holding one, registered after two steps (the fused program
+    built: plain SGD runs it from the first step, Adam after an eager first step). The program writes ``.grad``
+    and applies the update itself, so the hook would not run (post-accumulate: an optimizer stepped in backward
+    was silently skipped), or it would see and change the batch's un-noised gradient. The step refuses it with
+    ``DPConfigError`` naming the parameter or module, the hook kind and the fix, and changes nothing: after the
+    hook is removed the run equals one that never had it, bit for bit."""
+    register, names = GRADIENT_HOOKS[hook]
+    x, y = _data(32)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen, optimizer=optimizer)
+    step(x[:8], y[:8])
+    step(x[8:16], y[8:16])
+    assert step.fused
+    handle = register(model)
+    before = _everything(model, step, gen)
+    with pytest.raises(DPConfigError, match=names):
+        step(x[16:24], y[16:24])
+    after = _everything(model, step, gen)
+    assert _same_state(before[0], after[0]) and torch.equal(before[1], after[1])
+    handle.remove()
+    step(x[16:24], y[16:24])
+    step(x[24:], y[24:])
+
+    gen_clean = torch.Generator().manual_seed(5)
+    clean_model, clean = _stepper(gen_clean, optimizer=optimizer)
+    for k in range(4):
+        clean(x[8 * k:8 * (k + 1)], y[8 * k:8 * (k + 1)])
+    assert _same_state(_state(model, step, gen), _state(clean_model, clean, gen_clean))
+
+
+@pytest.mark.parametrize("hook", list(GRADIENT_HOOKS))
+def test_a_gradient_hook_is_refused_when_the_step_is_built(hook):
+    register, names = GRADIENT_HOOKS[hook]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    register(model)
+    with pytest.raises(DPConfigError, match=names):
+        compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     max_grad_norm=1.0, noise_multiplier=1.0, backend="eager")
+
+
+def test_a_gradient_hook_under_make_private_is_refused_and_the_accountant_counts_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    gen = torch.Generator().manual_seed(1)
+    x, y = _data()
+    private = _private(model, x, y, gen, max_grad_norm=1.0)
+    private.step(x[:8], y[:8])
+    handle = model[2].weight.register_post_accumulate_grad_hook(_optimizer_in_backward)
+    snapshot, history = _snapshot(model, gen), list(private.accountant.history)
+    with pytest.raises(DPConfigError, match=r"parameter 2\.weight has a post-accumulate-grad hook"):
+        private.step(x[8:], y[8:])
+    assert _unchanged(model, gen, snapshot) and private.accountant.history == history and private.steps == 1
+    handle.remove()
+    private.step(x[8:], y[8:])
+    assert private.steps == 2
+
+
+def test_a_global_module_backward_hook_is_refused_by_the_step():
+    x, y = _data(16)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen, optimizer=torch.optim.SGD)
+    step(x[:8], y[:8])
+    full_before = nn.modules.module._global_is_full_backward_hook  # set for good by a registration
+    handle = nn.modules.module.register_module_full_backward_hook(_double_input_gradients)
+    before = _everything(model, step, gen)
+    try:
+        with pytest.raises(DPConfigError, match=r"a global module backward hook \(register_module_full_backward_hook"
+                                                r".*_double_input_gradients at .*Fix: remove the hook"):
+            step(x[8:], y[8:])
+    finally:
+        handle.remove()
+        nn.modules.module._global_is_full_backward_hook = full_before
+    after = _everything(model, step, gen)
+    assert _same_state(before[0], after[0]) and torch.equal(before[1], after[1])
+    step(x[8:], y[8:])
+    assert step.steps_taken == 2
+
+
+def test_a_backward_hook_on_a_module_without_trained_parameters_is_still_refused():
+    """The Tanh holds no parameter: its hook is refused by the capture (it would rewrite the gradient flowing
+    through it), not by the step's check, which names modules that hold trained parameters."""
+    from compiled_psg import UnsupportedError
+
+    x, y = _data(16)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen, optimizer=torch.optim.SGD)
+    step(x[:8], y[:8])
+    handle = model[1].register_full_backward_hook(_double_input_gradients)
+    before = _everything(model, step, gen)
+    with pytest.raises(UnsupportedError, match="a module backward hook.*Fix: remove the hook"):
+        step(x[8:], y[8:])
+    after = _everything(model, step, gen)
+    assert _same_state(before[0], after[0]) and torch.equal(before[1], after[1])
+    handle.remove()

@@ -50,6 +50,7 @@ from .checkpoint import load_step_state, step_state
 from .config import DPConfig
 from .eager import NoiseSource
 from .fuse import StepProgram
+from .hooks import refuse_gradient_hooks
 from .inputs import StepInputs
 from .paths import eager_path, eager_update_of, fused_path
 from .programs import ProgramCache
@@ -113,6 +114,7 @@ class DPStep(StepSettings):
         from .._api import per_sample
 
         check_step_objects(model, optimizer, generator)
+        refuse_gradient_hooks(model)
         if backend not in BACKENDS:
             raise DPConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(secure_rng, bool):  # a truthy string would turn secure noise on unasked
@@ -312,6 +314,7 @@ class DPStep(StepSettings):
         self.released_config = None
         config = self._config  # one snapshot for the whole step: clipping, noise, scaling and accounting agree
         refuse_ambient_autocast()
+        refuse_gradient_hooks(self.model)  # each step: a hook may have been added since the last one
         if self._stalled_bound is not None:
             raise DPConfigError(self._stalled_bound)
         # the model's dtype may have changed since the config was set
