@@ -101,7 +101,7 @@ def test_sampler_resumes_the_epoch():
     resumed.load_state_dict(state)
     assert head + list(resumed) == first and list(resumed) == second
     secure = PoissonBatchSampler(50, 0.2, secure=True)
-    secure.load_state_dict({"epoch_state": None, "drawn": 3})
+    secure.load_state_dict({"epoch_state": None, "drawn": 3, "sample_rate": 0.2, "num_samples": 50})
     assert len(list(secure)) == len(secure) - 3  # the rest of the epoch, freshly drawn
 
 
@@ -256,10 +256,11 @@ def test_a_sampler_state_round_trips_through_load_and_save():
     secure = PoissonBatchSampler(40, 0.25, secure=True)
     iterator = iter(secure)
     next(iterator), next(iterator)
-    assert secure.state_dict() == {"epoch_state": None, "drawn": 2}  # it said drawn=0: a whole epoch again
+    assert secure.state_dict() == {"epoch_state": None, "drawn": 2, "sample_rate": 0.25,
+                                    "num_samples": 40}  # it said drawn=0: a whole epoch again
     resumed = PoissonBatchSampler(40, 0.25, secure=True)
     resumed.load_state_dict(secure.state_dict())
-    assert resumed.state_dict() == {"epoch_state": None, "drawn": 2} and len(list(resumed)) == 2
+    assert resumed.state_dict() == secure.state_dict() and len(list(resumed)) == 2
 
 
 def test_a_sampler_state_it_cannot_resume_is_refused():
@@ -270,8 +271,94 @@ def test_a_sampler_state_it_cannot_resume_is_refused():
     with pytest.raises(DPConfigError, match=r"from os.urandom \(secure_rng=True\), this one from a generator"):
         seeded.load_state_dict(secure.state_dict())
     with pytest.raises(DPConfigError, match="had drawn 4 batches of an epoch of 4"):
-        seeded.load_state_dict({"epoch_state": seeded.generator.get_state(), "drawn": 4})
+        seeded.load_state_dict({**seeded.state_dict(), "drawn": 4})
     assert seeded.state_dict()["drawn"] == 0 and seeded._resume is None
+
+
+def _seeded(num_samples: int = 40, rate: float = 0.25, seed: int = 0) -> PoissonBatchSampler:
+    return PoissonBatchSampler(num_samples, rate, generator=torch.Generator().manual_seed(seed))
+
+
+def _untouched(sampler: PoissonBatchSampler, seed: int) -> bool:
+    """Nothing was loaded into ``sampler``: it draws the epochs a fresh sampler of its seed draws."""
+    fresh = _seeded(sampler.num_samples, sampler.sample_rate, seed)
+    return sampler._resume is None and sampler.state_dict()["drawn"] == 0 and list(sampler) == list(fresh)
+
+
+def test_a_sampler_state_records_its_rate_and_dataset_size():
+    sampler = _seeded()
+    next(iter(sampler))
+    state = sampler.state_dict()
+    assert state["sample_rate"] == 0.25 and state["num_samples"] == 40 and state["drawn"] == 1
+    secure = PoissonBatchSampler(40, 0.25, secure=True)
+    assert secure.state_dict() == {"epoch_state": None, "drawn": 0, "sample_rate": 0.25, "num_samples": 40}
+
+
+@pytest.mark.parametrize(("num_samples", "rate"), [(40, 0.2), (50, 0.25), (50, 0.2)],
+                         ids=["another rate", "another dataset size", "both"])
+def test_a_sampler_state_of_another_rate_or_dataset_size_is_refused_naming_both(num_samples, rate):
+    """The saved position is a count of batches drawn from the saved generator state at the saved rate over the
+    saved dataset: replayed at another rate or over another dataset size it yields other batches than the saved
+    run's, and its accounting assumed the saved rate. It loaded silently."""
+    saved = _seeded()
+    iterator = iter(saved)
+    next(iterator), next(iterator)
+    other = _seeded(num_samples, rate, seed=3)
+    with pytest.raises(DPConfigError, match=rf"saved Poisson sampler drew from 40 examples at sample_rate 0\.25, "
+                                            rf"this one from {num_samples} examples at sample_rate {rate}.*Nothing "
+                                            r"was loaded. Fix: build the loader"):
+        other.load_state_dict(saved.state_dict())
+    assert _untouched(other, seed=3)
+
+
+def test_a_poisson_loader_over_another_dataset_refuses_the_state():
+    small = TensorDataset(torch.randn(40, 2))
+    loader = poisson_loader(small, 0.25, generator=torch.Generator().manual_seed(0))
+    next(iter(loader))
+    bigger = poisson_loader(TensorDataset(torch.randn(80, 2)), 0.25, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(DPConfigError, match=r"from 40 examples at sample_rate 0\.25, this one from 80 examples"):
+        bigger.batch_sampler.load_state_dict(loader.batch_sampler.state_dict())
+    assert bigger.batch_sampler._resume is None
+
+
+def test_a_sampler_state_without_its_rate_is_refused():
+    """A state of two keys, ``{"epoch_state", "drawn"}``, cannot show that it was drawn at this rate over this
+    dataset: refused, naming what it lacks and how to add it, as a step state without the settings that define
+    the mechanism is. With them added, it resumes the saved position."""
+    saved = _seeded()
+    next(iter(saved))
+    state = saved.state_dict()
+    old = {k: v for k, v in state.items() if k in ("epoch_state", "drawn")}
+    sampler = _seeded(seed=3)
+    with pytest.raises(DPConfigError, match=r"records no sample_rate or num_samples.*Nothing was loaded. Fix: .*"
+                                            r"state.update\(sample_rate=0\.25, num_samples=40\)"):
+        sampler.load_state_dict(old)
+    assert _untouched(sampler, seed=3)
+    old.update(sample_rate=0.25, num_samples=40)  # the fix the message gives: the saved run's values
+    sampler.load_state_dict(old)
+    reference = _seeded(seed=9)
+    reference.load_state_dict(state)
+    assert list(sampler) == list(reference)
+
+
+def test_a_training_over_another_dataset_size_refuses_the_sampler_state():
+    """Same sampling rate (batch 10 of 60, batch 20 of 120), another dataset: the saved position's batches are
+    indices into 60 examples. The training's own check compares the rate alone; the sampler's names the size."""
+    model, private, _ = build()
+    next(iter(private.data_loader))
+    state = copy.deepcopy(private.state_dict())
+    torch.manual_seed(0)
+    model_b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    data = TensorDataset(torch.randn(120, 4), torch.randint(0, 3, (120,)))
+    private_b = make_private(model_b, torch.optim.Adam(model_b.parameters(), lr=0.01), DataLoader(data, batch_size=20),
+                             lambda x, y: F.cross_entropy(model_b(x), y), noise_multiplier=1.5, max_grad_norm=0.5,
+                             backend="eager", generator=torch.Generator().manual_seed(7))
+    assert private_b.sample_rate == private.sample_rate
+    before = [p.detach().clone() for p in model_b.parameters()]
+    with pytest.raises(DPConfigError, match=r"from 60 examples at sample_rate .*, this one from 120 examples"):
+        private_b.load_state_dict(state)
+    assert all(torch.equal(a, p) for a, p in zip(before, model_b.parameters(), strict=True))
+    assert private_b.data_loader.batch_sampler._resume is None and private_b.steps == 0
 
 
 def test_an_in_memory_state_of_an_earlier_step_is_refused():
@@ -402,7 +489,8 @@ def test_what_a_checkpoint_reveals(secure):
             break
     state = private.state_dict()
     if secure:
-        assert state["step"]["generator"] is None and state["sampler"] == {"epoch_state": None, "drawn": 2}
+        assert state["step"]["generator"] is None and state["sampler"] == {
+            "epoch_state": None, "drawn": 2, "sample_rate": private.sample_rate, "num_samples": 30}
         return
     noise = torch.Generator()
     noise.set_state(state["step"]["generator"])

@@ -28,8 +28,10 @@ class PoissonBatchSampler:
     after that, so dropout and other global draws between batches neither change the batches nor are changed by a
     resume (which sets the sampler's generator, never the global one).
 
-    Resumable: ``state_dict()`` records the generator's state at the start of the current epoch and how many
-    batches of it were drawn; after ``load_state_dict`` the next epoch replays those draws and yields the rest,
+    Resumable: ``state_dict()`` records the generator's state at the start of the current epoch, how many
+    batches of it were drawn, and what the draws depend on, the sampling rate and the dataset size (a state of
+    another rate or size, or one without them, is refused); after ``load_state_dict`` the next epoch replays those
+    draws and yields the rest,
     so a resumed run samples exactly the batches the interrupted one would have. A state loaded and not yet
     iterated is what ``state_dict()`` returns, so a checkpoint saved right after a resume resumes at the same
     batch. The count is of batches drawn: a ``DataLoader`` with worker processes draws a few ahead of the
@@ -84,18 +86,39 @@ class PoissonBatchSampler:
         iteration has started from yet is returned as loaded."""
         if self._resume is not None:
             state, drawn = self._resume
-            return {"epoch_state": None if state is None else state.clone(), "drawn": drawn}
-        if self._drawn == 0 or self._drawn >= self.steps:
-            return {"epoch_state": self._state(), "drawn": 0}
-        return {"epoch_state": None if self.secure else self._epoch_state.clone(), "drawn": self._drawn}
+            position = {"epoch_state": None if state is None else state.clone(), "drawn": drawn}
+        elif self._drawn == 0 or self._drawn >= self.steps:
+            position = {"epoch_state": self._state(), "drawn": 0}
+        else:
+            position = {"epoch_state": None if self.secure else self._epoch_state.clone(), "drawn": self._drawn}
+        # what the position's draws depend on: replayed at another rate or over another size, they are other batches
+        return {**position, "sample_rate": float(self.sample_rate), "num_samples": self.num_samples}
 
     def check_state(self, state: dict) -> None:
-        """Refuse, changing nothing, a state that ``load_state_dict`` could not resume exactly: one of a secure
-        sampler into a seeded one or the reverse, another generator's state, a position outside the epoch."""
-        if not isinstance(state, dict) or set(state) != {"epoch_state", "drawn"}:
+        """Refuse, changing nothing, a state that ``load_state_dict`` could not resume exactly: one without the
+        sampling rate and dataset size or of others, one of a secure sampler into a seeded one or the reverse,
+        another generator's state, a position outside the epoch."""
+        if isinstance(state, dict) and set(state) == {"epoch_state", "drawn"}:
+            raise DPConfigError(
+                "the saved Poisson sampler state records no sample_rate or num_samples (it has only its position, "
+                "epoch_state and drawn), so it cannot show that its batches were drawn at this sampler's rate over "
+                "this dataset. Nothing was loaded. Fix: if the saved run sampled this dataset at this rate, add both "
+                f"to the state, state.update(sample_rate={float(self.sample_rate)!r}, "
+                f"num_samples={self.num_samples}) (state['sampler'] in a PrivateTraining state), and load it; "
+                "otherwise build the loader as the saved run did")
+        if not isinstance(state, dict) or set(state) != _STATE_KEYS:
             raise DPConfigError("the saved sampler state is not a PoissonBatchSampler's state_dict() (keys "
                                 f"{sorted(state) if isinstance(state, dict) else type(state).__name__}). Nothing was "
                                 "loaded. Fix: load the state saved by PrivateTraining.state_dict()")
+        rate, size = state["sample_rate"], state["num_samples"]
+        if not (_is_number(rate) and _is_number(size)) or float(rate) != float(self.sample_rate) \
+                or size != self.num_samples:
+            raise DPConfigError(
+                f"the saved Poisson sampler drew from {size!r} examples at sample_rate {rate!r}, this one from "
+                f"{self.num_samples} examples at sample_rate {self.sample_rate!r}: the saved position replayed here "
+                "would draw other batches than the saved run's, and its accounting assumed the saved rate. Nothing "
+                "was loaded. Fix: build the loader over the saved run's dataset at its sample_rate (make_private: "
+                "the same loader and arguments)")
         epoch_state, drawn = state["epoch_state"], state["drawn"]
         if self.secure != (epoch_state is None):
             saved, here = "a generator", "os.urandom (secure_rng=True)"
@@ -119,6 +142,14 @@ class PoissonBatchSampler:
         self.check_state(state)
         epoch_state = state["epoch_state"]
         self._resume = (None if epoch_state is None else epoch_state.clone(), state["drawn"])
+
+
+#: the keys of ``PoissonBatchSampler.state_dict()``: the position, and the sampling it is a position in
+_STATE_KEYS = {"epoch_state", "drawn", "sample_rate", "num_samples"}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class _CollateWithEmpty:
