@@ -254,6 +254,13 @@ def test_the_steps_per_sample_function_weighs_every_sample_one():
     x, y = batch(5, (6,))
     (_, got), (_, want) = step_padded.per_sample(x, y), step_plain.per_sample(x, y)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    # the weights are the graph's last input of a role, batched along their only dimension; without buckets the
+    # graph takes none
+    rw = step_padded.per_sample.prepare_call(x, y).entry.rewritten
+    weights = [n for n in rw.graph_module.graph.nodes if n.op == "placeholder"][len(rw.roles) - 1]
+    assert rw.roles[-1].batched and rw.roles[-1].key == 2 and rw.batch.is_batched(weights)
+    plain = step_plain.per_sample.prepare_call(x, y).entry.rewritten
+    assert plain.seed_weights is None and len(plain.roles) == len(plain.captured.roles)
 
 
 @pytest.mark.parametrize("buckets, why", [
