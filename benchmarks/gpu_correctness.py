@@ -1,7 +1,8 @@
 """``python -m benchmarks.gpu_correctness``: the CUDA-only code paths against the naive loop, on a lent GPU
 (the test suite runs on CPU, where these paths are forced, not taken): the GEMM form of per-sample Conv2d
-weight gradients, the one-buffer noise draw, a ``memory_budget=0`` step and the clip plan under TF32. Prints
-one JSON line."""
+weight gradients, the one-buffer noise draw, a ``memory_budget=0`` step, the clip plan under TF32, and a DP step
+recorded as CUDA graphs with Poisson batch sizes padded to buckets (``cuda_graphs=True``). Prints one JSON
+line."""
 
 from __future__ import annotations
 
@@ -97,18 +98,97 @@ def tf32_plan(device: str) -> list[str]:
     return [c.method for r in report.rewrites for c in r.choices if c.quantity == "sq_norm"]
 
 
+def _recorded_cuda_graphs(device: str) -> int | None:
+    """CUDA graphs Inductor's cudagraph trees hold on ``device`` (None where this torch names them otherwise)."""
+    try:
+        from torch._inductor import cudagraph_trees
+
+        manager = cudagraph_trees.get_manager(torch.device(device).index or 0, create_if_none_exists=False)
+        return 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values())
+    except Exception:  # noqa: BLE001 -- a private API: the count is a courtesy, the numbers below are the check
+        return None
+
+
+def cuda_graph_step(device: str) -> dict:
+    """``compile_step(..., cuda_graphs=True, batch_buckets=(4, 8))`` against the unpadded compiled step and the
+    float64 loop over samples, on a small float64 CNN, no noise, over Poisson-like batch sizes across both
+    buckets: the largest parameter difference (relative to the largest parameter), the loss and norm
+    differences, compiles after the first step and after the last (equal: replays do not recompile), CUDA graphs
+    recorded after both buckets ran twice and at the end (equal: replays record nothing), and Inductor's count of
+    graphs it ran without CUDA graphs (0)."""
+    from torch._dynamo.utils import counters
+
+    sizes = (3, 7, 4, 8, 5, 2, 6, 1, 8, 3)
+    bound, lr = 1.0, 0.5
+
+    def cnn() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.Tanh(), nn.Flatten(),
+                             nn.Linear(3 * 36, 4)).double().to(device)
+
+    def batch(n: int):
+        g = torch.Generator().manual_seed(n + 100)
+        return (torch.randn(n, 1, 6, 6, generator=g, dtype=torch.float64).to(device),
+                torch.randint(0, 4, (n,), generator=g).to(device))
+
+    def built(**options):
+        model = cnn()
+        step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                                torch.optim.SGD(model.parameters(), lr=lr), max_grad_norm=bound,
+                                backend="inductor", **options)
+        return model, step
+
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    graphs, step_graphs = built(cuda_graphs=True, batch_buckets=(4, 8))
+    plain, step_plain = built()
+    looped = cnn()
+    out = {"loss_max_diff": 0.0, "norms_max_diff": 0.0}
+    for k, n in enumerate(sizes):
+        x, y = batch(n)
+        loss_graphs, loss_plain = step_graphs(x, y), step_plain(x, y)
+        out["loss_max_diff"] = max(out["loss_max_diff"], float((loss_graphs - loss_plain).abs()))
+        out["norms_max_diff"] = max(out["norms_max_diff"],
+                                    float((step_graphs.last_norms - step_plain.last_norms).abs().max()))
+        out.setdefault("batch_sizes_ok", True)
+        out["batch_sizes_ok"] &= step_graphs.last_batch_size == n and step_graphs.last_norms.shape == (n,)
+        params = list(looped.parameters())
+        per = [torch.autograd.grad(F.cross_entropy(looped(x[i:i + 1]), y[i:i + 1]), params) for i in range(n)]
+        with torch.no_grad():
+            for j, p in enumerate(params):
+                clipped = [g[j] * min(1.0, bound / float(torch.cat([t.flatten() for t in g]).norm())) for g in per]
+                p -= lr * torch.stack(clipped).sum(0) / n
+        if k == 0:
+            out["compiles_first_step"] = step_graphs.compiles
+        if k == 3:  # both buckets ran twice (the trees record at a shape's second run)
+            out["cuda_graphs_recorded_mid"] = _recorded_cuda_graphs(device)
+    scale = max(float(p.abs().max()) for p in looped.parameters())
+    out["params_vs_loop_rel"] = max(float((p - q).abs().max()) for p, q in
+                                    zip(graphs.parameters(), looped.parameters(), strict=True)) / scale
+    out["params_vs_unpadded_rel"] = max(float((p - q).abs().max()) for p, q in
+                                        zip(graphs.parameters(), plain.parameters(), strict=True)) / scale
+    out["compiles_last_step"] = step_graphs.compiles
+    out["cuda_graphs_recorded_end"] = _recorded_cuda_graphs(device)
+    out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips_before
+    out["ok"] = (out["params_vs_loop_rel"] < 1e-10 and out["params_vs_unpadded_rel"] < 1e-10
+                 and out["loss_max_diff"] < 1e-10 and out["norms_max_diff"] < 1e-10 and out["batch_sizes_ok"]
+                 and out["compiles_first_step"] == out["compiles_last_step"] and out["cudagraph_skips"] == 0
+                 and out["cuda_graphs_recorded_mid"] == out["cuda_graphs_recorded_end"])
+    return out
+
+
 def main() -> None:
     device = "cuda"
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "conv_gemm_form_rel_error": conv_gemm_form(device), "conv_gemm_float32": conv_gemm_precision(device),
            "noise": noise_draw(device),
-           "memory_budget_step_max_diff": budget_step(device), "tf32_plan": tf32_plan(device)}
+           "memory_budget_step_max_diff": budget_step(device), "tf32_plan": tf32_plan(device),
+           "cuda_graph_step": cuda_graph_step(device)}
     f32 = out["conv_gemm_float32"]
     out["ok"] = (out["conv_gemm_form_rel_error"] < 1e-10 and out["noise"]["one_buffer"]
                  and f32["cudnn_tf32_True"] < 1e-2 and f32["cudnn_tf32_False"] < 1e-5 and not f32["cublas_tf32_after"]
                  and abs(out["noise"]["std"] - 2.0) < 0.01 and abs(out["noise"]["mean"]) < 0.01
                  and out["memory_budget_step_max_diff"] < 1e-12 and not math.isnan(out["noise"]["std"])
-                 and not {"ghost", "materialize, bounded"} & set(out["tf32_plan"]))
+                 and not {"ghost", "materialize, bounded"} & set(out["tf32_plan"]) and out["cuda_graph_step"]["ok"])
     print(json.dumps(out))
 
 

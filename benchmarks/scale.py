@@ -53,8 +53,10 @@ METHOD_LABELS = {  # set up in this order: past the deadline the last ones are s
     "plain_compile": "plain SGD step, torch.compile",
     "opacus_ghost": "Opacus 1.6 DP step, ghost clipping",
     "vmap_dp": "torch.compile(vmap(grad)) + clip DP step",
+    "psg_graphs": "compiled_psg compile_step DP step, CUDA graphs (power-of-two buckets)",
 }
-DP_METHODS = ("psg", "psg_bounded", "psg_nocopy", "opacus_ghost", "vmap_dp")
+DP_METHODS = ("psg", "psg_bounded", "psg_nocopy", "opacus_ghost", "vmap_dp", "psg_graphs")
+GRAPH_BUCKETS = tuple(2 ** k for k in range(13))  # psg_graphs: every batch size up to 4096 padded to a power of two
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -89,13 +91,13 @@ def plain_compile(model, criterion):
     return run
 
 
-def psg(model, criterion, memory_budget=None, transactional=True):
+def psg(model, criterion, memory_budget=None, transactional=True, **options):
     import compiled_psg as psg_lib
 
     opt = torch.optim.SGD([p for _, p in _trainable(model)], lr=LR)
     return psg_lib.compile_step(lambda x, y: criterion(model(x), y), model, opt, max_grad_norm=MAX_NORM,
                                 noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=None,
-                                memory_budget=memory_budget, transactional=transactional)
+                                memory_budget=memory_budget, transactional=transactional, **options)
 
 
 def psg_bounded(model, criterion):
@@ -108,6 +110,12 @@ def psg_nocopy(model, criterion):
     optimizer state on an eager update (what ``transactional=True``, the default, costs is the difference to
     ``psg``)."""
     return psg(model, criterion, transactional=False)
+
+
+def psg_graphs(model, criterion):
+    """The DP step's program recorded as CUDA graphs (``cuda_graphs=True``), each batch padded to the next power
+    of two (``GRAPH_BUCKETS``): one graph per bucket, replayed. CUDA only (refused on a CPU model)."""
+    return psg(model, criterion, cuda_graphs=True, batch_buckets=GRAPH_BUCKETS)
 
 
 def opacus_ghost(model, criterion, batch):
@@ -161,7 +169,7 @@ def _setup(method: str, model, criterion, batch) -> Callable:
     if method == "opacus_ghost":
         return opacus_ghost(model, criterion, batch)
     return {"plain": plain, "plain_compile": plain_compile, "psg": psg, "psg_bounded": psg_bounded,
-            "psg_nocopy": psg_nocopy, "vmap_dp": vmap_dp}[method](model, criterion)
+            "psg_nocopy": psg_nocopy, "vmap_dp": vmap_dp, "psg_graphs": psg_graphs}[method](model, criterion)
 
 
 # -- one model's process ---------------------------------------------------------------------------
@@ -277,7 +285,7 @@ def worker(name: str, methods: list[str], device: str, out: Path, reps: int, dea
                 rec["peak_error"] = short_error(e)
                 dev.release()
         if profile:
-            profiled = ("psg", "psg_bounded", "psg_nocopy", "plain_compile", "plain")
+            profiled = ("psg", "psg_bounded", "psg_nocopy", "psg_graphs", "plain_compile", "plain")
             _profile(name, {m: runs[m] for m in profiled if m in runs}, batch, out, dev)
     for rec in records.values():
         emit(rec)
@@ -463,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", nargs="+", default=None)
-    ap.add_argument("--methods", nargs="+", default=list(METHOD_LABELS))
+    ap.add_argument("--methods", nargs="+", default=None, help="default: all (psg_graphs on cuda only)")
     ap.add_argument("--out", type=Path, default=Path("runs/scale"))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warm-calls", type=int, default=3)
@@ -481,6 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--barrier", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.methods is None:  # CUDA graphs are CUDA's: psg_graphs is refused on a CPU model
+        args.methods = [m for m in METHOD_LABELS if m != "psg_graphs" or args.device.startswith("cuda")]
     if args.page:
         args.page.write_text(page())
         return

@@ -304,7 +304,10 @@ class PreparedCall:
 class PerSampleFunction:
     """A loss function whose call returns per-sample gradients (or a reduction of them)."""
 
-    def __init__(self, fn: Callable, params_source, in_dims: InDims, reduce: Reduction | None, backend: str):
+    def __init__(self, fn: Callable, params_source, in_dims: InDims, reduce: Reduction | None, backend: str, *,
+                 seed_weights: bool = False, cuda_graphs: bool = False):
+        """``seed_weights`` and ``cuda_graphs`` are the DP step's (``_train/buckets.py``): the graph takes the
+        backward's seed weights after the loss's arguments, and Inductor records CUDA graphs."""
         if backend not in BACKENDS:
             raise BatchInputError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if reduce is not None and not isinstance(reduce, Reduction):
@@ -315,6 +318,7 @@ class PerSampleFunction:
         self.in_dims = in_dims
         self.reduce = reduce if reduce is not None else PerSampleGrads()
         self.backend = backend
+        self.seed_weights, self.cuda_graphs = seed_weights, cuda_graphs
         # key -> graphs for that signature, most recently built first; one is used only while its guards hold
         self._cache: dict[Any, list[CompiledGraph]] = {}
         self._captures = 0
@@ -398,7 +402,7 @@ class PerSampleFunction:
                     rewritten = self._build(params, args, batch_dims, batch_size)
                 finally:
                     torch_caches.release()
-                entry = CompiledGraph(rewritten, self.backend)
+                entry = CompiledGraph(rewritten, self.backend, cuda_graphs=self.cuda_graphs)
                 self._captures += 1
                 for old in entries[MAX_ENTRIES_PER_KEY - 1:]:
                     self._retired_compiles += old.compiles
@@ -409,7 +413,7 @@ class PerSampleFunction:
     def _build(self, params, args, batch_dims, batch_size) -> Rewritten:
         capture_args = _capture_args(args, batch_dims, batch_size)
         try:
-            rewritten = build(self.fn, params, capture_args, batch_dims, self.reduce)
+            rewritten = build(self.fn, params, capture_args, batch_dims, self.reduce, self.seed_weights)
         except PerSampleError as e:
             refusal = getattr(e, "refusal", None)
             if refusal is not None and e.report is None:  # the refused graph's report: SampleMixingError.report

@@ -112,24 +112,43 @@ def _ancestors(nodes) -> set[fx.Node]:
     return seen
 
 
-def retrace_joint(forward: fx.GraphModule, fake_inputs: list, param_positions: list[int]) -> fx.GraphModule:
+def retrace_joint(forward: fx.GraphModule, fake_inputs: list, param_positions: list[int],
+                  seed_weights: torch.Tensor | None = None) -> fx.GraphModule:
     """Joint graph of ``forward`` (which returns ``(loss, per_sample_losses)``) with outputs
-    ``(loss, per_sample_losses, *grads)``; a gradient is None where the loss does not use the parameter."""
+    ``(loss, per_sample_losses, *grads)``; a gradient is None where the loss does not use the parameter.
+
+    ``seed_weights``: a fake ``[n]`` like the per-sample losses (``seed_weights_like``), then one more placeholder
+    after ``fake_inputs``'s: the backward starts from ``sum(w * per_sample_losses)``, so that a sample of weight 0
+    (a bucket's padding, ``_train/buckets.py``) has per-sample gradients exactly 0 wherever its own backward is
+    finite (each is its seed times finite local derivatives)."""
 
     def joint(*inputs):
+        weights = inputs[-1] if seed_weights is not None else None
+        inputs = inputs[:len(fake_inputs)]
         with fx_traceback.preserve_node_meta():  # keep the user's stack traces on the forward nodes
             loss, per_sample = _Differentiable(forward).run(*inputs)
         wrt = [inputs[i] for i in param_positions]
-        grads = torch.autograd.grad(per_sample.sum(), wrt, allow_unused=True)
+        seed = per_sample.sum() if weights is None else (per_sample * weights).sum()
+        grads = torch.autograd.grad(seed, wrt, allow_unused=True)
         return (loss.detach(), per_sample.detach(), *grads)
 
     inputs = [
         v.detach().requires_grad_(i in param_positions) if isinstance(v, torch.Tensor) else v
         for i, v in enumerate(fake_inputs)
     ]
+    if seed_weights is not None:
+        inputs.append(seed_weights)
     # constants made by autograd must be fake too; the Python dispatcher, as AOT autograd traces with it, gives
     # ops their symbolic-shape Python kernels (baddbmm's meta expands its input to SymInt sizes, which the C++
     # expand refuses: nn.MultiheadAttention with kdim/vdim, a key padding mask and its weights)
     with torch.enable_grad(), detect_fake_mode(fake_inputs), enable_python_dispatcher():
         gm = make_fx(joint)(*inputs)
     return gm
+
+
+def seed_weights_like(forward: fx.GraphModule) -> torch.Tensor:
+    """A fake tensor like ``forward``'s per-sample losses (``[n]``, the batch symbolic): the seed weights'
+    placeholder of ``retrace_joint``."""
+    per_sample = forward.graph.output_node().args[0][1].meta["val"]
+    with detect_fake_mode([per_sample]):
+        return torch.empty(per_sample.shape, dtype=per_sample.dtype, device=per_sample.device)

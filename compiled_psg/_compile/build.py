@@ -18,7 +18,7 @@ from .._analyze.source import group_sites, source_line
 from .._capture import batch_size_branches, patches
 from .._capture.broadcast_rows import fold_broadcast_rows
 from .._capture.dynamo import Captured, Role, capture_joint, shape_from_values
-from .._capture.retrace import forward_slice, retrace_joint
+from .._capture.retrace import forward_slice, retrace_joint, seed_weights_like
 from .._compat import reconnects_inner_gradients
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
 from .._reduce.context import ReduceContext, collect_param_grads
@@ -49,19 +49,29 @@ class Rewritten:
     memory_plan: dict | None = None  # ReduceContext.memory_plan: the held bytes against a memory_budget
     out_spec: object = None
     mixing: list[MixingSite] = field(default_factory=list)
+    # the fake [n] of the seed weights' placeholder, after the captured ones (``seed_weights=True``), else None
+    seed_weights: torch.Tensor | None = None
+
+    @property
+    def fake_inputs(self) -> list:
+        """The fake value of every placeholder ``roles`` describes: the captured inputs, then the seed weights."""
+        fakes = self.captured.fake_inputs
+        return fakes if self.seed_weights is None else [*fakes, self.seed_weights]
 
 
 def build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int],
-          reduction: Reduction) -> Rewritten:
+          reduction: Reduction, seed_weights: bool = False) -> Rewritten:
+    """``seed_weights``: the graph takes one more batched input ``w [n]`` after the loss's arguments (its role:
+    argument ``len(args)``), and the backward starts from ``sum(w * per-sample losses)`` (``retrace_joint``)."""
     # Dynamo's compile lock across the whole rewrite, not only its capture: the rewrite's own make_fx traces patch
     # nn.Module.__call__ for the whole process (torch.fx's tracer), and two tracers in two threads restore each
     # other's patches (another thread's torch.compile beside a first call left it patched)
     with patches.applied("rewrite"):
-        return _build(loss_fn, params, args, batch_dims, reduction)
+        return _build(loss_fn, params, args, batch_dims, reduction, seed_weights)
 
 
 def _build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: dict[int, int],
-           reduction: Reduction) -> Rewritten:
+           reduction: Reduction, seed_weights: bool) -> Rewritten:
     captured = capture_joint(loss_fn, params, args, batch_dims)
     roles = captured.roles
     batched_fakes = [f for f, r in zip(captured.fake_inputs, roles, strict=True) if r.batched]
@@ -100,8 +110,11 @@ def _build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: di
 
     param_positions = [i for i, r in enumerate(roles) if r.kind == "param"]
     names = [roles[i].key for i in param_positions]
+    weights = seed_weights_like(forward) if seed_weights else None
+    if weights is not None:  # batched along its only dimension: the per-sample pass reads the batch from its size
+        roles = [*roles, Role("arg", len(args), batched=True)]
     try:
-        joint = retrace_joint(forward, captured.fake_inputs, param_positions)
+        joint = retrace_joint(forward, captured.fake_inputs, param_positions, weights)
     except PerSampleError:  # an op without a derivative, named by the retrace
         raise
     except Exception as e:  # e.g. .item() in the loss: Dynamo captured the number, autograd cannot differentiate it
@@ -135,7 +148,8 @@ def _build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: di
     # after DCE: the batch-summed weight gradients the reduction replaced have no reader left (masks.py)
     rewritten.meta["output_masks_narrowed"] = narrow_output_masks(rewritten)
     out = Rewritten(captured, forward, joint, rewritten, roles, batch, names, head, backward,
-                    param_grads=param_grads, choices=ctx.choices, memory_plan=ctx.memory_plan, out_spec=spec)
+                    param_grads=param_grads, choices=ctx.choices, memory_plan=ctx.memory_plan, out_spec=spec,
+                    seed_weights=weights)
     n_fallback = len(head.fallbacks) + len(backward.fallbacks)
     log.info("compiled_psg: rewrote %d contractions (%d by the vmap fallback) for %d parameters; dropped %d "
              "unread outputs of masked backward ops", len(backward.contractions) + len(head.contractions),

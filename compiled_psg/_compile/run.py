@@ -57,14 +57,24 @@ patches.register(patches.Patch(
 
 class CompiledGraph:
     """Runs ``graph`` (default: the rewritten graph) compiled by ``backend``. A graph built on the rewritten one
-    (the fused training step) may take more inputs after the rewritten graph's own: ``run(..., extra)``."""
+    (the fused training step) may take more inputs after the rewritten graph's own: ``run(..., extra)``.
 
-    def __init__(self, rewritten: Rewritten, backend: str, graph: torch.fx.GraphModule | None = None):
+    ``cuda_graphs``: Inductor records the compiled program as CUDA graphs (its cudagraph trees: one graph per
+    batch size, replayed after). A replay's outputs live in memory the next replay overwrites: the caller copies
+    out what it keeps before the next run (``_train/buckets.py``), and each run starts a new step
+    (``torch.compiler.cudagraph_mark_step_begin``) so that the trees replay rather than record a branch. Inputs
+    are copied into the graph's own buffers on every replay (none is marked static)."""
+
+    def __init__(self, rewritten: Rewritten, backend: str, graph: torch.fx.GraphModule | None = None,
+                 cuda_graphs: bool = False):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if cuda_graphs and backend != "inductor":
+            raise ValueError("cuda_graphs needs backend='inductor'")
         self.rewritten = rewritten
         self.graph = rewritten.graph_module if graph is None else graph
         self.backend = backend
+        self.cuda_graphs = cuda_graphs
         self._compiled: dict[str, Callable] = {}
         self.compile_seconds = 0.0
         self.compiles = 0
@@ -141,7 +151,7 @@ class CompiledGraph:
         start = time.perf_counter()
         gm = for_inductor(self.graph)  # a copy, with views as reshapes (prepare.py)
         if key == "any":
-            fakes = self.rewritten.captured.fake_inputs
+            fakes = self.rewritten.fake_inputs
             mode = detect_fake_mode(fakes)
             examples = [f.detach() if isinstance(f, torch.Tensor) else f for f in fakes]
             examples += [mode.from_tensor(x, static_shapes=True) for x in inputs[len(fakes):]]
@@ -149,7 +159,10 @@ class CompiledGraph:
             examples = inputs
         try:
             with patches.applied("compile", graph=gm.graph):
-                compiled = compile_fx(gm, examples)
+                # Inductor's CUDA graphs (cudagraph trees, its default tree mode): a graph with a CPU op or an
+                # input it mutates is run without them, and Inductor logs why ("skipping cudagraphs")
+                compiled = compile_fx(gm, examples, config_patches={"triton.cudagraphs": True}
+                                      if self.cuda_graphs else None)
         except PerSampleError:
             raise
         except Exception as e:
@@ -172,6 +185,8 @@ class CompiledGraph:
         """The graph's flat outputs; ``extra`` feeds the placeholders after the rewritten graph's own."""
         inputs = self._inputs(params, args, batch_size) + list(extra)
         fn = self._callable(batch_size, inputs)
+        if self.cuda_graphs:  # the last run's outputs were copied out (the caller's part): they may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         mutated = bool(self.rewritten.captured.mutated)
         with torch.no_grad():
             try:
@@ -233,6 +248,9 @@ class CompiledGraph:
             graph.output(loss)
             graph.eliminate_dead_code()
             self._empty_loss_graph = torch.fx.GraphModule(self.rewritten.graph_module, graph)
+        weights = self.rewritten.seed_weights
+        if weights is not None:  # the seed weights' placeholder (``build(seed_weights=True)``): no samples
+            args = (*args, torch.zeros(0, dtype=weights.dtype, device=weights.device))
         inputs = self._inputs(params, args, 0)
         try:
             with torch.no_grad():
@@ -242,6 +260,9 @@ class CompiledGraph:
             return torch.full((), float("nan"), dtype=reference.dtype, device=reference.device)
 
     def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
+        weights = self.rewritten.seed_weights
+        if weights is not None:  # the loss's own arguments: every sample weighs 1 (``build(seed_weights=True)``)
+            args = (*args, torch.ones(batch_size, dtype=weights.dtype, device=weights.device))
         loss, per_sample_losses, *flat = self.run(params, args, batch_size)
         return loss, per_sample_losses, pytree.tree_unflatten(list(flat), self.rewritten.out_spec)
 

@@ -25,7 +25,8 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                  clipbound_learning_rate: float = 0.2, unclipped_num_std: float | None = None,
                  min_clipbound: float = 0.0, max_clipbound: float = math.inf,
                  memory_budget: float | None = None, public_buffers: Sequence[str] = (),
-                 transactional: bool = True) -> DPStep:
+                 transactional: bool = True, batch_buckets: Sequence[int] | None = None,
+                 cuda_graphs: bool = False) -> DPStep:
     """Build ``step(*batch) -> loss``: one (DP-)SGD step of ``optimizer`` on ``model``'s parameters, compiled as
     one program (forward, rewritten backward, reduction, noise, all-reduce, optimizer update).
 
@@ -46,6 +47,17 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     ``max_physical_batch_size=N`` splits a larger (logical) batch into micro-batches of at most ``N`` samples:
     each micro-batch's clipped sum is accumulated, the noise is added once and the optimizer steps once, the
     same step as the whole batch at once with less memory (the batch size is symbolic: no recompiles).
+
+    ``batch_buckets=(b_1, ..., b_k)`` (strictly increasing positive ints; None: off) pads each (micro-)batch of
+    ``b`` samples to the smallest bucket ``>= b`` with copies of its first sample, weighted 0 in the backward's
+    seed: their per-sample gradients are exactly 0, and the step equals the unpadded one. The loss returned is the
+    real samples' own losses averaged (``loss_reduction="mean"``) or summed; ``last_norms``, ``last_batch_size``,
+    the divisor and the accounting are the real batch's. A batch larger than the largest bucket runs in
+    micro-batches of it (the largest bucket must not exceed ``max_physical_batch_size``). Random ops draw for the
+    padded rows too. ``cuda_graphs=True`` (a CUDA model, Inductor) records the program as CUDA graphs, one per
+    bucket; without ``batch_buckets`` the buckets are powers of two up to ``max_physical_batch_size`` (which it
+    then needs). Checked on a GPU by ``python -m benchmarks.gpu_correctness``; see docs/training.md, "Batch
+    buckets and CUDA graphs".
 
     ``step.max_grad_norm``, ``step.noise_multiplier`` and ``step.expected_batch_size`` may be assigned between
     steps (validated; used from the next step on; a new ``C`` recaptures the per-sample graph once per bound).
@@ -105,6 +117,12 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     except BatchInputError as e:
         raise DPConfigError(f"compile_step: {e}") from None
     cls = ShardedStep if is_sharded(model) else DPStep  # fully_shard: see compiled_psg._train.sharded
+    if cls is ShardedStep and (batch_buckets is not None or cuda_graphs is not False):
+        raise DPConfigError("batch_buckets and cuda_graphs are not available for a fully_shard model (ShardedStep "
+                            "runs its own micro-batches and collectives). Fix: batch_buckets=None, "
+                            "cuda_graphs=False")
+    if cls is DPStep:
+        options.update(batch_buckets=batch_buckets, cuda_graphs=cuda_graphs)
     return cls(loss_fn, model, optimizer, reduce=reduce, max_grad_norm=max_grad_norm,
                   noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
                   loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .._compile.run import CompiledGraph, failed_check_error
 from .._errors import BatchInputError
+from .buckets import real_rows, real_size
 from .config import DPConfig
 from .eager import eager_update
 from .fuse import StepProgram, commit
@@ -83,14 +84,16 @@ def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry, b
     None: all of it): their losses, norms and summed results."""
     losses, norms, partial = [], [], None
     offset = 0
-    total = sum(c.batch_size for c in pieces) if total is None else total
+    total = sum(map(real_size, pieces)) if total is None else total
     for c in pieces:
         if buffers is not None:
             buffers.before_piece()
-        with _positions_from(offset, c.batch_size, total):
-            loss, _, result = run_per_sample(step.inputs, runner(c.entry), config, c.params, c.args, c.batch_size)
-        offset += c.batch_size
+        with _positions_from(offset, real_size(c), total):
+            loss, per_sample, result = run_per_sample(step.inputs, runner(c.entry), config, c.params, c.args,
+                                                      c.batch_size)
+        offset += real_size(c)
         sums, piece_norms = split_result(result, step.binding.names, step.binding.params)
+        loss, piece_norms = real_rows(c, loss, per_sample, piece_norms, config.loss_reduction)
         partial = add_into(partial, sums, step.binding.names)
         losses.append(loss)
         norms.append(piece_norms)
@@ -107,7 +110,7 @@ def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph],
     step.binding.install()
     extra = step.inputs.for_program(config, program.inputs, batch_size, partial=partial)
     step.released_config = config
-    with _positions_from(batch_size - last.batch_size, last.batch_size, batch_size):
+    with _positions_from(batch_size - real_size(last), real_size(last), batch_size):
         outputs = dict(zip(program.outputs, compiled.run(last.params, last.args, last.batch_size, extra),
                            strict=True))
     # the update, written into the user's tensors only now that the program has run whole (``fuse.commit``)
@@ -115,9 +118,10 @@ def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph],
            [outputs[f"commit_{k}"] for k in range(len(program.commits))], step.snapshot)
     count = outputs.get("global_count")
     step.last_batch_size = batch_size if count is None else int(round(count.item()))
-    piece_norms = outputs.get("norms")
+    loss, piece_norms = real_rows(last, outputs["loss"], outputs["per_sample_losses"], outputs.get("norms"),
+                                  config.loss_reduction)
     step.last_norms = None if piece_norms is None else torch.cat([*norms, piece_norms])
-    return combine_losses([*losses, outputs["loss"]], [c.batch_size for c in pieces], config.loss_reduction)
+    return combine_losses([*losses, loss], [real_size(c) for c in pieces], config.loss_reduction)
 
 
 def _target(step, params: dict, kind: str, key: object) -> torch.Tensor:
@@ -148,4 +152,4 @@ def eager_path(step, config: DPConfig, pieces: list, batch_size: int, accumulate
             program, compiled = built
             compiled.prepare(last.params, last.args, max(last.batch_size, 2),
                              step.inputs.for_program(config, program.inputs, last.batch_size, draw_noise=False))
-    return combine_losses(losses, [c.batch_size for c in pieces], config.loss_reduction)
+    return combine_losses(losses, [real_size(c) for c in pieces], config.loss_reduction)

@@ -103,7 +103,8 @@ class ProgramCache:
             program = fuse_step(entry.rewritten, self._update, binding.params, binding.names, noisy=noisy,
                                 group_name=dist_utils.group_name() if self.distributed else None,
                                 divide_by_count=divide_by_count, accumulate=accumulate)
-            self._programs[key] = (program, CompiledGraph(entry.rewritten, entry.backend, graph=program.gm))
+            self._programs[key] = (program, CompiledGraph(entry.rewritten, entry.backend, graph=program.gm,
+                                                          cuda_graphs=entry.cuda_graphs))
             self.builds += 1
         self.current = self._programs[key][0]
         return self._programs[key]

@@ -96,4 +96,7 @@ class StepSettings:
                                 "summed, which equals the whole batch's result only if the reduction is a sum over "
                                 "samples. Fix: max_physical_batch_size=None, or reduce=psg.clip_sum(C) / "
                                 "max_grad_norm=C")
+        from .buckets import check_fits
+
+        check_fits(getattr(self, "batch_buckets", None), value)
         self._max_physical_batch_size = value

@@ -42,6 +42,7 @@ from .._capture.dynamo import own_compilation
 from .._compile.run import BACKENDS, CompiledGraph
 from .._errors import DPConfigError
 from .._reduce.reductions import Reduction
+from . import buckets as buckets_
 from . import distributed as dist_utils
 from . import update_graph
 from .adaptive import next_bound
@@ -110,8 +111,9 @@ class DPStep(StepSettings):
                  loss_reduction: str = "mean", secure_rng: bool = False, backend: str = "inductor",
                  generator: torch.Generator | None = None, in_dims=0, distributed: bool | None = None,
                  max_physical_batch_size: int | None = None, clipping: str = "flat",
-                 public_buffers: Sequence[str] = (), transactional: bool = True, **clipping_options):
-        from .._api import per_sample
+                 public_buffers: Sequence[str] = (), transactional: bool = True, batch_buckets=None,
+                 cuda_graphs: bool = False, **clipping_options):
+        from .._api import PerSampleFunction, check_loss
 
         check_step_objects(model, optimizer, generator)
         refuse_gradient_hooks(model)
@@ -136,9 +138,16 @@ class DPStep(StepSettings):
         self._custom_reduce = custom
         self.public_buffers = _public_buffers(model, public_buffers)
         self.transactional = bool(transactional)  # a failed step restores everything and counts nothing
+        self.batch_buckets = buckets_.resolve(batch_buckets, cuda_graphs, model, backend, max_physical_batch_size,
+                                              custom is not None,
+                                              dist_utils.is_distributed() if distributed is None else distributed)
+        self.cuda_graphs = cuda_graphs
+        self._seed_weights = buckets_.SeedWeights()
         self.max_physical_batch_size = max_physical_batch_size
-        self._new_per_sample = lambda reduction: per_sample(model, in_dims=in_dims, reduce=reduction,
-                                                            backend=backend)(loss_fn)
+        check_loss(loss_fn)
+        self._new_per_sample = lambda reduction: PerSampleFunction(
+            loss_fn, model, in_dims, reduction, backend, seed_weights=self.batch_buckets is not None,
+            cuda_graphs=cuda_graphs)
         self._per_sample_fns: dict[Reduction, object] = {}
         self.model = model
         self.optimizer = optimizer
@@ -389,14 +398,32 @@ class DPStep(StepSettings):
             sums, self.last_norms = split_result(result, self.binding.names, self.binding.params)
             eager_update_of(self, config, [sums[n] for n in self.binding.names], 0)
             return loss
-        pieces = [self.prepare_batch(f, piece)
-                  for piece in micro_batches(batch, f.in_dims, batch_size, self._max_physical_batch_size)]
-        accumulate = self._max_physical_batch_size is not None
+        pieces = self._pieces(f, batch, batch_size)
+        accumulate = self._max_physical_batch_size is not None or len(pieces) > 1
         self.program_cache.rejoin()
         built = self.program_for(pieces[-1].entry, config, accumulate) if self.fused and self.state_ready else None
         if built is not None:
             return fused_path(self, config, built, pieces, batch_size)
         return eager_path(self, config, pieces, batch_size, accumulate)
+
+    def _pieces(self, f, batch: tuple, batch_size: int) -> list:
+        """The batch's micro-batches, prepared; with ``batch_buckets``, at most the largest bucket each, padded to
+        their bucket (``buckets.py``)."""
+        from .._api import batch_dims_of
+
+        buckets = self.batch_buckets
+        physical = self._max_physical_batch_size
+        if buckets is None:
+            return [self.prepare_batch(f, piece) for piece in micro_batches(batch, f.in_dims, batch_size, physical)]
+        physical = buckets[-1] if physical is None else min(physical, buckets[-1])
+        pieces = []
+        for piece in micro_batches(batch, f.in_dims, batch_size, physical):
+            dims, b = batch_dims_of(piece, f.in_dims)
+            bucket = buckets_.bucket_for(buckets, b)
+            call = self.prepare_batch(f, buckets_.pad(piece, dims, b, bucket))
+            weights = self._seed_weights.get(bucket, b, call.entry.rewritten.seed_weights)
+            pieces.append(buckets_.PaddedCall(call.entry, call.params, (*call.args, weights), bucket, b))
+        return pieces
 
     # --- save and resume -------------------------------------------------------------------------------------
     __deepcopy__ = __reduce_ex__ = refuse_copy

@@ -1,0 +1,308 @@
+"""``compile_step(..., batch_buckets=...)``: each (micro-)batch padded to a bucket with copies of a real sample
+weighted 0 in the backward's seed. The padded step equals the unpadded step and the naive float64 loop: the
+parameters, the loss, the norms, the batch size, with noise (seeded) too; the option is validated at build."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compiled_psg import DPConfigError, compile_step
+from tests.reference import reference_per_sample
+
+BUCKETS = (4, 8, 16)
+SIZES = (5, 1, 9, 8)  # across the three buckets, exactly a bucket (8) and a batch of one
+LR, C = 0.1, 1.8
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 25, 3)).double()
+
+
+MODELS = {"mlp": (mlp, (6,), 1.8), "cnn": (cnn, (1, 5, 5), 2.8)}  # with a bound that clips some samples
+
+
+def batch(n: int, shape: tuple, seed: int = 0):
+    g = torch.Generator().manual_seed(1000 * seed + n)
+    return torch.randn(n, *shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def build(model: nn.Module, buckets, reduction: str = "mean", **kw):
+    m = copy.deepcopy(model)
+    loss = lambda x, y: F.cross_entropy(m(x), y, reduction=reduction)  # noqa: E731
+    step = compile_step(loss, m, torch.optim.SGD(m.parameters(), lr=LR), loss_reduction=reduction,
+                        batch_buckets=buckets, **kw)
+    return m, step
+
+
+def loop_step(model: nn.Module, x, y, reduction: str, divisor: float | None, bounds=None,
+              bound: float = C) -> torch.Tensor:
+    """Clipped-sum DP-SGD without noise by a loop over samples, float64; returns the norms. ``bounds``: per-layer
+    bounds by parameter name (None: flat clipping at ``C``)."""
+    params = dict(model.named_parameters())
+    per = reference_per_sample(lambda xi, yi: F.cross_entropy(model(xi), yi, reduction=reduction), params, (x, y))
+    n = len(x)
+    norms = torch.stack([torch.stack([per[k][i].norm() for k in params]).norm() for i in range(n)])
+    with torch.no_grad():
+        for k, p in params.items():
+            if bounds is None:
+                factors = torch.clamp(bound / norms, max=1.0)
+            else:
+                own = torch.stack([per[k][i].norm() for i in range(n)])
+                factors = torch.clamp(bounds[k] / own, max=1.0)
+            s = (per[k] * factors.view(-1, *[1] * p.dim())).sum(0)
+            p -= LR * (s / divisor if divisor is not None else s)
+    return norms
+
+
+def assert_params(a: nn.Module, b: nn.Module, tol: float = 1e-12) -> None:
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_padded_step_equals_unpadded_and_loop(kind: str, reduction: str):
+    make, shape, bound = MODELS[kind]
+    model = make()
+    padded, step_padded = build(model, BUCKETS, reduction, max_grad_norm=bound)
+    plain, step_plain = build(model, None, reduction, max_grad_norm=bound)
+    looped = copy.deepcopy(model)
+    seen = []
+    for n in SIZES:
+        x, y = batch(n, shape)
+        loss_padded, loss_plain = step_padded(x, y), step_plain(x, y)
+        norms = loop_step(looped, x, y, reduction, n if reduction == "mean" else None, bound=bound)
+        seen.append(norms)
+        torch.testing.assert_close(loss_padded, loss_plain, rtol=1e-13, atol=1e-13)
+        assert loss_padded.shape == ()
+        assert step_padded.last_batch_size == n
+        assert step_padded.last_norms.shape == (n,)
+        torch.testing.assert_close(step_padded.last_norms, step_plain.last_norms, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(step_padded.last_norms, norms, rtol=1e-12, atol=1e-13)
+        assert_params(padded, plain)
+        assert_params(padded, looped)
+    seen = torch.cat(seen)
+    assert (seen > bound).any() and (seen < bound).any()  # some samples were clipped, some not
+    assert step_padded.captures == 1
+
+
+def test_micro_batches_with_buckets():
+    """``max_physical_batch_size=8`` with buckets (4, 8): a batch of 13 is micro-batches of 8 and 5 (padded to 8),
+    the divisor the expected batch size, with momentum (the first step eager, then the program)."""
+    model = mlp()
+    steps = []
+    for buckets in ((4, 8), None):
+        m = copy.deepcopy(model)
+        step = compile_step(lambda x, y, m=m: F.cross_entropy(m(x), y), m,
+                            torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9), max_grad_norm=C,
+                            expected_batch_size=10, max_physical_batch_size=8, batch_buckets=buckets)
+        steps.append((m, step))
+    (padded, step_padded), (plain, step_plain) = steps
+    for n in (13, 3, 17, 8):
+        x, y = batch(n, (6,))
+        torch.testing.assert_close(step_padded(x, y), step_plain(x, y), rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(step_padded.last_norms, step_plain.last_norms, rtol=1e-12, atol=1e-13)
+        assert step_padded.last_batch_size == n
+        assert_params(padded, plain)
+
+
+def test_batch_larger_than_the_largest_bucket_is_split():
+    """Without ``max_physical_batch_size``, a batch past the largest bucket is cut into micro-batches of it."""
+    model = mlp()
+    padded, step_padded = build(model, (2, 4), max_grad_norm=C)
+    plain, step_plain = build(model, None, max_grad_norm=C)
+    looped = copy.deepcopy(model)
+    for n in (11, 3):
+        x, y = batch(n, (6,))
+        torch.testing.assert_close(step_padded(x, y), step_plain(x, y), rtol=1e-13, atol=1e-13)
+        loop_step(looped, x, y, "mean", n)
+        assert step_padded.last_norms.shape == (n,)
+        assert_params(padded, plain)
+        assert_params(padded, looped)
+
+
+def test_in_dims_other_than_zero():
+    """The batch along dimension 1 of ``x``: padded along it."""
+    model = mlp()
+    steps = []
+    for buckets in (BUCKETS, None):
+        m = copy.deepcopy(model)
+        steps.append((m, compile_step(lambda xt, y, m=m: F.cross_entropy(m(xt.t()), y), m,
+                                      torch.optim.SGD(m.parameters(), lr=LR), max_grad_norm=C, in_dims=(1, 0),
+                                      batch_buckets=buckets)))
+    (padded, step_padded), (plain, step_plain) = steps
+    looped = copy.deepcopy(model)
+    for n in (5, 2, 11):
+        x, y = batch(n, (6,))
+        torch.testing.assert_close(step_padded(x.t(), y), step_plain(x.t(), y), rtol=1e-13, atol=1e-13)
+        loop_step(looped, x, y, "mean", n)
+        assert step_padded.last_norms.shape == (n,)
+        assert_params(padded, plain)
+        assert_params(padded, looped)
+
+
+def test_per_layer_clipping():
+    model = mlp()
+    padded, step_padded = build(model, BUCKETS, clipping="per_layer", max_grad_norm=C)
+    plain, step_plain = build(model, None, clipping="per_layer", max_grad_norm=C)
+    looped = copy.deepcopy(model)
+    names = [n for n, _ in model.named_parameters()]
+    bounds = dict.fromkeys(names, C / math.sqrt(len(names)))
+    for n in (6, 3, 10):
+        x, y = batch(n, (6,))
+        step_padded(x, y)
+        step_plain(x, y)
+        loop_step(looped, x, y, "mean", n, bounds=bounds)
+        assert_params(padded, plain)
+        assert_params(padded, looped)
+
+
+def test_adaptive_clipping_counts_real_samples():
+    """The unclipped count (and so the next bound) is over the real samples: a padded row's norm is 0, which
+    would count as unclipped."""
+    model = mlp()
+    kw = dict(clipping="adaptive", max_grad_norm=0.05, noise_multiplier=0.0, unclipped_num_std=0.0,
+              expected_batch_size=6)
+    padded, step_padded = build(model, BUCKETS, **kw)
+    plain, step_plain = build(model, None, **kw)
+    for n in (5, 9, 3, 6):
+        x, y = batch(n, (6,))
+        step_padded(x, y)
+        step_plain(x, y)
+        assert step_padded.last_unclipped == step_plain.last_unclipped
+        assert step_padded.max_grad_norm == pytest.approx(step_plain.max_grad_norm, rel=1e-12)
+        assert_params(padded, plain)
+    assert step_plain.max_grad_norm != 0.05  # the bound moved
+
+
+def test_noise_does_not_depend_on_the_bucket():
+    model = mlp()
+    runs = []
+    for buckets in (BUCKETS, None):
+        m, step = build(model, buckets, max_grad_norm=C, noise_multiplier=1.3, expected_batch_size=6,
+                        generator=torch.Generator().manual_seed(7))
+        for n in (5, 9, 2):
+            step(*batch(n, (6,)))
+        runs.append(m)
+    assert_params(*runs)
+    assert not torch.equal(runs[0][0].weight, mlp()[0].weight)
+
+
+def test_empty_batch_is_a_step_of_noise():
+    model = mlp()
+    runs = []
+    for buckets in (BUCKETS, None):
+        m, step = build(model, buckets, max_grad_norm=C, noise_multiplier=1.0, expected_batch_size=4,
+                        generator=torch.Generator().manual_seed(3))
+        step(*batch(3, (6,)))
+        loss = step(*batch(0, (6,)))
+        assert torch.isnan(loss) and step.last_batch_size == 0 and step.steps_taken == 2
+        step(*batch(6, (6,)))
+        runs.append(m)
+    assert_params(*runs)
+
+
+def test_padded_row_of_a_huge_loss_contributes_exactly_zero():
+    """Sample 0 (the one copied into the padding) has inputs near float64's limit: its squared input norm
+    overflows to inf, and its own clip factor is 0. A padded copy, weighted 0, has per-sample gradients exactly 0:
+    norm 0, nothing added to the clipped sums (the ghost norm's zero factor wins over the inf one)."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3).double()
+    x, y = batch(3, (6,))
+    x[0] = 1e160
+    with torch.no_grad():
+        y[0] = model(x[:1]).argmin()  # its loss is about 1e160
+    padded, step_padded = build(model, (8,), max_grad_norm=C)
+    plain, step_plain = build(model, None, max_grad_norm=C)
+    loss_padded, loss_plain = step_padded(x, y), step_plain(x, y)
+    assert torch.isfinite(loss_plain) and loss_plain > 1e100  # huge, finite
+    assert torch.equal(loss_padded, loss_plain)
+    assert torch.equal(step_padded.last_norms, step_plain.last_norms)
+    assert math.isinf(step_plain.last_norms[0])
+    assert_params(padded, plain)
+    for p in padded.parameters():
+        assert torch.isfinite(p).all()
+    # the weighted per-sample graph itself: the padded rows' norms are exactly 0
+    f = step_padded.per_sample
+    rows = torch.cat([x, x[:1].expand(5, -1)]), torch.cat([y, y[:1].expand(5)])
+    call = f.prepare_call(*rows)
+    weights = torch.tensor([1.0] * 3 + [0.0] * 5, dtype=torch.float64)
+    from compiled_psg._train.paths import run_per_sample
+
+    _, _, (sums, norms) = run_per_sample(step_padded.inputs, call.entry, step_padded.config, call.params,
+                                         (*call.args, weights), call.batch_size)
+    assert torch.equal(norms[3:], torch.zeros(5, dtype=torch.float64))
+
+
+def test_the_steps_per_sample_function_weighs_every_sample_one():
+    """``step.per_sample`` (its graph takes the seed weights) called on a batch: each sample weighs 1."""
+    model = mlp()
+    _, step_padded = build(model, BUCKETS, max_grad_norm=C)
+    _, step_plain = build(model, None, max_grad_norm=C)
+    x, y = batch(5, (6,))
+    (_, got), (_, want) = step_padded.per_sample(x, y), step_plain.per_sample(x, y)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    # the weights are the graph's last input of a role, batched along their only dimension; without buckets the
+    # graph takes none
+    rw = step_padded.per_sample.prepare_call(x, y).entry.rewritten
+    weights = [n for n in rw.graph_module.graph.nodes if n.op == "placeholder"][len(rw.roles) - 1]
+    assert rw.roles[-1].batched and rw.roles[-1].key == 2 and rw.batch.is_batched(weights)
+    plain = step_plain.per_sample.prepare_call(x, y).entry.rewritten
+    assert plain.seed_weights is None and len(plain.roles) == len(plain.captured.roles)
+
+
+@pytest.mark.parametrize("buckets, why", [
+    ((0, 4), "positive"), ((4, 4), "increasing"), ((8, 4), "increasing"), ((4.0, 8), "int"), ("48", "int"),
+    ((), "at least one"), ((True, 4), "int"), (8, "sequence"),
+])
+def test_invalid_buckets_are_refused(buckets, why):
+    with pytest.raises(DPConfigError, match=why):
+        build(mlp(), buckets, max_grad_norm=C)
+
+
+def test_buckets_larger_than_the_physical_batch_are_refused():
+    with pytest.raises(DPConfigError, match="max_physical_batch_size"):
+        build(mlp(), (4, 16), max_grad_norm=C, max_physical_batch_size=8)
+
+
+def test_buckets_with_a_custom_reduction_are_refused():
+    import compiled_psg as psg
+
+    reduce = psg.custom(lambda g: {n: v.sum(0) for n, v in g.items()})
+    with pytest.raises(DPConfigError, match="batch_buckets"):
+        build(mlp(), BUCKETS, reduce=reduce)
+
+
+def test_cuda_graphs_on_cpu_are_refused():
+    with pytest.raises(DPConfigError, match="cpu"):
+        build(mlp(), BUCKETS, max_grad_norm=C, cuda_graphs=True)
+    with pytest.raises(DPConfigError, match="True or False"):
+        build(mlp(), BUCKETS, max_grad_norm=C, cuda_graphs="yes")
+
+
+@pytest.mark.inductor
+def test_compiled_program_serves_every_bucket_with_one_compile():
+    model = mlp()
+    padded, step_padded = build(model, (4, 8), max_grad_norm=C, backend="inductor")
+    plain, step_plain = build(model, None, max_grad_norm=C, backend="eager")
+    compiles = None
+    for k, n in enumerate((3, 7, 4, 5, 8, 2)):
+        x, y = batch(n, (6,))
+        torch.testing.assert_close(step_padded(x, y), step_plain(x, y), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(step_padded.last_norms, step_plain.last_norms, rtol=1e-12, atol=1e-12)
+        assert_params(padded, plain, 1e-11)
+        if k == 0:
+            compiles = step_padded.compiles
+    assert step_padded.compiles == compiles == 1  # the program, symbolic in the bucket
