@@ -206,6 +206,8 @@ def resume(rank: int, out: str) -> dict:
     state = torch.load(path)
     with pytest.raises(DPConfigError, match="each rank loads its own shards") as e:
         step.load_state_dict({**state, "shards": {**state["shards"], "rank": 1 - rank}})
+    with pytest.raises(DPConfigError, match=r"DPStep.load_state_dict takes a DPStep's state_dict\(\), got NoneType"):
+        step.load_state_dict(None)  # raised AttributeError 'get'
     step.load_state_dict(state)
     return dict(got=run_steps(model, step, batches[2:], rank, WORLD), want=want, plain=plain, fresh=fresh,
                 refused=str(e.value))

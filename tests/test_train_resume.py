@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from compiled_psg import compile_step
-from compiled_psg._errors import DPConfigError
+from compiled_psg._errors import BatchInputError, DPConfigError
 from compiled_psg._train.private import make_private
 from compiled_psg._train.sampling import PoissonBatchSampler, poisson_loader
 from compiled_psg._train.schedulers import ExponentialNoise
@@ -385,8 +385,8 @@ def test_an_in_memory_state_of_an_earlier_step_is_refused():
     _assert_same(before, _snapshot(private))
     # a copy of step 3 into the training that released steps 4 and 5: a rollback past released updates (epsilon
     # would forget them, and the seeded generator would draw their noise again), refused
-    with pytest.raises(DPConfigError, match=r"released 2 step\(s\) since it was built or last loaded \(now at step "
-                                            r"5\), and the state is of step 3.*Nothing was loaded"):
+    with pytest.raises(DPConfigError, match=r"reached step 5 \(by its own steps or by a load\), and the state is of "
+                                            r"step 3: .*Nothing was loaded"):
         private.load_state_dict(kept)
     _assert_same(before, _snapshot(private))
     fresh_model, fresh, _ = build()  # a training built afresh resumes the copy
@@ -644,3 +644,191 @@ def test_a_stalled_adaptive_bound_is_resumed():
     resumed.max_grad_norm = 0.5  # the user's bound: the training goes on
     resumed(x, y)
     assert resumed.steps_taken == 2
+
+
+# ----- what a load refuses: a rollback by any route, a state of another kind, an inconsistent history, another
+# dataset size ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["live_state", "copy_of_the_same_step", "refused_step", "later_then_earlier"])
+def test_no_load_lowers_the_step_count_a_training_reached(route):
+    """Round J: loading a state of the training's own step count (its live ``state_dict()``, which changes
+    nothing) reset the count of steps released "since the last load", so the copy of step 1 loaded next: epsilon
+    forgot the 2 released steps and the seeded generator drew their noise again. A training never takes a state
+    below the highest step count it released or loaded, whatever was loaded in between."""
+    _, private, _ = build()
+    batches = iter(private.data_loader)
+    private.step(*next(batches))
+    best = copy.deepcopy(private.state_dict())
+    if route == "later_then_earlier":  # nothing released here: a state of step 3 loaded, then one of step 1
+        _, source, _ = build()
+        for _, batch in zip(range(3), source.data_loader, strict=False):
+            source.step(*batch)
+        later = copy.deepcopy(source.state_dict())
+        _, private, _ = build()
+        private.load_state_dict(later)
+    else:
+        private.step(*next(batches))
+        private.step(*next(batches))
+        if route == "refused_step":  # a step refused before its update: nothing released, nothing counted
+            with pytest.raises(BatchInputError):
+                private.step(torch.randn(4, 7), torch.zeros(4, dtype=torch.long))
+        same = private.state_dict() if route != "copy_of_the_same_step" else copy.deepcopy(private.state_dict())
+        private.load_state_dict(same)
+    before = _snapshot(private)
+    with pytest.raises(DPConfigError, match=r"reached step 3 .*the state is of step 1: .*Nothing was loaded.*"
+                                            r"training built afresh"):
+        private.load_state_dict(best)
+    _assert_same(before, _snapshot(private))
+    assert private.steps == private.dp_step.steps_taken == 3
+    _, fresh, _ = build()  # a training built afresh resumes the copy
+    fresh.load_state_dict(best)
+    assert fresh.steps == 1
+
+
+def test_a_step_refuses_a_rollback_and_a_jump_past_its_released_steps_after_any_load():
+    """The same on a ``DPStep`` (round J's probe p1c), and a later state of another run after this step released
+    steps of its own: the same-count load in between no longer makes them "not released since the last load"."""
+    model, step = _mechanism_step()
+    batches = _batches(5)
+    step(*batches[0])
+    best = copy.deepcopy(step.state_dict())
+    step(*batches[1])
+    step(*batches[2])
+    step.load_state_dict(step.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DPConfigError, match=r"reached step 3 .*the state is of step 1: .*Nothing was loaded"):
+        step.load_state_dict(best)
+    _, other = _mechanism_step(seed=1)
+    for batch in batches:
+        other(*batch)
+    with pytest.raises(DPConfigError, match=r"released 3 step\(s\) of its own .*the state is of step 5.*"
+                                            r"Nothing was loaded"):
+        step.load_state_dict(copy.deepcopy(other.state_dict()))
+    assert step.steps_taken == 3
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    _, fresh = _mechanism_step(seed=2)
+    fresh.load_state_dict(best)
+    assert fresh.steps_taken == 1
+
+
+def _kinds():
+    """A PrivateTraining and a DPStep after one step each, with copies of their states."""
+    _, private, _ = build()
+    private.step(*next(iter(private.data_loader)))
+    model, step = _mechanism_step()
+    step(*_batches(1)[0])
+    return private, step, model, copy.deepcopy(private.state_dict()), copy.deepcopy(step.state_dict())
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("step_into_training", r"PrivateTraining.load_state_dict takes a PrivateTraining's state_dict\(\), got a "
+                           r"DPStep's state.*Nothing was loaded.*compile_step"),
+    ("training_into_step", r"DPStep.load_state_dict takes a DPStep's state_dict\(\), got a PrivateTraining's "
+                           r"state.*Nothing was loaded.*PrivateTraining.load_state_dict"),
+    ("model_into_step", r"DPStep.load_state_dict takes a DPStep's state_dict\(\), got a dict with keys "
+                        r"\['0.bias', '0.weight', '2.bias', '2.weight'\].*model.load_state_dict"),
+    ("none_into_step", r"DPStep.load_state_dict takes a DPStep's state_dict\(\), got NoneType"),
+    ("none_into_training", r"PrivateTraining.load_state_dict takes a PrivateTraining's state_dict\(\), got "
+                           "NoneType"),
+    ("old_step_into_training", r"PrivateTraining.load_state_dict takes a PrivateTraining's state_dict\(\), got a "
+                               r"DPStep's state_dict\(\).*Nothing was loaded"),
+    ("training_without_accountant", r"PrivateTraining.load_state_dict takes a PrivateTraining's state_dict\(\), "
+                                    r"got a dict with keys \['dataset_size', 'kind', 'poisson_sampling', "
+                                    r"'sample_rate', 'sampler', 'step'\] \(no \['accountant'\]\)"),
+])
+def test_a_state_of_another_kind_is_refused_by_name(case, message):
+    """Round J: the wrong kind of state raised KeyError 'accountant' / 'generator' or a TypeError."""
+    private, step, model, training_state, step_state = _kinds()
+    old_step_state = {k: v for k, v in step_state.items() if k != "kind"}
+    target, state = {"step_into_training": (private, step_state), "training_into_step": (step, training_state),
+                     "model_into_step": (step, copy.deepcopy(model.state_dict())), "none_into_step": (step, None),
+                     "none_into_training": (private, None),
+                     "old_step_into_training": (private, old_step_state),
+                     "training_without_accountant": (private, {k: v for k, v in training_state.items()
+                                                               if k != "accountant"})}[case]
+    before, weights = _snapshot(private), [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DPConfigError, match=message):
+        target.load_state_dict(state)
+    _assert_same(before, _snapshot(private))
+    assert step.steps_taken == 1 and all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+
+
+def test_a_state_without_its_kind_marker_loads():
+    """A state saved before states recorded their kind is told by its keys (as ``poisson_sampling`` is told by the
+    sampler's state): it loads."""
+    _, _, _, training_state, step_state = _kinds()
+    _, private, _ = build(seed=1)
+    private.load_state_dict({k: v for k, v in training_state.items() if k != "kind"})
+    _, step = _mechanism_step(seed=1)
+    step.load_state_dict({k: v for k, v in step_state.items() if k != "kind"})
+    assert private.steps == step.steps_taken == 1
+
+
+def _history(value):
+    return lambda state: state["accountant"].update(history=value)
+
+
+def _steps(value):
+    return lambda state: state["step"].update(steps_taken=value)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (_history([]), r"accountant's history counts 0 step\(s\), fewer than the step's steps_taken 3"),
+    (_history([(1.5, 1 / 6, 2)]), r"accountant's history counts 2 step\(s\), fewer than the step's steps_taken 3"),
+    (_history("x"), r"accountant's history must be a list of \(noise_multiplier, sample_rate, steps\) entries, got "
+                    "str"),
+    (_history([(1.5, 1 / 6)]), r"history entry 0 must be \(noise_multiplier, sample_rate, steps\), got \(1.5, "),
+    (_history([(1.5, 1 / 6, "3")]), r"history entry 0 must be .*steps a positive int, got '3'"),
+    (_history([(-1.0, 1 / 6, 3)]), r"history entry 0: noise_multiplier must be a finite number >= 0, got -1.0"),
+    (_history([(1.5, 0.5, 3)]), r"history entry 0 has sample rate 0.5, this training's is 0.1666"),
+    (_steps("3"), r"steps_taken must be an int >= 0, got '3'"),
+    (_steps(True), r"steps_taken must be an int >= 0, got True"),
+    (_steps(-1), r"steps_taken must be an int >= 0, got -1"),
+    (lambda state: state.update(accountant=[]), r"the saved accountant must be a dict with 'mechanism' and "
+                                                "'history', got list"),
+])
+def test_an_accountant_history_that_does_not_cover_the_steps_is_refused(change, message):
+    """Round J: ``steps_taken=3`` with ``history=[]`` loaded and epsilon() returned 0.0; ``history="x"`` loaded and
+    epsilon() raised a raw ValueError; ``steps_taken="3"`` loaded. Each is refused at load, naming the field."""
+    _, source, _ = build()
+    for _, batch in zip(range(3), source.data_loader, strict=False):
+        source.step(*batch)
+    state = copy.deepcopy(source.state_dict())
+    change(state)
+    _, private, _ = build(seed=1)
+    before = _snapshot(private)
+    with pytest.raises(DPConfigError, match=message + ".*Nothing was loaded"):
+        private.load_state_dict(state)
+    _assert_same(before, _snapshot(private))
+
+
+def _sized(n: int):
+    """make_private(sample_rate=0.2) over ``n`` samples: the gradient's divisor is 0.2 * n."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(n, 5), torch.randint(0, 3, (n,)))
+    model = nn.Linear(5, 3)
+    return make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=8),
+                        lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, sample_rate=0.2,
+                        generator=torch.Generator().manual_seed(0), backend="eager")
+
+
+def test_a_state_of_another_dataset_size_is_refused():
+    """Round J: a state of a training over 60 samples loaded into the same training over 100 and imposed its
+    divisor (expected_batch_size 20 became 12). The dataset size is saved and checked; a state without it (saved
+    before it was recorded) cannot be checked and is refused."""
+    saved = _sized(60)
+    saved.step(*next(iter(saved.data_loader)))
+    state = copy.deepcopy(saved.state_dict())
+    other = _sized(100)
+    before = _snapshot(other)
+    with pytest.raises(DPConfigError, match=r"dataset of 60 samples.*this one over 100.*expected batch size 12.0 "
+                                            r"against 20.0.*Nothing was loaded"):
+        other.load_state_dict(state)
+    _assert_same(before, _snapshot(other))
+    assert other.expected_batch_size == 20
+    with pytest.raises(DPConfigError, match=r"no dataset_size.*Nothing was loaded"):
+        _sized(60).load_state_dict({k: v for k, v in state.items() if k != "dataset_size"})
+    resumed = _sized(60)
+    resumed.load_state_dict(state)
+    assert resumed.steps == 1 and resumed.expected_batch_size == 12

@@ -20,7 +20,8 @@ def step_state(step) -> dict:
     state whose tensors are still the live ones, after steps were taken, is refused: ``_check_not_live``).
     Torch's global generator is the user's to save (``torch.get_rng_state``), and ``secure_rng=True``
     (``os.urandom``) cannot be resumed by design: its draws are not reproducible."""
-    return {"config": {f.name: getattr(step.config, f.name) for f in fields(DPConfig)},
+    return {"kind": "DPStep",
+            "config": {f.name: getattr(step.config, f.name) for f in fields(DPConfig)},
             "stalled_bound": step._stalled_bound,
             "steps_taken": step.steps_taken,
             "model": step.model.state_dict(),
@@ -33,14 +34,16 @@ def load_step_state(step, state: dict) -> None:
     arguments; the settings that define the mechanism, ``config.MECHANISM``, must be the saved ones). The next
     step continues exactly where the saved run stopped (same noise with a seeded ``generator``). Everything is
     checked before anything is loaded: a state of another model, optimizer or mechanism changes nothing."""
+    check_state_kind(state, "DPStep")
+    saved_steps = saved_step_count(state)
     if (state["generator"] is not None) != (step.noise.generator is not None):
         raise DPConfigError("the saved step and this one disagree on generator=: build the step with a "
                             "torch.Generator exactly when the saved one had one")
     config = _saved_config(step.config, state["config"])
     _check_model_state(step.model, state["model"])
     _check_optimizer_state(step.optimizer, state["optimizer"])
-    _check_not_live(step, state)
-    _check_no_rollback(step, state)
+    _check_not_live(step, state, saved_steps)
+    _check_no_rollback(step, saved_steps)
     if step.noise.generator is not None and (
             not isinstance(state["generator"], torch.Tensor)
             or state["generator"].shape != step.noise.generator.get_state().shape):
@@ -56,12 +59,59 @@ def load_step_state(step, state: dict) -> None:
     step.optimizer.load_state_dict(state["optimizer"])
     if step.noise.generator is not None:
         step.noise.generator.set_state(state["generator"])
-    step.steps_taken = step.steps_at_load = int(state["steps_taken"])
+    if saved_steps != step.steps_taken:  # a state of this count leaves the steps released since as released
+        step.steps_at_load = saved_steps
+    step.steps_taken = saved_steps
+    step.steps_reached = max(step.steps_reached, saved_steps)
     # The first step runs eagerly so that the optimizer creates its state, which the program reads (a stateless
     # optimizer, plain SGD, runs the program from the first step). A run that has stepped has that state: resume
     # on the program, as the uninterrupted run would.
     step.state_ready = (step.steps_taken > 0 or bool(step.optimizer.state)
                         or update_graph.creates_no_state(step.optimizer))
+
+
+#: the entries a state of each kind holds (``kind``, ``stalled_bound`` and ``poisson_sampling`` are told from the
+#: others in a state saved without them)
+STATE_KEYS = {"DPStep": ("config", "steps_taken", "model", "optimizer", "generator"),
+              "PrivateTraining": ("step", "accountant", "sampler", "sample_rate")}
+
+_KIND_FIX = {
+    ("DPStep", "PrivateTraining"): "load it with PrivateTraining.load_state_dict, into the training make_private "
+                                   "built the same way: it resumes the step with its accountant and sampler",
+    ("PrivateTraining", "DPStep"): "a DPStep's state resumes a step built with compile_step (step.load_state_dict); "
+                                   "a PrivateTraining resumes what a PrivateTraining's state_dict() returned",
+}
+
+
+def check_state_kind(state: object, kind: str, holder: str | None = None) -> None:
+    """Refuse ``state`` unless it holds what a ``kind``'s ``state_dict()`` saves (its ``kind`` marker, when it has
+    one, names ``kind``), naming what it is instead: another kind's state, or its keys, or its type. ``holder``
+    names where the state sits inside another one."""
+    if isinstance(state, dict):
+        marked = state.get("kind")
+        marked = marked if marked is None or isinstance(marked, str) else repr(marked)
+        missing = [key for key in STATE_KEYS[kind] if key not in state]
+        if marked in (None, kind) and not missing:
+            return
+        other = marked if marked is not None else next(
+            (name for name, keys in STATE_KEYS.items() if all(key in state for key in keys)), None)
+        got = (f"a {other}'s state_dict()" if other is not None and other != kind else
+               f"a dict with keys {sorted(state, key=str)[:8]}{' ...' if len(state) > 8 else ''} (no {missing})")
+    else:
+        other, got = None, type(state).__name__
+    fix = _KIND_FIX.get((kind, other), f"load what {kind}.state_dict() returned (a model's state_dict loads with "
+                                       "model.load_state_dict, an optimizer's with optimizer.load_state_dict)")
+    where = f"{kind}.load_state_dict takes" if holder is None else f"{holder} must be"
+    raise DPConfigError(f"{where} a {kind}'s state_dict(), got {got}. Nothing was loaded. Fix: {fix}")
+
+
+def saved_step_count(state: dict) -> int:
+    """The ``steps_taken`` of a step's state, refused unless it is a count."""
+    steps = state["steps_taken"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise DPConfigError(f"the saved steps_taken must be an int >= 0, got {steps!r}. Nothing was loaded. Fix: "
+                            "load a state saved by state_dict()")
+    return steps
 
 
 def _saved_config(live: DPConfig, saved: dict) -> DPConfig:
@@ -124,14 +174,14 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> Non
 _FLAGS_ADDED_BY_VERSIONS = {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
 
 
-def _check_not_live(step, saved: dict) -> None:
+def _check_not_live(step, saved: dict, saved_steps: int) -> None:
     """Refuse a state whose model or optimizer tensors are the live ones when it was saved at another step: an
     in-memory ``state_dict()`` follows the training (its tensors are shared, as in ``nn.Module.state_dict``), so
     loading it would set the step count (and a ``PrivateTraining``'s accountant) back while the weights stay
     those after every step taken: epsilon would cover fewer steps than the model was trained for. Refused rather
     than reconciled: the weights of the saved step no longer exist anywhere, and a rollback that silently keeps
     the current weights is not the rollback the user asked for."""
-    if int(saved["steps_taken"]) == step.steps_taken:
+    if saved_steps == step.steps_taken:
         return  # the live state at the same step: loading it changes nothing
     live = {_storage(t) for t in _tensors((step.model.state_dict(), step.optimizer.state))} - {None}
     shared = [name for name, t in _named_tensors(saved["model"]) if _storage(t) in live]
@@ -139,7 +189,7 @@ def _check_not_live(step, saved: dict) -> None:
                if any(_storage(t) in live for t in _tensors(per_param))]
     if shared:
         raise DPConfigError(
-            f"this state was saved at step {int(saved['steps_taken'])} but holds the live model's and optimizer's "
+            f"this state was saved at step {saved_steps} but holds the live model's and optimizer's "
             f"tensors ({', '.join(map(str, shared[:3]))}{', ...' if len(shared) > 3 else ''}), which now hold the "
             f"weights after step {step.steps_taken}: state_dict() shares them with the training, as "
             "nn.Module.state_dict does. Loading it would count fewer steps than the weights were trained for. "
@@ -147,21 +197,31 @@ def _check_not_live(step, saved: dict) -> None:
             "torch.save it and torch.load it)")
 
 
-def _check_no_rollback(step, saved: dict) -> None:
-    """Refuse a state of another step count into a step that has released steps since it was built or last
-    loaded: a rollback past released updates. The accountant would forget them, and a seeded noise generator
-    would draw their noise again for the steps taken anew: two updates of one step (with another C, learning rate
-    or batch) would cancel each other's noise and release a function of the clipped sums without noise."""
-    released = step.steps_taken - step.steps_at_load
-    if released > 0 and int(saved["steps_taken"]) != step.steps_taken:
+def _check_no_rollback(step, saved: int) -> None:
+    """Refuse a rollback: a state below the highest step count the step reached, by its own steps or by a load (no
+    load lowers it, so loading a state of the current count first does not open the way to an earlier one), and a
+    state of another count into a step that released steps of its own since it was built or loaded a state of
+    another count. The accountant would forget released steps, and a seeded noise generator would draw their noise
+    again for the steps taken anew: two updates of one step (with another C, learning rate or batch) would cancel
+    each other's noise and release a function of the clipped sums without noise."""
+    reached = max(step.steps_reached, step.steps_taken)
+    fix = ("Nothing was loaded. Fix: keep the best parameters for evaluation (copy.deepcopy(model.state_dict())) and "
+           "go on training; resume a checkpoint in a training built afresh, only where the steps after it were not "
+           "released")
+    if saved < reached:
         raise DPConfigError(
-            f"this training released {released} step(s) since it was built or last loaded (now at step "
-            f"{step.steps_taken}), and the state is of step {int(saved['steps_taken'])}: loading it would roll back "
-            "past released updates, which epsilon() would then not count, and a seeded generator would draw their "
-            "noise again for the steps taken anew (noise that cancels between two updates of one step). Nothing "
-            "was loaded. Fix: keep the best parameters for evaluation (copy.deepcopy(model.state_dict())) and go "
-            "on training; resume a checkpoint in a training built afresh, only where the steps after it were not "
-            "released")
+            f"this training reached step {reached} (by its own steps or by a load), and the state is of step "
+            f"{saved}: loading it would roll back past steps that may have been released, which epsilon() would "
+            "then not count, and a seeded generator would draw their noise again for the steps taken anew (noise "
+            "that cancels between two updates of one step). A training never goes below the step count it "
+            f"reached. {fix}")
+    released = step.steps_taken - step.steps_at_load
+    if released > 0 and saved != step.steps_taken:
+        raise DPConfigError(
+            f"this training released {released} step(s) of its own since it was built or loaded a state of another "
+            f"step count (now at step {step.steps_taken}), and the state is of step {saved}: its accountant's "
+            "history and step count would replace this training's, and epsilon() would not count the steps released "
+            f"here. {fix}")
 
 
 def _tensors(tree) -> list[torch.Tensor]:

@@ -17,7 +17,8 @@ from .._errors import BatchInputError, DPConfigError
 from . import distributed as dist_utils
 from .accounting import Accountant, calibrate_noise, check_delta, check_sample_rate, check_steps
 from .api import compile_step
-from .checkpoint import load_step_state
+from .checkpoint import check_state_kind, load_step_state, saved_step_count
+from .config import check_noise_multiplier
 from .sampling import PoissonBatchSampler, check_batched, dataset_of, poisson_loader
 from .step import DPStep, refuse_copy
 
@@ -29,11 +30,14 @@ class PrivateTraining:
     ``noise_multiplier`` may be assigned between steps (or by a noise scheduler, ``StepNoise``, ...): the next
     step uses it and the accountant records, for every step, the noise multiplier that step actually used.
     ``state_dict()``/``load_state_dict()`` save and resume the whole training state.
+
+    ``dataset_size``: the samples the training draws from (summed over the ranks), which with ``sample_rate``
+    defines the expected batch size, the gradient's divisor.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                  dp_step: DPStep, accountant: Accountant, sample_rate: float, target_delta: float,
-                 poisson_sampling: bool = True):
+                 poisson_sampling: bool = True, *, dataset_size: int | None = None):
         self.model = model
         self.optimizer = optimizer
         self.data_loader = data_loader
@@ -42,6 +46,7 @@ class PrivateTraining:
         self.sample_rate = sample_rate
         self.target_delta = target_delta
         self.poisson_sampling = poisson_sampling
+        self.dataset_size = dataset_size
         # the step counts each step it releases, however it is called (``self.step`` or ``self.dp_step``)
         dp_step.on_release(self._account)
         dp_step.accounted_by = type(self).__name__  # its state loads with the accountant's, through this object
@@ -128,10 +133,12 @@ class PrivateTraining:
             warnings.warn("a loader with worker processes draws batches ahead of the training: a state saved in "
                           "the middle of an epoch may skip batches on resume; save between epochs",
                           UserWarning, stacklevel=2)
-        return {"step": self.dp_step.state_dict(),
+        return {"kind": "PrivateTraining",
+                "step": self.dp_step.state_dict(),
                 "accountant": {"mechanism": self.accountant.mechanism, "history": list(self.accountant.history)},
                 "sampler": None if sampler is None else sampler.state_dict(),
                 "sample_rate": self.sample_rate,
+                "dataset_size": self.dataset_size,
                 "poisson_sampling": self.poisson_sampling}
 
     def load_state_dict(self, state: dict) -> None:
@@ -139,12 +146,21 @@ class PrivateTraining:
         loader and ``make_private`` arguments, a fresh seeded generator where the saved run had one). The next
         ``for batch in private.data_loader`` continues the interrupted epoch. Everything is checked before anything
         is loaded: a refused state changes nothing (parameters, optimizer, accountant, generators, sampler)."""
+        check_state_kind(state, "PrivateTraining")
+        check_state_kind(state["step"], "DPStep", holder="the 'step' entry of a PrivateTraining's state")
+        accountant = state["accountant"]
+        if not (isinstance(accountant, dict) and {"mechanism", "history"} <= set(accountant)):
+            got = (f"a dict with keys {sorted(accountant, key=str)}" if isinstance(accountant, dict)
+                   else type(accountant).__name__)
+            raise DPConfigError(f"the saved accountant must be a dict with 'mechanism' and 'history', got {got}. "
+                                "Nothing was loaded. Fix: load what PrivateTraining.state_dict() returned")
         if state["accountant"]["mechanism"] != self.accountant.mechanism or state["sample_rate"] != self.sample_rate:
             raise DPConfigError(
                 "the saved training used another accountant or sampling rate (saved: "
                 f"{state['accountant']['mechanism']!r}, q={state['sample_rate']}; here: "
                 f"{self.accountant.mechanism!r}, q={self.sample_rate}). Nothing was loaded. Fix: build the "
                 "PrivateTraining with the same make_private arguments")
+        self._check_dataset_size(state)
         saved_poisson = state.get("poisson_sampling", state["sampler"] is not None)  # a state of an older release
         if saved_poisson != self.poisson_sampling:
             raise DPConfigError(
@@ -161,11 +177,64 @@ class PrivateTraining:
                 + ". Nothing was loaded. Fix: iterate private.data_loader as make_private returned it, in both runs")
         if sampler is not None:
             sampler.check_state(state["sampler"])
-        history = [tuple(entry) for entry in state["accountant"]["history"]]
+        history = self._saved_history(accountant["history"], saved_step_count(state["step"]))
         load_step_state(self.dp_step, state["step"])  # checks everything it loads before loading any of it
         self.accountant.history = history
         if sampler is not None:
             sampler.load_state_dict(state["sampler"])
+
+    def _check_dataset_size(self, state: dict) -> None:
+        """The dataset size defines, with the sampling rate (checked beside the accountant), the expected batch
+        size the saved step divides its gradient by: a state of another dataset size would impose its divisor."""
+        if "dataset_size" not in state:
+            raise DPConfigError(
+                "the saved training records no dataset_size, which with the sampling rate defines the expected batch "
+                f"size the gradient is divided by: it cannot be checked against this training's {self.dataset_size} "
+                "samples. Nothing was loaded. Fix: resume it with the compiled_psg release that saved it, or start "
+                "the training afresh")
+        saved = state["dataset_size"]
+        if saved != self.dataset_size:
+            sizes = ("" if not isinstance(saved, int | float) or isinstance(saved, bool) else
+                     f" (expected batch size {self.sample_rate * saved} against {self.sample_rate * self.dataset_size}"
+                     " here, the gradient's divisor)")
+            raise DPConfigError(
+                f"the saved training sampled a dataset of {saved!r} samples, this one over {self.dataset_size} "
+                f"(summed over the ranks) at the same sample_rate={self.sample_rate}{sizes}: the saved run's "
+                "batches and divisor are another training's. Nothing was loaded. Fix: build the training over the "
+                "saved run's dataset")
+
+    def _saved_history(self, history, steps_taken: int) -> list[tuple[float, float, int]]:
+        """The saved accountant's history, refused unless each entry is ``(noise_multiplier, sample_rate, steps)``
+        at this training's rate and the entries count at least the step's ``steps_taken`` (more where the step
+        counted a release twice after a listener failed: epsilon over-reported, never under-)."""
+        shape = "(noise_multiplier, sample_rate, steps)"
+        fix = ". Nothing was loaded. Fix: load what PrivateTraining.state_dict() returned, unchanged"
+        if not isinstance(history, list | tuple):
+            raise DPConfigError(f"the saved accountant's history must be a list of {shape} entries, got "
+                                f"{type(history).__name__}{fix}")
+        entries = []
+        for k, entry in enumerate(history):
+            if not (isinstance(entry, list | tuple) and len(entry) == 3):
+                raise DPConfigError(f"the saved accountant's history entry {k} must be {shape}, got {entry!r}{fix}")
+            sigma, q, n = entry
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise DPConfigError(f"the saved accountant's history entry {k} must be {shape} with steps a "
+                                    f"positive int, got {n!r}{fix}")
+            try:
+                check_noise_multiplier(sigma)
+            except DPConfigError as error:
+                raise DPConfigError(f"the saved accountant's history entry {k}: {error}{fix}") from None
+            if q != self.sample_rate:
+                raise DPConfigError(f"the saved accountant's history entry {k} has sample rate {q!r}, this "
+                                    f"training's is {self.sample_rate!r}: every step of the training is accounted "
+                                    f"at its rate{fix}")
+            entries.append((sigma, q, n))
+        counted = sum(n for _, _, n in entries)
+        if counted < steps_taken:
+            raise DPConfigError(f"the saved accountant's history counts {counted} step(s), fewer than the step's "
+                                f"steps_taken {steps_taken}: epsilon() would not cover the steps the saved weights "
+                                f"were trained for{fix}")
+        return entries
 
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
@@ -266,4 +335,4 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                                 generator=torch.Generator().manual_seed(seed), secure=secure_rng,
                                 in_dims=clipping_options.get("in_dims", 0))
     return PrivateTraining(model, optimizer, loader, dp_step, Accountant(accountant), sample_rate,
-                           target_delta, poisson_sampling)
+                           target_delta, poisson_sampling, dataset_size=round(global_size))

@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._errors import DPConfigError, UnsupportedError
+from .checkpoint import check_state_kind
 from .config import DPConfig
 from .paths import run_per_sample
 from .results import combine_losses, micro_batches, split_result
@@ -382,6 +383,7 @@ class ShardedStep(DPStep):
         tensors are wrapped again as shards of this model's parameters, then ``DPStep.load_state_dict``."""
         from torch.distributed.tensor import DTensor
 
+        check_state_kind(state, "DPStep")
         saved = state.get("shards")
         here = {"rank": dist.get_rank(), "world": dist.get_world_size()}
         if saved is None or {k: saved[k] for k in here} != here:

@@ -169,7 +169,9 @@ class DPStep(StepSettings):
         self.state_ready = update_graph.creates_no_state(optimizer)
         self.compile_seconds = 0.0
         self.steps_taken = 0
-        self.steps_at_load = 0  # steps_taken when the step was built or last loaded (``checkpoint._check_no_rollback``)
+        # steps_taken when the step was built or last loaded a state of another count, and the highest count it
+        # released or loaded: no load goes below that (``checkpoint._check_no_rollback``)
+        self.steps_at_load = self.steps_reached = 0
         self.last_batch_size = 0
         self.last_norms: torch.Tensor | None = None
         self.last_config: DPConfig | None = None
