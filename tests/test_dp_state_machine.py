@@ -128,25 +128,24 @@ class DPTraining(RuleBasedStateMachine):
 
     @rule(index=st.lists(st.integers(0, N - 1), min_size=0, max_size=BATCH))
     def step_failing_after_its_update(self, index):
-        """The update is computed (the eager ``optimizer.step()`` on a first step or an empty batch has written
-        it; the fused program has run whole), then the step raises before committing it: nothing may remain."""
-        optimizer = self.private.dp_step.optimizer
-        real_update = optimizer.step
+        """The update is computed (the eager update on a first step or an empty batch has written it, with torch's
+        ``optimizer.step()``, which runs no code of the user's; the fused program has run whole), then the step
+        raises before committing it: nothing may remain."""
+        real_update = paths.eager_update
 
         def update(*args, **kwargs):
             real_update(*args, **kwargs)
-            raise _Injected("optimizer.step")
+            raise _Injected("the eager update")
 
         def commit(*args, **kwargs):
             raise _Injected("the fused program's commit")
 
-        optimizer.step, paths.commit = update, commit
+        paths.eager_update, paths.commit = update, commit
         try:
             with pytest.raises(_Injected):
                 self.private.step(X[index], Y[index])
         finally:
-            del optimizer.step
-            paths.commit = self._real_commit
+            paths.eager_update, paths.commit = real_update, self._real_commit
 
     @rule(index=st.lists(st.integers(0, N - 1), min_size=0, max_size=BATCH))
     def step_interrupted_after_its_commit(self, index):

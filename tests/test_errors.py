@@ -556,3 +556,63 @@ def test_graph_breaks_name_the_cause_they_have():
         psg.per_sample(seq, backend="eager")(lambda x: checkpoint(seq, x, use_reentrant=False).sum())(torch.randn(3, 4))
     assert "move the random op out of the checkpointed function" in str(info.value)
     assert "please report" not in str(info.value)
+
+
+_DROPPING = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 3)).double()
+
+
+def _label_out_of_range_after_dropout(x, y):
+    return F.cross_entropy(_DROPPING(x), y)  # <dropout-label-out-of-range>
+
+
+@pytest.mark.parametrize("where", ["per_sample", "compile_step"])
+def test_a_label_out_of_range_behind_dropout_names_the_op_and_leaves_the_generator_as_the_failed_run_did(
+        monkeypatch, where):
+    """A loss with dropout: the diagnosis runs the captured graph again, drawing other masks, and names the op,
+    the user's line, the range and the position as without dropout (it gave a generic "please report this
+    message"). The generator the masks come from is where the failed run left it (``per_sample``), or, in a
+    step, where it was before the step (the step's rollback)."""
+    import compiled_psg._compile.run as run
+
+    x, y = torch.randn(6, 4, dtype=F64), torch.tensor([0, 1, 2, 1, 1717, 0])
+    torch.manual_seed(0)
+    after_failed_run = []
+    real_failure = run._run_failure
+
+    def failure(rw, inputs, e):
+        after_failed_run.append(torch.get_rng_state())
+        return real_failure(rw, inputs, e)
+
+    monkeypatch.setattr(run, "_run_failure", failure)
+    before = torch.get_rng_state()
+    if where == "per_sample":
+        call = psg.per_sample(_DROPPING, backend="eager")(_label_out_of_range_after_dropout)
+    else:
+        call = psg.compile_step(_label_out_of_range_after_dropout, _DROPPING,
+                                torch.optim.SGD(_DROPPING.parameters(), lr=0.1), max_grad_norm=1.0,
+                                noise_multiplier=1.0, backend="eager")
+    with pytest.raises(psg.BatchInputError) as info:
+        call(x, y)
+    message = str(info.value)
+    assert "aten.nll_loss_forward" in message and "outside the range the op accepts: [0, 3)" in message
+    assert "positions [4] of the batch" in message and "please report" not in message
+    assert_points_at(message, "dropout-label-out-of-range")
+    assert "1717" not in "".join(traceback.format_exception(info.value))
+    expected = after_failed_run[0] if where == "per_sample" else before
+    assert torch.equal(torch.get_rng_state(), expected)
+
+
+def test_a_failure_that_a_rerun_with_other_draws_does_not_repeat_names_the_random_op():
+    """Where the re-run, with other random draws, does not fail, the message says the failure depends on the
+    draws, names the random op and its line, and gives a fix, rather than asking for a report."""
+    from compiled_psg._compile import run
+
+    torch.manual_seed(0)
+    f = psg.per_sample(_DROPPING, backend="eager")(_label_out_of_range_after_dropout)
+    call = f.prepare_call(torch.randn(6, 4, dtype=F64), torch.tensor([0, 1, 2, 1, 0, 0]))
+    inputs = call.entry._inputs(call.params, call.args, call.batch_size)
+    error = run._run_failure(call.entry.rewritten, inputs, RuntimeError("a mask left nothing"))
+    text = str(error)
+    assert "draws random numbers (aten.native_dropout" in text and "did not fail" in text
+    assert "please report" not in text and "Fix: call the loss eagerly" in text
+    assert_points_at(text, "dropout-label-out-of-range")

@@ -255,3 +255,60 @@ def test_a_tensor_outside_the_model_written_from_the_batch_is_named_as_such(wher
     assert "buffer" not in str(info.value).split("Fix:")[0] and "public_buffers=[" not in str(info.value)
     assert _same_state(before, _state(model, step, gen)) and torch.equal(rng, torch.get_rng_state())
     assert _STASH.abs().sum() == 0 and local.abs().sum() == 0
+
+
+def test_an_unbatched_argument_written_from_the_batch_is_refused_naming_it():
+    """``stats`` passed with ``in_dims`` None and written from the batch: the caller keeps it after the step with
+    the batch's mean in it, outside the noise. Refused before anything changes, named by position and name, with
+    the writing line and a fix; the batch itself (a batched argument) may be written."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    stats = torch.zeros(4)
+
+    def loss(x, y, stats):
+        with torch.no_grad():
+            stats.copy_(x.mean(0))  # the write
+        return F.cross_entropy(model(x), y)
+
+    step = psg.compile_step(loss, model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                            noise_multiplier=1.0, backend="eager", in_dims=(0, 0, None))
+    weight = model.weight.detach().clone()
+    with pytest.raises(psg.DPConfigError, match=r"argument 2 \(stats\) of the loss, which in_dims does not slice "
+                                                r"per sample \(None\), written at \S*test_step_release.py:\d+ in "
+                                                r"loss: .*# the write.*No step was taken\. Fix: .*argument of the "
+                                                r"loss, remove the write"):
+        step(*_batch(), stats)
+    assert stats.abs().sum() == 0 and torch.equal(model.weight, weight) and step.steps_taken == 0
+
+    def scales_its_batch(x, y):
+        with torch.no_grad():
+            x.mul_(2)
+        return F.cross_entropy(model(x), y)
+
+    psg.compile_step(scales_its_batch, model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                     noise_multiplier=1.0, backend="eager")(*_batch())
+
+
+class _AliasedBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("alias", self.lin.bias.data)  # the bias's own memory
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.alias.copy_(x[:, :3].mean(0))
+        return self.lin(x)
+
+
+def test_a_public_buffer_sharing_a_parameters_memory_is_refused_when_the_step_is_built():
+    """``public_buffers`` cannot make a parameter public: a buffer registered from a parameter's ``.data`` is
+    refused by name, with the parameter it aliases and the fix, when the step is built (the capture failed
+    with torch's "differentiated Tensors" message, called a compiled_psg bug)."""
+    model = _AliasedBias()
+    with pytest.raises(psg.DPConfigError, match=r"buffer 'alias', which shares its memory with parameter "
+                                                r"'lin.bias'.*Fix: register a copy, register_buffer\('alias', "
+                                                r"param.detach\(\).clone\(\)\), or leave 'alias' out"):
+        psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                         torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, backend="eager",
+                         public_buffers=["alias"])

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from compiled_psg import DPConfigError, compile_step, make_private
 from compiled_psg._compile.run import CompiledGraph
+from compiled_psg._train import paths
 
 
 def _data(n: int = 16, seed: int = 0):
@@ -238,8 +239,8 @@ def test_a_step_failing_after_its_update_restores_everything_and_counts_nothing(
     if when == "later step":
         step(x[:8], y[:8])
     before = _state(model, step, gen)
-    if when == "first step":  # the eager update: optimizer.step() has run
-        _fail_after_update(monkeypatch, step.optimizer, "step")
+    if when == "first step":  # the eager update: torch's optimizer.step() has run (no code of the user's in it)
+        _fail_after_update(monkeypatch, paths, "eager_update")
     else:  # the fused program (traced, run op by op on the eager backend) has run
         assert step.fused
         _fail_after_update(monkeypatch, CompiledGraph, "run")
@@ -374,7 +375,7 @@ def test_a_failed_eager_update_leaves_no_noisy_gradient_in_the_steps_grad_buffer
     buffers = [b.clone() for b in step.binding.dot_grads]
     step.optimizer.zero_grad()
     step.state_ready = False  # the next step's update runs eagerly (as on an empty batch)
-    _fail_after_update(monkeypatch, step.optimizer, "step")
+    _fail_after_update(monkeypatch, paths, "eager_update")
     with pytest.raises(_Failing):
         step(x[8:16], y[8:16])
     assert all(p.grad is None for p in model.parameters())
@@ -402,7 +403,8 @@ def test_a_failed_fused_step_gives_back_each_grad_as_it_was(monkeypatch):
 
 def test_a_failed_eager_update_gives_back_the_optimizers_group_settings(monkeypatch):
     """An optimizer that adapts a setting of its parameter group (Prodigy's ``d``, a learning rate) and then fails:
-    the group's settings are restored with its state."""
+    the group's settings are restored with its state. Its step is not torch's own, so it may have shown the
+    update to someone: the step is counted."""
     x, y = _data(24)
     gen = torch.Generator().manual_seed(5)
     # with momentum: the first step's update runs in Python (plain SGD's runs in the program)
@@ -422,7 +424,7 @@ def test_a_failed_eager_update_gives_back_the_optimizers_group_settings(monkeypa
     with pytest.raises(_Failing):
         step(x[:8], y[:8])  # the first step's update runs in Python
     assert group["lr"] == 0.1 and group["adapted"] == [1.0] and "added" not in group
-    assert step.steps_taken == 0
+    assert step.steps_taken == 1  # a step that is not torch's own may have shown the update: counted
 
 
 def test_a_step_called_from_inside_a_step_is_refused_and_the_outer_one_completes():
@@ -938,3 +940,153 @@ def test_a_backward_hook_on_a_module_without_trained_parameters_is_still_refused
     after = _everything(model, step, gen)
     assert _same_state(before[0], after[0]) and torch.equal(before[1], after[1])
     handle.remove()
+
+
+class _ExportingSGD(torch.optim.SGD):
+    """An optimizer whose own ``step`` shows the noisy gradient to the user's code (``look``)."""
+
+    look = None
+
+    def step(self, closure=None):
+        type(self).look()
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("where", ["post hook", "pre hook", "global post hook", "global pre hook",
+                                   "a subclass's step"])
+def test_a_step_whose_noisy_update_the_users_code_saw_is_counted_and_its_noise_not_drawn_again(where):
+    """The user's code in ``optimizer.step()`` (a hook, a subclass's step) copies the noisy gradient, then the
+    call is interrupted. The update is released: the step and the accountant count it, and the generator is left
+    past its noise, so that the retry on the same batch shows other noise (drawn again, the two copies would
+    differ by nothing, and two batches' copies by their noiseless difference). The parameters go back to before
+    the call, and the training goes on from there."""
+    from torch.optim import optimizer as optim_module
+
+    x, y = _data(16)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    gen = torch.Generator().manual_seed(5)
+    seen, fail = [], [True]
+
+    def look(*_):
+        seen.append(model.weight.grad.clone())
+        if fail[0]:
+            fail[0] = False
+            raise KeyboardInterrupt
+
+    kind = _ExportingSGD if where == "a subclass's step" else torch.optim.SGD
+    private = make_private(model, kind(model.parameters(), lr=0.1), DataLoader(TensorDataset(x, y), batch_size=8),
+                           lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, max_grad_norm=1.0,
+                           backend="eager", generator=gen, poisson_sampling=False)
+    optimizer, handle = private.dp_step.optimizer, None
+    if where == "a subclass's step":
+        _ExportingSGD.look = staticmethod(look)
+    elif where.startswith("global"):
+        register = (optim_module.register_optimizer_step_post_hook if "post" in where
+                    else optim_module.register_optimizer_step_pre_hook)
+        handle = register(look)
+    else:
+        handle = (optimizer.register_step_post_hook if "post" in where else optimizer.register_step_pre_hook)(look)
+    try:
+        before = _snapshot(model, gen)
+        with pytest.raises(KeyboardInterrupt):
+            private.step(x[:8], y[:8])
+        assert private.dp_step.steps_taken == 1 and private.accountant.steps == 1
+        params, state = before
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
+        assert not torch.equal(gen.get_state(), state)  # left past the released noise
+        private.step(x[:8], y[:8])
+        assert len(seen) == 2 and not torch.allclose(seen[0], seen[1])
+        assert private.dp_step.steps_taken == 2 and private.accountant.steps == 2
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def test_a_torch_optimizer_without_hooks_is_rolled_back_whole(monkeypatch):
+    """The same interrupt after torch's own SGD has updated the parameters, with no code of the user's in its step:
+    nothing was seen, so nothing is counted and the generator is set back."""
+    x, y = _data(16)
+    gen = torch.Generator().manual_seed(5)
+    model, step = _stepper(gen, optimizer=functools.partial(torch.optim.SGD, momentum=0.9))
+    before = _state(model, step, gen)
+    _fail_after_update(monkeypatch, paths, "eager_update")
+    with pytest.raises(_Failing):
+        step(x[:8], y[:8])
+    assert _same_state(before, _state(model, step, gen))
+
+
+def _sgd_step(model, generator, lr=0.1):
+    return compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=lr),
+                        max_grad_norm=1.0, noise_multiplier=1.0, backend="eager", generator=generator)
+
+
+@pytest.mark.parametrize("shared", ["a generator given to both", "torch's global generator"])
+@pytest.mark.parametrize("when", ["after its own draw", "inside its own draw"])
+def test_a_failed_step_does_not_rewind_a_generator_another_step_drew_released_noise_from(monkeypatch, shared, when):
+    """Step A fails after step B has drawn its noise from the same generator and released its update (another
+    thread's step; here B runs from inside A's noise draw). Setting the generator back to before A's call would
+    give B's noise again to B's next update, and the two would differ by their noiseless sums. A leaves the
+    generator where B left it (its own unreleased draw is skipped); A itself is rolled back and counts nothing.
+    Inside A's draw, B's draw is not seen in the generator's state (A notes it after its own draw), only in the
+    count of draws every step keeps."""
+    torch.manual_seed(0)
+    x, y = _data(16)
+    gen = torch.Generator().manual_seed(5) if shared == "a generator given to both" else None
+    shared_generator = gen if gen is not None else torch.default_generator
+    model_a, model_b = nn.Linear(4, 3), nn.Linear(4, 3)
+    step_a, step_b = _sgd_step(model_a, gen), _sgd_step(model_b, gen, lr=0.0)  # B's weights stay: same sums
+    step_a(x[:8], y[:8])
+    step_b(x[8:], y[8:])
+    released, after_b = [], []
+    real_draw = step_a.noise.draw_many
+
+    def draw_with_b_in_between(*args):
+        if when == "inside its own draw":
+            step_b(x[8:], y[8:])
+            released.append(model_b.weight.grad.clone())
+            after_b.append(None)  # A's own draw follows: the generator moves on from B's state
+        real_draw(*args)
+        if when == "after its own draw":
+            step_b(x[8:], y[8:])
+            released.append(model_b.weight.grad.clone())
+            after_b.append(shared_generator.get_state())
+        raise _Failing("A fails after B's released draw")
+
+    monkeypatch.setattr(step_a.noise, "draw_many", draw_with_b_in_between)
+    weights_a = [p.detach().clone() for p in model_a.parameters()]
+    with pytest.raises(_Failing):
+        step_a(x[:8], y[:8])
+    monkeypatch.undo()
+    assert step_a.steps_taken == 1 and all(torch.equal(p, q) for p, q in zip(model_a.parameters(), weights_a,
+                                                                           strict=True))
+    if after_b[0] is not None:
+        assert torch.equal(shared_generator.get_state(), after_b[0])
+    step_b(x[8:], y[8:])
+    assert not torch.allclose(model_b.weight.grad, released[0])  # other noise on the same clipped sum
+
+
+def test_a_failed_step_does_not_rewind_a_draw_made_between_its_own(monkeypatch):
+    """Code other than a DP step draws from the step's generator between the step's snapshot and its own draws
+    (another thread's ``torch.randn(..., generator=g)``): the failed step does not set the generator back past
+    that draw. Alone, the same failure sets it back (``test_a_step_failing_after_its_update...``)."""
+    torch.manual_seed(0)
+    x, y = _data(16)
+    gen = torch.Generator().manual_seed(5)
+    model = nn.Linear(4, 3)
+    step = _sgd_step(model, gen)
+    step(x[:8], y[:8])
+    real_install, drawn = step.binding.install, []
+
+    def install_after_a_draw():
+        torch.randn(3, generator=gen)
+        drawn.append(gen.get_state())
+        real_install()
+
+    monkeypatch.setattr(step.binding, "install", install_after_a_draw)
+    _fail_after_update(monkeypatch, CompiledGraph, "run")
+    before = gen.get_state()
+    with pytest.raises(_Failing):
+        step(x[8:], y[8:])
+    assert step.steps_taken == 1 and drawn
+    assert not torch.equal(gen.get_state(), before) and not torch.equal(gen.get_state(), drawn[0])

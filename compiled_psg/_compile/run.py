@@ -11,6 +11,7 @@ they are copied into the user's tensors (the real argument, parameter or buffer,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from .._capture import patches, torch_caches
 from .._capture.corrected_decompositions import FAILED_CHECK
 from .._capture.dynamo import CAPTURE_LOCK
 from .._errors import BatchInputError, CompileError, InternalError, PerSampleError
+from .._generators import Rewind
 from .._heap import opted_in_by_environment, retain_freed_memory
 from .._reduce.reductions import holds_low_precision
 from .._rewrite.rules.conv import calls_batch_as_groups
@@ -273,6 +275,16 @@ def _run_failure(rw: Rewritten, inputs: list, e: Exception) -> BatchInputError:
     message names its generated C++ line; the op's own eager message is the one shown, without its numbers: the
     failure is about the batch's values, which it may name, ``batch_values``)."""
     found = _failing_node(rw, inputs)
+    random = _random_nodes(rw.captured.joint.graph)
+    if found is None and random:
+        node = random[0]
+        return BatchInputError(
+            f"running the rewritten per-sample graph on this batch failed ({type(e).__name__}: {_torch_text(e)}). "
+            f"The loss draws random numbers ({node.target} at {source_line(node)}), and a run of the loss again on "
+            "the same batch, to find the op that fails, drew other numbers and did not fail: the failure depends on "
+            "the draws (a dropout mask that leaves nothing, a sample drawn out of range). Fix: call the loss "
+            "eagerly on the batch to see the op that fails, or check it with the random op switched off "
+            "(model.eval() for dropout)")
     if found is None:
         return BatchInputError(
             f"running the rewritten per-sample graph on this batch failed ({type(e).__name__}: {_torch_text(e)}). "
@@ -318,22 +330,42 @@ class _NodeTracker(torch.fx.Interpreter):
         return super().run_node(n)
 
 
+def _random_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())]
+
+
+def _generators_of(graph: torch.fx.Graph, inputs: list) -> list[torch.Generator]:
+    """The generators a run of ``graph``'s random ops draws from: torch's global ones (CPU, and the CUDA devices
+    of ``inputs``) and any generator a node is given."""
+    generators = [torch.default_generator]
+    for index in sorted({t.device.index or 0 for t in inputs if isinstance(t, torch.Tensor)
+                         and t.device.type == "cuda"}):
+        generators.append(torch.cuda.default_generators[index])
+    for node in graph.nodes:
+        generators += [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.Generator)]
+    return generators
+
+
 def _failing_node(rw: Rewritten, inputs: list) -> tuple[torch.fx.Node, Exception, Callable] | None:
     """The node of the captured joint graph that raises on ``inputs``, what it raises, and the values the run
     computed (an argument of the node -> its value; the graph writes nothing: its updates are outputs); None where
-    a random op would draw again (and advance the generator) or nothing raises."""
+    nothing raises. The run's random ops (dropout) draw other numbers than the failed run's, from generators that
+    are set back afterwards where nothing else drew from them meanwhile (``_generators.Rewind``; otherwise left
+    advanced by draws no one sees): the user's generators are as the failed run left them."""
     joint = rw.captured.joint
-    if any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in joint.graph.nodes):
-        return None
+    rewind = Rewind(_generators_of(joint.graph, inputs)) if _random_nodes(joint.graph) else None
     tracker = _NodeTracker(joint)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.nullcontext() if rewind is None else rewind.drawing():
             tracker.run(*inputs[:len(rw.captured.roles)])
     except Exception as raised:  # noqa: BLE001 - any op's failure is the one to name
         node = tracker.current
         if node is None or node.op != "call_function":
             return None
         return node, raised, lambda arg: tracker.env.get(arg) if isinstance(arg, torch.fx.Node) else arg
+    finally:
+        if rewind is not None:
+            rewind.restore()
     return None
 
 

@@ -8,10 +8,12 @@ the others in the same collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+from collections.abc import Callable, Iterator
 
 import torch
 
+from .._generators import noise_draw
 from . import distributed as dist_utils
 from . import native_noise
 from .binding import OptimizerBinding
@@ -29,12 +31,26 @@ class NoiseSource:
         if native_likely and (generator is None or generator.device.type == "cpu"):
             native_noise.prepare()  # built while the program is captured and compiled, not at the first draw
         self._buffer: dict = {}  # the last large draw's flat buffer, filled again by the next (``gaussian_many``)
+        # draws from each generator (by id), counted where every DP step's draws are (``_generators.noise_draw``):
+        # a failed step sets a generator back only where no other step drew from it meanwhile
+        self.drawn: collections.Counter = collections.Counter()
+
+    def generators(self, likes: list[torch.Tensor]) -> list[torch.Generator]:
+        """The generators a draw for ``likes`` advances: ``generator``, or torch's global ones of the devices
+        (none with ``secure``: ``os.urandom``)."""
+        if self.secure:
+            return []
+        if self.generator is not None:
+            return [self.generator]
+        devices = sorted({t.device.index or 0 for t in likes if t.device.type == "cuda"})
+        return [torch.default_generator, *(torch.cuda.default_generators[i] for i in devices)]
 
     def draw_many(self, config: DPConfig, likes: list[torch.Tensor]) -> list[torch.Tensor]:
         """Noise for every tensor of ``likes`` at once (one parallel draw on CPU: ``dp.gaussian_many``). The
         tensors are views of one buffer that the next call fills again: read them before drawing more."""
-        return gaussian_many(likes, config.noise_std, secure=self.secure, generator=self.generator,
-                             reuse=self._buffer)
+        with noise_draw(self.generators(likes), self.drawn):
+            return gaussian_many(likes, config.noise_std, secure=self.secure, generator=self.generator,
+                                 reuse=self._buffer)
 
     def wipe(self) -> None:
         """Zero the kept buffer once its noise is spent: it would give back the un-noised sum (``.grad`` minus the
@@ -45,19 +61,32 @@ class NoiseSource:
 
     def stream(self, config: DPConfig, likes: list[torch.Tensor]) -> Iterator[torch.Tensor]:
         """The numbers ``draw_many`` would give, one tensor at a time in order (``dp.gaussian_stream``)."""
-        return gaussian_stream(likes, config.noise_std, secure=self.secure, generator=self.generator)
+        generators = self.generators(likes)
+        with noise_draw(generators, self.drawn):  # the native stream's key is drawn now
+            draws = gaussian_stream(likes, config.noise_std, secure=self.secure, generator=self.generator)
+        return self._counted(draws, generators)
+
+    def _counted(self, draws: Iterator[torch.Tensor], generators: list[torch.Generator]) -> Iterator[torch.Tensor]:
+        while True:
+            with noise_draw(generators, self.drawn):  # torch's generators draw as each tensor is taken
+                value = next(draws, None)
+            if value is None:
+                return
+            yield value
 
     def draw_scalar(self, std: float) -> float:
         """One N(0, std^2) number (adaptive clipping's count noise), from the same source, in float64."""
         like = torch.zeros((), dtype=torch.float64,
                            device="cpu" if self.generator is None else self.generator.device)
-        return float(gaussian_like(like, std, secure=self.secure, generator=self.generator))
+        with noise_draw(self.generators([like]), self.drawn):
+            return float(gaussian_like(like, std, secure=self.secure, generator=self.generator))
 
 
 def eager_update(config: DPConfig, grads: list[torch.Tensor], batch_size: int, binding: OptimizerBinding,
-                 noise: NoiseSource, distributed: bool) -> int:
+                 noise: NoiseSource, distributed: bool, before_step: Callable[[], None] | None = None) -> int:
     """Add the noise (rank 0), all-reduce, scale into ``p.grad`` and step the optimizer; returns the global
-    batch size."""
+    batch size. ``before_step`` is called just before ``optimizer.step()``, the first code that may show the
+    noisy gradient to the user's (``transaction.Snapshot.before_optimizer_step``)."""
     if config.noise_std > 0 and dist_utils.rank() == 0:
         grads = [g + n for g, n in zip(grads, noise.draw_many(config, grads), strict=True)]
     if distributed:
@@ -69,5 +98,7 @@ def eager_update(config: DPConfig, grads: list[torch.Tensor], batch_size: int, b
     with torch.no_grad():
         for buffer, g in zip(binding.dot_grads, grads, strict=True):
             buffer.copy_(g * scale)
+        if before_step is not None:
+            before_step()
         binding.optimizer.step()
     return batch_size

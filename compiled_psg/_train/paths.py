@@ -30,6 +30,12 @@ from .inputs import InputKind, StepInputs
 from .results import add_into, combine_losses, split_result
 
 
+def drawing(step) -> contextlib.AbstractContextManager:
+    """Around a part of the step that draws from a generator (the model's dropout, the noise): a failed step sets
+    a generator back only where nothing else drew from it between these parts (``transaction.Snapshot``)."""
+    return contextlib.nullcontext() if step.snapshot is None else step.snapshot.drawing()
+
+
 def run_per_sample(inputs: StepInputs, entry: CompiledGraph, config: DPConfig, params: dict, args: tuple,
                    size: int):
     """``(loss, per-sample losses, result)`` of the per-sample graph, fed its run-time inputs."""
@@ -88,7 +94,7 @@ def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry, b
     for c in pieces:
         if buffers is not None:
             buffers.before_piece()
-        with _positions_from(offset, real_size(c), total):
+        with _positions_from(offset, real_size(c), total), drawing(step):
             loss, per_sample, result = run_per_sample(step.inputs, runner(c.entry), config, c.params, c.args,
                                                       c.batch_size)
         offset += real_size(c)
@@ -108,12 +114,14 @@ def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph],
     losses, norms, partial = _sums_of(step, config, head, buffers=buffers, total=batch_size)
     buffers.before_piece()
     step.binding.install()
-    extra = step.inputs.for_program(config, program.inputs, batch_size, partial=partial)
-    step.released_config = config
-    with _positions_from(batch_size - real_size(last), real_size(last), batch_size):
-        outputs = dict(zip(program.outputs, compiled.run(last.params, last.args, last.batch_size, extra),
-                           strict=True))
-    # the update, written into the user's tensors only now that the program has run whole (``fuse.commit``)
+    with drawing(step):
+        extra = step.inputs.for_program(config, program.inputs, batch_size, partial=partial)
+        step.released_config = config
+        with _positions_from(batch_size - real_size(last), real_size(last), batch_size):
+            outputs = dict(zip(program.outputs, compiled.run(last.params, last.args, last.batch_size, extra),
+                               strict=True))
+    # the update, written into the user's tensors only now that the program has run whole (``fuse.commit``): no
+    # code of the user's runs between the program and the commit
     commit([_target(step, last.params, kind, key) for kind, key in program.commits],
            [outputs[f"commit_{k}"] for k in range(len(program.commits))], step.snapshot)
     count = outputs.get("global_count")
@@ -137,7 +145,10 @@ def eager_update_of(step, config: DPConfig, grads: list[torch.Tensor], batch_siz
     if step.snapshot is not None:  # the update in Python writes parameters and state one by one
         step.snapshot.cover_update(step.binding)
     step.released_config = config
-    step.last_batch_size = eager_update(config, grads, batch_size, step.binding, step.noise, step.distributed)
+    before_step = None if step.snapshot is None else step.snapshot.before_optimizer_step
+    with drawing(step):
+        step.last_batch_size = eager_update(config, grads, batch_size, step.binding, step.noise, step.distributed,
+                                            before_step)
     step.state_ready = True
 
 

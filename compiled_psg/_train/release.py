@@ -5,12 +5,16 @@ A loss may update tensors in place (``Captured.mutated``): a buffer that tracks 
 the rows a batch looked up. The runner writes those values into the model on every step (``_compile/run.py``), and
 they leave with it, outside the DP mechanism: a statistic of the data, or which rows the batch used. A DP step
 refuses a write to a parameter or buffer whose new value depends on a batched argument, before it runs (the
-capture's mutation graph, followed back from the written value to the inputs it reads). ``public_buffers`` names
-the buffers the user declares public: their writes are released as they are, by the user's choice.
+capture's mutation graph, followed back from the written value to the inputs it reads), and so a write to a
+tensor outside the model (a global, a tensor the loss closes over) or to an argument not sliced per sample
+(``in_dims`` None: the caller keeps it, and one value for the whole batch is a statistic of it). A batched argument
+is the batch itself: writing it releases nothing the caller does not hold. ``public_buffers`` names the buffers
+the user declares public: their writes are released as they are, by the user's choice.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -24,8 +28,9 @@ from .._errors import DPConfigError
 
 
 def batch_dependent_writes(captured: Captured) -> list[tuple[int, fx.Node]]:
-    """``(placeholder index, written value)`` of each in-place write to a parameter or buffer whose new value
-    depends on a batched argument; found once per capture (a step asks before every run)."""
+    """``(placeholder index, written value)`` of each in-place write to a parameter, a buffer, a tensor outside
+    the model or an unbatched argument whose new value depends on a batched argument; found once per capture (a
+    step asks before every run)."""
     if captured.batch_dependent_writes is None:
         captured.batch_dependent_writes = _find_batch_dependent_writes(captured)
     return captured.batch_dependent_writes
@@ -40,7 +45,9 @@ def _find_batch_dependent_writes(captured: Captured) -> list[tuple[int, fx.Node]
     values = graph.output_node().args[0]
     found = []
     for index, value in zip(captured.mutated, values, strict=True):
-        if captured.roles[index].kind not in ("param", "const") or not isinstance(value, fx.Node):
+        role = captured.roles[index]
+        if not isinstance(value, fx.Node) or not (role.kind in ("param", "const")
+                                                  or (role.kind == "arg" and not role.batched)):
             continue
         if _reads_any(value, batched):
             found.append((index, value))
@@ -69,10 +76,11 @@ def _reads_any(node: fx.Node, sources: set[fx.Node]) -> bool:
     return False
 
 
-def refuse_private_writes(captured: Captured, model: nn.Module, public_buffers: Iterable[str]) -> None:
-    """Raise ``DPConfigError`` naming each parameter or buffer (not in ``public_buffers``) and each tensor outside
-    the model (a global, a tensor the loss closes over) that the loss writes from the batch, the line that writes
-    it and the fixes that apply to it."""
+def refuse_private_writes(captured: Captured, model: nn.Module, public_buffers: Iterable[str],
+                          loss_fn: object = None) -> None:
+    """Raise ``DPConfigError`` naming each parameter or buffer (not in ``public_buffers``), each tensor outside
+    the model (a global, a tensor the loss closes over) and each unbatched argument of ``loss_fn`` that the loss
+    writes from the batch, the line that writes it and the fixes that apply to it."""
     writes = batch_dependent_writes(captured)
     if not writes:
         return
@@ -86,7 +94,10 @@ def refuse_private_writes(captured: Captured, model: nn.Module, public_buffers: 
         if name in public:
             continue
         where = _writer_line(value)
-        if name is None:
+        if role.kind == "arg":
+            outside.append(f"{_argument(loss_fn, role.key)}, which in_dims does not slice per sample (None), "
+                           f"written at {where}")
+        elif name is None:
             what = captured.tensor_names.get(index, "a tensor outside the model")
             outside.append(f"{what}, written at {where}")
         else:
@@ -102,12 +113,24 @@ def refuse_private_writes(captured: Captured, model: nn.Module, public_buffers: 
                      "public_buffers=[...]). Embedding(max_norm=...) renorms the rows the batch looked up: use "
                      "max_norm=None in DP training")
     if outside:
-        fixes.append("for a tensor outside the model, remove the write from the loss, or compute that value "
-                     "outside the DP step from public data (public_buffers takes the model's buffers only)")
+        fixes.append("for a tensor outside the model or an argument of the loss, remove the write from the loss, or "
+                     "compute that value outside the DP step from public data (public_buffers takes the model's "
+                     "buffers only)")
     raise DPConfigError(
         f"the loss writes values computed from the batch into {into}, which a DP step would release un-noised "
         "(they keep the values after the step): " + "; ".join(in_model + outside) + ". No step was taken. Fix: "
         + "; ".join(fixes))
+
+
+def _argument(loss_fn: object, position: int) -> str:
+    """``argument 2 (stats) of the loss``: the position, and the name where the loss's signature gives one."""
+    try:
+        names = [p.name for p in inspect.signature(loss_fn).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):  # no signature (a builtin, None): the position alone
+        names = []
+    named = f" ({names[position]})" if position < len(names) else ""
+    return f"argument {position}{named} of the loss"
 
 
 def _writer_line(value: fx.Node) -> str:

@@ -56,7 +56,7 @@ import torch.nn as nn
 from .._errors import DPConfigError, UnsupportedError
 from .checkpoint import check_state_kind
 from .config import DPConfig
-from .paths import run_per_sample
+from .paths import drawing, run_per_sample
 from .results import combine_losses, micro_batches, split_result
 from .step import DPStep
 
@@ -314,13 +314,16 @@ class ShardedStep(DPStep):
         losses, norms, sizes, total = [], [], [], None
         with unsharded(self._fsdp_modules):
             if batch_size == 0:  # this rank drew no sample: zeros, and it still joins the collective
-                loss, _, result = f.with_losses(*batch)
+                with drawing(self):
+                    loss, _, result = f.with_losses(*batch)
                 sums, norm = split_result(result, self.binding.names, self.binding.params)
                 total, losses, norms, sizes = _accumulate(None, sums, self.binding.names), [loss], [norm], [0]
             else:
                 for piece in micro_batches(batch, f.in_dims, batch_size, self._max_physical_batch_size):
                     c = self.prepare_batch(f, piece)
-                    loss, _, result = run_per_sample(self.inputs, c.entry, config, c.params, c.args, c.batch_size)
+                    with drawing(self):
+                        loss, _, result = run_per_sample(self.inputs, c.entry, config, c.params, c.args,
+                                                         c.batch_size)
                     sums, norm = split_result(result, self.binding.names, self.binding.params)
                     total = _accumulate(total, sums, self.binding.names)
                     losses.append(loss)
@@ -328,7 +331,8 @@ class ShardedStep(DPStep):
                     sizes.append(c.batch_size)
         sums = result = None  # the last micro-batch's sums: total holds them (the reduce-scatter frees it)
         self.last_norms = None if norms[0] is None else torch.cat(norms)
-        self.last_batch_size = self._sharded_update(config, total, batch_size)
+        with drawing(self):
+            self.last_batch_size = self._sharded_update(config, total, batch_size)
         self.state_ready = True
         return combine_losses(losses, sizes, config.loss_reduction)
 
@@ -350,6 +354,8 @@ class ShardedStep(DPStep):
         with torch.no_grad():
             for buffer, shard in zip(self.binding.dot_grads, shards, strict=True):
                 buffer.to_local().copy_(shard * scale)
+            if self.snapshot is not None:  # the user's code in the optimizer's step would see the noisy update
+                self.snapshot.before_optimizer_step()
             self.optimizer.step()
         return global_size
 

@@ -53,7 +53,7 @@ from .eager import NoiseSource
 from .fuse import StepProgram
 from .hooks import refuse_gradient_hooks
 from .inputs import StepInputs
-from .paths import eager_path, eager_update_of, fused_path
+from .paths import drawing, eager_path, eager_update_of, fused_path
 from .programs import ProgramCache
 from .reduction import dp_clip_for, resolve_reduction
 from .release import refuse_private_writes
@@ -222,7 +222,7 @@ class DPStep(StepSettings):
         not in ``public_buffers`` from the batch: the model would carry it out of the step un-noised
         (``release.py``). Before anything runs."""
         call = f.prepare_call(*batch)
-        refuse_private_writes(call.entry.rewritten.captured, self.model, self.public_buffers)
+        refuse_private_writes(call.entry.rewritten.captured, self.model, self.public_buffers, f.fn)
         return call
 
     @property
@@ -343,8 +343,14 @@ class DPStep(StepSettings):
                 snapshot.restorable = False
             self._count_release(config, counted)  # the update is applied: counted before anything else can fail
         except BaseException:
-            if snapshot is not None and snapshot.restorable and not counted:  # nothing released or counted
-                snapshot.restore_step(self)
+            if snapshot is not None and snapshot.restorable and not counted:
+                if snapshot.released:  # the user's code could see the noisy update: counted, its noise kept spent
+                    try:
+                        self._count_release(self.released_config, counted)
+                    finally:
+                        snapshot.restore_step(self)  # the training goes on from before the call
+                else:  # nothing released or counted
+                    snapshot.restore_step(self)
             elif self.released_config is not None:  # the noise may have reached the parameters: counted (the
                 self._count_release(self.released_config, counted)  # records not made yet, once each)
             raise
@@ -396,7 +402,8 @@ class DPStep(StepSettings):
         f = self._per_sample_for(config)
         _, batch_size = batch_dims_of(batch, f.in_dims)
         if batch_size == 0:  # a step of noise alone (Poisson sampling draws empty batches)
-            loss, _, result = f.with_losses(*batch)
+            with drawing(self):
+                loss, _, result = f.with_losses(*batch)
             sums, self.last_norms = split_result(result, self.binding.names, self.binding.params)
             eager_update_of(self, config, [sums[n] for n in self.binding.names], 0)
             return loss
@@ -475,4 +482,32 @@ def _public_buffers(model: nn.Module, names: Sequence[str]) -> frozenset[str]:
     unknown = sorted(set(names) - known)
     if unknown:
         raise DPConfigError(f"public_buffers names no buffer of the model: {unknown} (its buffers: {sorted(known)})")
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for name in sorted(set(names)):
+        shared = _parameter_sharing_memory(model, buffers[name])
+        if shared is not None:
+            attribute = name.rsplit(".", 1)[-1]
+            raise DPConfigError(
+                f"public_buffers names buffer {name!r}, which shares its memory with parameter {shared!r} "
+                f"(registered from it, as register_buffer({attribute!r}, param.data) does): a write to the buffer "
+                "is a write to the trained parameter, which public_buffers cannot make public. Fix: register a "
+                f"copy, register_buffer({attribute!r}, param.detach().clone()), or leave {name!r} out of "
+                "public_buffers")
     return frozenset(names)
+
+
+def _parameter_sharing_memory(model: nn.Module, buffer: torch.Tensor) -> str | None:
+    """The name of a parameter whose storage is ``buffer``'s, if any."""
+    try:
+        pointer = buffer.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a sharded DTensor, meta)
+        return None
+    if pointer == 0:
+        return None
+    for name, p in model.named_parameters(remove_duplicate=False):
+        try:
+            if p.untyped_storage().data_ptr() == pointer:
+                return name
+        except (RuntimeError, NotImplementedError):
+            continue
+    return None

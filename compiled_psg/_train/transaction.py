@@ -21,6 +21,19 @@ the first step, an interrupt), ``Snapshot.restore`` writes back what it holds, i
 program holds the very tensors, and drops optimizer state the step created. The step counts nothing: the
 accountant records only the noise of completed steps, which is the noise that reached the parameters.
 
+Two exceptions keep a failed step's noise from being drawn again:
+
+- An eager update whose ``optimizer.step()`` runs code of the user's (step hooks, the optimizer's or torch's
+  global ones; a ``step`` that is not torch's own: a subclass's, another library's) shows the noisy gradient and
+  the updated parameters to that code. From just before that call (``before_optimizer_step``) the step is
+  released: a failure still restores the parameters, ``.grad``, the optimizer's state and the buffers (the
+  training goes on from before the call), but the step is counted and no generator is set back. The fused program
+  runs no code of the user's: its update reaches the user only through the commit.
+- A generator is set back only where nothing else drew from it since the step's own draws: another step's draw of
+  released noise from a shared generator (torch's global one, in another thread; a user's generator given to two
+  steps) is never rewound (``_generators.Rewind``). The step's own draws are then skipped; they were never
+  released.
+
 ``transactional=False`` skips the copies: a step that fails after its noise was drawn is then counted (the noise
 may have reached some parameters) and leaves the parameters as the failure left them. Noise from
 ``secure_rng=True`` (``os.urandom``) is not restored: a failed step's draw was never released, and the next
@@ -30,22 +43,35 @@ leaves the others to time out in their collective.
 
 from __future__ import annotations
 
+import collections
 import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from .._generators import Rewind
 
-def _generator_states(generator: torch.Generator | None, params: list[torch.Tensor]) -> list[tuple]:
-    """``(generator, state)`` for every generator the step may advance: its noise's, and torch's global ones,
-    which the model's own random ops (dropout) draw from whatever ``generator`` is."""
-    states: list[tuple] = [] if generator is None else [(generator, generator.get_state())]
-    states.append((torch.default_generator, torch.default_generator.get_state()))
+
+def _generators(generator: torch.Generator | None, params: list[torch.Tensor]) -> list[torch.Generator]:
+    """Every generator the step may advance: its noise's, and torch's global ones, which the model's own random
+    ops (dropout) draw from whatever ``generator`` is."""
+    generators = [] if generator is None else [generator]
+    generators.append(torch.default_generator)
     for index in sorted({p.device.index or 0 for p in params if p.device.type == "cuda"}):
-        cuda = torch.cuda.default_generators[index]
-        states.append((cuda, cuda.get_state()))
-    return states
+        generators.append(torch.cuda.default_generators[index])
+    return generators
+
+
+def runs_user_code(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` may run code of the user's, which could read the noisy ``.grad`` or the
+    updated parameters: step hooks (the optimizer's or torch's global ones), a ``step`` set on the instance, or a
+    ``step`` that is not torch's own (a subclass's, another library's)."""
+    from .update_graph import has_step_hooks, raw_step
+
+    if has_step_hooks(optimizer) or "step" in vars(optimizer):
+        return True
+    return not getattr(raw_step(optimizer), "__module__", "").startswith("torch.")
 
 
 def _copied(value):
@@ -59,7 +85,7 @@ def _copied(value):
 class Snapshot:
     buffers: list[tuple[torch.Tensor, torch.Tensor]]  # (live, copy)
     optimizer: torch.optim.Optimizer
-    generators: list[tuple]
+    generators: Rewind
     had_state: frozenset[int]  # ids of the parameters that had optimizer state: a failed step drops the others'
     params: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (live, copy), from ``cover_update``
     # from ``cover_update``: which tensor each parameter's .grad was, and a copy of every gradient buffer (theirs
@@ -71,16 +97,30 @@ class Snapshot:
     step_fields: tuple = ()  # the step's own fields a failed step must not change (``of_step``)
     # False from the fused program's commit on: the update may be in the parameters, with no copy to undo it
     restorable: bool = True
+    # True from the moment code of the user's may see the noisy gradient or the update (``before_optimizer_step``):
+    # the step is released, counted even if it fails, and its generators are not set back
+    released: bool = False
 
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
-             generator: torch.Generator | None) -> Snapshot:
+             generator: torch.Generator | None, drawn: collections.Counter | None = None) -> Snapshot:
         """What a step may change before its update: buffers, generators and which tensor each ``.grad`` is (the
-        fused path installs the step's gradient buffers before its program; ``cover_update`` adds the rest)."""
+        fused path installs the step's gradient buffers before its program; ``cover_update`` adds the rest).
+        ``drawn``: the tally of the step's own noise draws (``NoiseSource.drawn``)."""
         with torch.no_grad():
             buffers = [(b, b.clone()) for b in model.buffers()]
-        return cls(buffers, optimizer, _generator_states(generator, params),
+        return cls(buffers, optimizer, Rewind(_generators(generator, params), drawn),
                    frozenset(id(p) for p in optimizer.state), grads=[(p, p.grad) for p in params])
+
+    def drawing(self):
+        """Around each part of the step that draws from a generator (``_generators.Rewind.drawing``)."""
+        return self.generators.drawing()
+
+    def before_optimizer_step(self) -> None:
+        """Just before ``optimizer.step()`` of an update in Python: where it runs code of the user's
+        (``runs_user_code``), the step is released from here on."""
+        if runs_user_code(self.optimizer):
+            self.released = True
 
     def cover_update(self, binding) -> None:
         """Copy the trained parameters, their ``.grad``, the step's own ``.grad`` buffers (``binding.dot_grads``,
@@ -106,18 +146,19 @@ class Snapshot:
         """What a failed call of a ``DPStep`` must restore; None where the step is not transactional."""
         if not step.transactional:
             return None
-        snapshot = cls.take(step.model, step.optimizer, step.binding.params, step.noise.generator)
+        snapshot = cls.take(step.model, step.optimizer, step.binding.params, step.noise.generator, step.noise.drawn)
         snapshot.step_fields = (step.state_ready, step.last_batch_size, step.last_norms)
         return snapshot
 
     def restore_step(self, step) -> None:
-        """``restore``, and the step's own fields; nothing of the failed call is released."""
+        """``restore``, and the step's own fields."""
         self.restore()
         step.state_ready, step.last_batch_size, step.last_norms = self.step_fields
         step.released_config = None
 
     def restore(self) -> None:
-        """Everything as ``take`` (and ``cover_update``) found it, in place."""
+        """Everything as ``take`` (and ``cover_update``) found it, in place; the generators where nothing else drew
+        from them since (``_generators.Rewind``), and not once the step is ``released``."""
         with torch.no_grad():
             for live, copy in self.buffers + (self.params or []) + (self.grad_values or []):
                 live.copy_(copy)
@@ -130,8 +171,8 @@ class Snapshot:
                 _put_back(self.optimizer.state[p], saved)
             for group, saved in zip(self.optimizer.param_groups, self.param_groups or [], strict=False):
                 _put_back(group, saved, keep=("params",))
-        for generator, state in self.generators:
-            generator.set_state(state)
+        if not self.released:
+            self.generators.restore()
 
 
 def _put_back(live: dict, saved: dict, keep: tuple = ()) -> None:
