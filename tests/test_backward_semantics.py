@@ -105,6 +105,39 @@ def test_parameter_hook_refused():
     torch.testing.assert_close(got["0.weight"], ref["0.weight"])
 
 
+def _zero_gradient(g):  # <param-hook>
+    return g * 0
+
+
+def _count_call(p):  # <post-hook>
+    return None
+
+
+@pytest.mark.parametrize("register", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_hook_registered_on_a_parameter_inside_the_loss_is_refused(register):
+    """Dynamo keeps a hook registered inside the loss on a tensor from outside it (a parameter) as a side effect to
+    replay after the frame, not as a graph node, and the capture replays none: the hook never ran, and a hook
+    that zeroes layer 0's gradient left it training (round K). Refused by name, with the hook's line, for
+    ``per_sample`` and for a DP step, which changes nothing."""
+    m, x, y = _setup()
+    hook = _zero_gradient if register == "register_hook" else _count_call
+
+    def loss(x, y):
+        getattr(m[0].weight, register)(hook)
+        return F.cross_entropy(m(x), y)
+
+    marker = "param-hook" if register == "register_hook" else "post-hook"
+    expected = rf"{register} on (m\.)?0\.weight inside the loss .*test_backward_semantics\.py:{_line(marker)}.*Fix:"
+    with pytest.raises(psg.UnsupportedError, match=expected):
+        psg.per_sample(m, backend="eager")(loss)(x, y)
+    before = [p.detach().clone() for p in m.parameters()]
+    step = psg.compile_step(loss, m, torch.optim.SGD(m.parameters(), lr=1.0), max_grad_norm=10.0, backend="eager")
+    with pytest.raises(psg.UnsupportedError, match=expected):
+        step(x, y)
+    assert step.steps_taken == 0 and all(torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))
+    assert not m[0].weight._backward_hooks and not getattr(m[0].weight, "_post_accumulate_grad_hooks", None)
+
+
 def test_in_place_detach_is_exact():
     def loss(x, y):
         h = torch.tanh(M[0](x))

@@ -4,6 +4,8 @@ Ghost norms sum t^2 signed terms; a sample whose tokens contribute large, nearly
 them, and in the input's precision the norm came out 0, negative or NaN, which let that sample's whole gradient
 into the clipped sum (found by an adversarial review: an update of norm 5321 for a bound B*C = 4)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -164,3 +166,33 @@ def test_a_saturated_layer_after_a_huge_input_keeps_its_sample_in_the_clipped_su
     got = psg.per_sample(model, reduce=psg.clip_sum(0.7), backend="eager")(loss)(x, y)
     for name, value in ref_clip_sum(ref, 0.7).items():
         torch.testing.assert_close(got[name], value, **tol)
+
+
+@pytest.mark.usefixtures("eager_first_step")
+@pytest.mark.parametrize("budget", [None, 0], ids=["fastest", "bounded"])
+def test_an_infinite_input_before_a_saturated_layer_drops_its_sample(budget):
+    """An input of inf before a saturated tanh: the loss is finite, and autograd's gradient of the first weight is
+    0 * inf = NaN (the loop's norm is NaN). The ghost norm's zero-factor rule, meant for finite factors whose
+    squares overflow (the test above), gave that sample a finite norm, and the book-keeping sum wrote NaN into the
+    update (round K). The sample is dropped: the step equals the step without it, and its norm is not finite."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    x[2, 0] = float("inf")
+    model0 = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    ref = reference_per_sample(lambda x, y: nn.functional.cross_entropy(model0(x), y),
+                               dict(model0.named_parameters()), (x[2:3], y[2:3]))
+    assert not torch.isfinite(ref["0.weight"]).all()
+    results = []
+    for keep in (list(range(6)), [0, 1, 3, 4, 5]):
+        model = copy.deepcopy(model0)
+        step = psg.compile_step(lambda x, y, m=model: nn.functional.cross_entropy(m(x), y), model,
+                                torch.optim.SGD(model.parameters(), lr=0.5), max_grad_norm=1.0, expected_batch_size=6,
+                                backend="eager", memory_budget=budget)
+        for _ in range(2):  # the eager first step and the fused program
+            step(x[keep], y[keep])
+        if len(keep) == 6:
+            assert not torch.isfinite(step.last_norms[2]) and torch.isfinite(step.last_norms[[0, 1, 3]]).all()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for got, want in zip(*results, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)

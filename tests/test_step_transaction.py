@@ -1003,6 +1003,51 @@ def test_a_step_whose_noisy_update_the_users_code_saw_is_counted_and_its_noise_n
             handle.remove()
 
 
+class _WatchedRate(float):
+    """A learning rate of the user's type: torch's SGD computes ``-lr`` for each parameter after updating the ones
+    before it, so ``__neg__`` runs the user's code between the parameters' updates (``watch``)."""
+
+    watch = None
+
+    def __neg__(self):
+        type(self).watch()
+        return float.__neg__(self)
+
+
+def test_a_setting_of_the_users_type_counts_as_the_users_code_in_the_step():
+    """Round K: ``lr=_WatchedRate(0.1)`` on a torch SGD with no hook copies the noisy weight already updated (the
+    bias's ``-lr`` runs after the weight's update) and raises. Taken for torch's own code, the step was rolled back
+    whole and its generator set back, and the retry on another batch drew the same noise, so the copy and the
+    released update differed by the noiseless difference of the two batches. The step is released: counted, and
+    its noise not drawn again. Also through an empty batch (Poisson's step of noise alone), always eager."""
+    x, y = _data(16)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    gen = torch.Generator().manual_seed(5)
+    seen, calls = [], [0]
+
+    def watch():
+        calls[0] += 1
+        seen.append(model.weight.detach().clone())
+        if calls[0] == 2:  # the bias's: the weight holds the noisy update
+            raise KeyboardInterrupt
+
+    _WatchedRate.watch = staticmethod(watch)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                        torch.optim.SGD(model.parameters(), lr=_WatchedRate(0.1), momentum=0.9), max_grad_norm=1.0,
+                        noise_multiplier=1.0, expected_batch_size=8, backend="eager", generator=gen)
+    for batch in ((x[:0], y[:0]), (x[:8], y[:8])):
+        calls[0] = 0
+        seen.clear()
+        steps, state = step.steps_taken, gen.get_state()
+        with pytest.raises(KeyboardInterrupt):
+            step(*batch)
+        assert step.steps_taken == steps + 1 and not torch.equal(gen.get_state(), state)
+        calls[0] = 10  # the retry raises nothing
+        step(*batch)
+        assert step.steps_taken == steps + 2
+
+
 def test_a_torch_optimizer_without_hooks_is_rolled_back_whole(monkeypatch):
     """The same interrupt after torch's own SGD has updated the parameters, with no code of the user's in its step:
     nothing was seen, so nothing is counted and the generator is set back."""

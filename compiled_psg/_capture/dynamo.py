@@ -300,7 +300,29 @@ def _backend(gm, example_inputs):
     _pending["backward_changes"] += _detach_values_from_no_grad(gm)
     _embedding_max_norm_per_row(gm)
     _pending["rebinds"] = _buffer_rebinds(gm)
+    _pending["backward_changes"] += _hooks_registered_on_inputs()
     return _aot_backend(gm, example_inputs)
+
+
+def _hooks_registered_on_inputs() -> list[str]:
+    """Hooks the loss registers on a tensor from outside it (``model.w.register_hook(f)`` inside the loss): Dynamo
+    keeps them as side effects to replay after the frame, not as graph nodes (a hook on a value the loss computes
+    is a ``register_hook`` node, refused by ``backward_semantics``). The capture replays no side effect, so the
+    hook would never run: the per-sample gradients would differ from eager autograd's wherever it changes them."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    sites = []
+    for tensor, hook, _, name in InstructionTranslator.current_tx().output.side_effects.tensor_hooks.values():
+        source = getattr(tensor, "source", None)
+        target = _source_name(source) if source is not None else None
+        target = readable_module_path(target).replace("._parameters.", ".") if target else "a tensor from outside the loss"
+        code = getattr(hook, "get_code", lambda: None)() if hasattr(hook, "get_code") else None
+        line = f" (the hook {code.co_name} at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        sites.append(f"{name} on {target} inside the loss{line}: the hook would change or read the gradient, and "
+                     "compiled_psg derives per-sample gradients from the forward ops and runs no hook registered "
+                     "there. Fix: register no hook inside the loss; express a change of the gradient in the loss "
+                     "(scale with x.detach() * (1 - s) + x * s)")
+    return sites
 
 
 @dataclass(frozen=True)

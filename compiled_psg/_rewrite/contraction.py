@@ -82,9 +82,12 @@ def factored_sq_norms(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     upper bound (``certified_sq_norms``): clipping with it never lets a sample past C."""
     if a.shape[1] == 1:  # a product of sums of squares: no cancellation
         a_sq, x_sq = a.pow(2).sum((1, 2)), x.pow(2).sum((1, 2))
-        # a zero factor makes the gradient exactly zero, also where the other's squares overflow (inf * 0 = NaN
-        # would drop the sample from the clipped sum: a saturated tanh after an input of 3e19)
-        return torch.where((a_sq == 0) | (x_sq == 0), torch.zeros_like(a_sq), a_sq * x_sq)
+        # a zero factor makes the gradient exactly zero where the other factor is finite, also where its squares
+        # overflow (inf * 0 = NaN would drop the sample: a saturated tanh after an input of 3e19); where the other
+        # holds an inf or a NaN, the gradient itself is NaN (0 * inf, as autograd and the clipped sum compute it),
+        # and so is the norm: the sample is dropped (a saturated tanh after an input of inf)
+        finite = torch.isfinite(a).flatten(1).all(1) & torch.isfinite(x).flatten(1).all(1)
+        return torch.where(((a_sq == 0) | (x_sq == 0)) & finite, torch.zeros_like(a_sq), a_sq * x_sq)
     a64, x64 = a.double(), x.double()
     sq = (torch.bmm(a64, a64.transpose(1, 2)) * torch.bmm(x64, x64.transpose(1, 2))).sum((1, 2))
     scale = (a64.norm(dim=2) * x64.norm(dim=2)).sum(1).square()

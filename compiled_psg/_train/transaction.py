@@ -65,13 +65,29 @@ def _generators(generator: torch.Generator | None, params: list[torch.Tensor]) -
 
 def runs_user_code(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` may run code of the user's, which could read the noisy ``.grad`` or the
-    updated parameters: step hooks (the optimizer's or torch's global ones), a ``step`` set on the instance, or a
-    ``step`` that is not torch's own (a subclass's, another library's)."""
+    updated parameters: step hooks (the optimizer's or torch's global ones), a ``step`` set on the instance, a
+    ``step`` that is not torch's own (a subclass's, another library's), or a setting of a type of the user's
+    (``lr=LR(0.1)`` with ``class LR(float)``: torch's step computes ``-lr`` after updating the first parameters, and
+    ``LR.__neg__`` runs there; numpy's float64 counts too, which costs a failed step its rollback only)."""
     from .update_graph import has_step_hooks, raw_step
 
     if has_step_hooks(optimizer) or "step" in vars(optimizer):
         return True
-    return not getattr(raw_step(optimizer), "__module__", "").startswith("torch.")
+    if not getattr(raw_step(optimizer), "__module__", "").startswith("torch."):
+        return True
+    return any(not _plain(value) for group in optimizer.param_groups for key, value in group.items()
+               if key != "params")
+
+
+_PLAIN_TYPES = (int, float, bool, str, type(None), torch.Tensor, torch.dtype, torch.device)
+
+
+def _plain(value) -> bool:
+    """A setting whose operations run no code of the user's: exactly one of torch's or Python's own types (not a
+    subclass, whose methods are the user's), or a tuple or list of such (Adam's betas)."""
+    if type(value) in (tuple, list):
+        return all(_plain(v) for v in value)
+    return type(value) in _PLAIN_TYPES
 
 
 def _copied(value):
