@@ -886,6 +886,20 @@ def test_a_gradient_hook_is_refused_when_the_step_is_built(hook):
                      max_grad_norm=1.0, noise_multiplier=1.0, backend="eager")
 
 
+def test_a_backward_hook_on_the_second_owner_of_a_tied_parameter_is_refused_when_the_step_is_built():
+    """Round K: the walk lists a parameter's own hooks once, and skipped its second owner when it listed the
+    modules holding trained parameters, so a backward hook on that module fell to the capture's refusal, which
+    does not name it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 3))
+    model[2].weight, model[2].bias = model[0].weight, model[0].bias
+    model[2].register_full_backward_hook(_double_input_gradients)
+    with pytest.raises(DPConfigError, match=r"module 2 \(Linear\), which holds parameters that require grad, has a "
+                                            r"backward hook"):
+        compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                     max_grad_norm=1.0, noise_multiplier=1.0, backend="eager")
+
+
 def test_a_gradient_hook_under_make_private_is_refused_and_the_accountant_counts_nothing():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))

@@ -315,8 +315,9 @@ def _hooks_registered_on_inputs() -> list[str]:
     for tensor, hook, _, name in InstructionTranslator.current_tx().output.side_effects.tensor_hooks.values():
         source = getattr(tensor, "source", None)
         target = _source_name(source) if source is not None else None
-        target = readable_module_path(target).replace("._parameters.", ".") if target else "a tensor from outside the loss"
-        code = getattr(hook, "get_code", lambda: None)() if hasattr(hook, "get_code") else None
+        target = (readable_module_path(target).replace("._parameters.", ".") if target
+                  else "a tensor from outside the loss")
+        code = hook.get_code() if hasattr(hook, "get_code") else None
         line = f" (the hook {code.co_name} at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
         sites.append(f"{name} on {target} inside the loss{line}: the hook would change or read the gradient, and "
                      "compiled_psg derives per-sample gradients from the forward ops and runs no hook registered "

@@ -98,11 +98,14 @@ def gradient_hooks(model: nn.Module) -> list[tuple[str, HookKind]]:
     hooked: list[tuple[str, nn.Module]] = []
     for prefix, module in model.named_modules():
         for name, p in module._parameters.items():
-            if p is None or not p.requires_grad or id(p) in seen:
+            if p is None or not p.requires_grad:
                 continue
-            seen.add(id(p))
+            # every module holding it, a tied parameter's second owner too; its own hooks are listed once
             parts = prefix.split(".") if prefix else []
             holders.update(".".join(parts[:k]) for k in range(len(parts) + 1))
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
             qualified = f"parameter {prefix}.{name}" if prefix else f"parameter {name}"
             found += _hooks(qualified, _GRADIENT, p._backward_hooks)
             found += _hooks(qualified, _POST_ACCUMULATE, getattr(p, "_post_accumulate_grad_hooks", None))
