@@ -627,10 +627,12 @@ def report(source: Path) -> str:
         return f"no records in {source}"
     env = next(iter(models.values()))["head"]["environment"]
     kind = "cuda" if env.get("device", "").startswith("cuda") else "cpu"
+    # CUDA graphs run on a GPU only: a column where a record has them
+    shown = [m for m in METHOD_LABELS if m != "psg_graphs" or any(m in e["methods"] for e in models.values())]
     lines = [f"Device: {env.get('device_name', '?')}; torch {env.get('torch', '?')}, {env.get('threads')} threads.",
              "",
-             "| model | B | parameters (trained) | " + " | ".join(METHOD_LABELS[m] + ", ms" for m in METHOD_LABELS)
-             + " |", "|---|---|---|" + "---|" * len(METHOD_LABELS)]
+             "| model | B | parameters (trained) | " + " | ".join(METHOD_LABELS[m] + ", ms" for m in shown)
+             + " |", "|---|---|---|" + "---|" * len(shown)]
     memory = ["| model | peak extra MiB: plain eager / plain compiled / DP step / DP memory_budget=0 / DP "
               "transactional=False / Opacus / vmap | "
               "whole allocation at the peak, MiB: plain eager / compiled / DP | "
@@ -645,7 +647,7 @@ def report(source: Path) -> str:
     for name, entry in models.items():
         head, m = entry["head"], entry["methods"]
         size = f"{head['params'] / 1e6:.1f}M ({head['trained_params'] / 1e6:.2f}M)"
-        times = " | ".join(_ms(m.get(k)) for k in METHOD_LABELS)
+        times = " | ".join(_ms(m.get(k)) for k in shown)
         lines.append(f"| {name} | {head['batch']} | {size} | {times} |")
         memory.append(f"| {name} | " + " / ".join(_mib(m.get(k)) for k in ("plain", "plain_compile", "psg",
                                                                           "psg_bounded", "psg_nocopy",
