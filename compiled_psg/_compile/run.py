@@ -163,8 +163,8 @@ class CompiledGraph:
             with patches.applied("compile", graph=gm.graph):
                 # Inductor's CUDA graphs (cudagraph trees, its default tree mode): a graph with a CPU op or an
                 # input it mutates is run without them, and Inductor logs why ("skipping cudagraphs")
-                compiled = compile_fx(gm, examples, config_patches={"triton.cudagraphs": True}
-                                      if self.cuda_graphs else None)
+                compiled = (compile_fx(gm, examples, config_patches={"triton.cudagraphs": True}) if self.cuda_graphs
+                            else compile_fx(gm, examples))
         except PerSampleError:
             raise
         except Exception as e:
