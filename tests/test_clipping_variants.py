@@ -191,6 +191,11 @@ def test_per_layer_settings_are_checked():
         sum_step(model, clipping="flat", max_grad_norm=[1.0, 2.0])
     with pytest.raises(DPConfigError, match="one group only"):
         sum_step(model, clipping="per_layer", max_grad_norm=[1.0, 1.0], clip_groups=[["0.bias"], ["0.bias"]])
+    # round L: a string was read a character at a time ("not trained parameters ['.', '0', 'e', ...]")
+    with pytest.raises(DPConfigError, match="clip_groups must be a list of lists of parameter names, got str"):
+        sum_step(model, clipping="per_layer", max_grad_norm=1.0, clip_groups="0.weight")
+    with pytest.raises(DPConfigError, match="its group '0.weight' is a str"):
+        sum_step(model, clipping="per_layer", max_grad_norm=1.0, clip_groups=["0.weight", "0.bias"])
     with pytest.raises(DPConfigError, match="must exceed"):
         sum_step(model, clipping="adaptive", max_grad_norm=1.0, noise_multiplier=1.0, unclipped_num_std=0.4)
     step, _ = sum_step(model, **VARIANTS["per_layer"])

@@ -258,6 +258,8 @@ def test_batches_and_arguments_of_the_wrong_kind_are_refused_naming_them():
              (lambda: psg.per_sample_grad(loss, argnums="0"), "argnums must be an int >= 0, .* got '0'"),
              (lambda: psg.clip_sum("1"), "max_norm must be positive, a number, got '1'"),
              (lambda: psg.custom(None), "per_param must be a function, got NoneType"),
+             # round L: accepted, then a raw TypeError "'int' object is not callable" on an empty batch
+             (lambda: psg.custom(lambda n, g: g.sum(0), empty_result=3), "empty_result must be a function .* got int"),
              (lambda: psg.per_sample(model, reduce="norms")(loss)(x, y), "reduce must be a compiled_psg reduction"),
              (lambda: psg.per_sample(model, backend="aot_eager")(loss)(x, y), "backend must be one of"),
              (lambda: psg.explain(fn, x, y).graph_text("nope"), "takes 'captured' .*'before' .*'after' .*'nope'"),

@@ -105,7 +105,7 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     the batch size of the first call (``max_physical_batch_size``'s micro-batches: theirs); ``psg.explain(step,
     *batch)`` shows the plan. docs/training.md, "Memory budget", says what it does not bound.
     """
-    options = {"clip_groups": None if clip_groups is None else tuple(tuple(g) for g in clip_groups),
+    options = {"clip_groups": _clip_groups(clip_groups),
                "automatic_gamma": automatic_gamma, "target_unclipped_quantile": target_unclipped_quantile,
                "clipbound_learning_rate": clipbound_learning_rate, "unclipped_num_std": unclipped_num_std,
                "min_clipbound": min_clipbound, "max_clipbound": max_clipbound, "memory_budget": memory_budget}
@@ -128,3 +128,19 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                   loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,
                   in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size,
                   clipping=clipping, public_buffers=public_buffers, transactional=transactional, **options)
+
+
+def _clip_groups(groups) -> tuple[tuple[str, ...], ...] | None:
+    """``clip_groups`` as tuples of names; a string, or a group that is one, is refused (it would be read a
+    character at a time: ``clip_groups="0.weight"`` named the parameters ``"0"``, ``"."``, ``"w"``...)."""
+    if groups is None:
+        return None
+    example = "clip_groups=[['0.weight', '0.bias'], ['2.weight', '2.bias']]"
+    if isinstance(groups, str | bytes) or not isinstance(groups, Sequence | set | frozenset):
+        raise DPConfigError(f"clip_groups must be a list of lists of parameter names, got {type(groups).__name__} "
+                            f"{groups!r}. Fix: {example}")
+    for group in groups:
+        if isinstance(group, str | bytes) or not isinstance(group, Sequence | set | frozenset):
+            raise DPConfigError(f"clip_groups must be a list of lists of parameter names, and its group {group!r} "
+                                f"is a {type(group).__name__}. Fix: {example}")
+    return tuple(tuple(g) for g in groups)
