@@ -1012,3 +1012,25 @@ def test_a_view_of_a_parameter_gets_its_backward_lifted(view, monkeypatch):
         with pytest.raises(psg.UnsupportedError, match=rf"diagonal_backward.* in the backward of \S*"
                                                        rf"test_refusal_causes.py\D{{1,12}}{line}\b"):
             psg.per_sample({"w": w}, backend="eager")(loss)(x)
+
+
+def test_a_channels_last_model_names_its_memory_format_and_the_fix_works():
+    """Round L: a channels-last model whose ``AdaptiveAvgPool2d`` backward traces to ``as_strided`` was refused as
+    "no batch semantics for aten.as_strided ... express this step with common tensor operations"; the cause is the
+    model's memory format, and converting it back is the fix (exact against the loop)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 2)).double().to(memory_format=torch.channels_last)
+    x = torch.randn(3, 3, 6, 6, dtype=torch.float64)
+
+    def loss(x):
+        return model(x).pow(2).sum()
+
+    with pytest.raises(psg.UnsupportedError, match=r"channels_last memory format.*Fix: .*"
+                                                   r"model\.to\(memory_format=torch\.contiguous_format\)"):
+        psg.per_sample(model, backend="eager")(loss)(x)
+    model.to(memory_format=torch.contiguous_format)
+    got = psg.per_sample(model, backend="eager")(loss)(x)
+    expected = reference_per_sample(loss, dict(model.named_parameters()), (x,))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)

@@ -110,6 +110,23 @@ def _unknown(op_name: str, detail: str = "", fix: str = "express this step with 
         fix, kind="unknown")
 
 
+def _channels_last_cause(node: fx.Node) -> tuple[str, str] | tuple[()]:
+    """``(detail, fix)`` where an ``as_strided`` gives a 4-d value the strides of channels-last memory format
+    (torch's backward of ``AdaptiveAvgPool2d`` after a channels-last convolution, round L): the model's memory
+    format is the cause, and the same model in the default format has batch semantics; else nothing to add."""
+    if "as_strided" not in str(node.target) or len(node.args) < 3:
+        return ()
+    size, stride = node.args[1], node.args[2]
+    if not (isinstance(size, list | tuple) and isinstance(stride, list | tuple) and len(size) == len(stride) == 4):
+        return ()
+    _, c, h, w = size
+    if not all(isinstance(v, int) for v in (c, h, w)) or list(stride[1:]) != [1, w * c, c]:
+        return ()
+    return (" (it lays a value out in channels_last memory format, the model's or its input's)",
+            "convert the model and its input to the default memory format, model.to(memory_format="
+            "torch.contiguous_format) and x.contiguous(); the same model in that format has batch semantics")
+
+
 # A boolean mask gathers the selected elements of all samples into one row whose length depends on the values.
 _MASK_FIX = ("keep the shape: torch.where(mask, new, h) for a masked write, (h * mask) or "
              "h.masked_fill(~mask, 0) for a masked read, then reduce per sample")
@@ -266,7 +283,7 @@ class Analysis:
             if pooled and not _output_batched(node, self.batch) and all(
                     isinstance(f, Shared | Pooled) for f in inputs.values()):
                 return pooled[0]
-            raise _unknown(_op_name(node))
+            raise _unknown(_op_name(node), *_channels_last_cause(node))
         return handler(self, node)
 
 
