@@ -244,8 +244,8 @@ def custom(per_param: Callable[[str, torch.Tensor], object], combine: Callable[[
     if empty_result is not None and not callable(empty_result):
         raise BatchInputError(f"psg.custom: empty_result must be a function of the parameters' shapes or None, got "
                               f"{type(empty_result).__name__} {empty_result!r}. Fix: empty_result=lambda shapes: "
-                              "{name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype, device) in "
-                              "shapes.items()}")
+                              "{name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype, "
+                              "device) in shapes.items()}")
     return Custom(per_param, combine, empty_result)
 
 
