@@ -71,6 +71,19 @@ def assert_params(a: nn.Module, b: nn.Module, tol: float = 1e-12) -> None:
         torch.testing.assert_close(p, q, rtol=tol, atol=tol)
 
 
+def agree_over(sizes, padded: nn.Module, step_padded, plain: nn.Module, step_plain, looped: nn.Module,
+               arrange=lambda x: x) -> None:
+    """Steps of mean losses over batches of ``sizes``: the padded step's loss, norms' count and parameters equal the
+    unpadded step's and the loop's (``arrange``: how the step takes the features, e.g. transposed)."""
+    for n in sizes:
+        x, y = batch(n, (6,))
+        torch.testing.assert_close(step_padded(arrange(x), y), step_plain(arrange(x), y), rtol=1e-13, atol=1e-13)
+        loop_step(looped, x, y, "mean", n)
+        assert step_padded.last_norms.shape == (n,)
+        assert_params(padded, plain)
+        assert_params(padded, looped)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
 def test_padded_step_equals_unpadded_and_loop(kind: str, reduction: str):
@@ -123,14 +136,7 @@ def test_batch_larger_than_the_largest_bucket_is_split():
     model = mlp()
     padded, step_padded = build(model, (2, 4), max_grad_norm=C)
     plain, step_plain = build(model, None, max_grad_norm=C)
-    looped = copy.deepcopy(model)
-    for n in (11, 3):
-        x, y = batch(n, (6,))
-        torch.testing.assert_close(step_padded(x, y), step_plain(x, y), rtol=1e-13, atol=1e-13)
-        loop_step(looped, x, y, "mean", n)
-        assert step_padded.last_norms.shape == (n,)
-        assert_params(padded, plain)
-        assert_params(padded, looped)
+    agree_over((11, 3), padded, step_padded, plain, step_plain, copy.deepcopy(model))
 
 
 def test_in_dims_other_than_zero():
@@ -143,14 +149,7 @@ def test_in_dims_other_than_zero():
                                       torch.optim.SGD(m.parameters(), lr=LR), max_grad_norm=C, in_dims=(1, 0),
                                       batch_buckets=buckets)))
     (padded, step_padded), (plain, step_plain) = steps
-    looped = copy.deepcopy(model)
-    for n in (5, 2, 11):
-        x, y = batch(n, (6,))
-        torch.testing.assert_close(step_padded(x.t(), y), step_plain(x.t(), y), rtol=1e-13, atol=1e-13)
-        loop_step(looped, x, y, "mean", n)
-        assert step_padded.last_norms.shape == (n,)
-        assert_params(padded, plain)
-        assert_params(padded, looped)
+    agree_over((5, 2, 11), padded, step_padded, plain, step_plain, copy.deepcopy(model), arrange=torch.t)
 
 
 def test_per_layer_clipping():
