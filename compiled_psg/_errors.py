@@ -42,3 +42,11 @@ class InternalError(PerSampleError, AssertionError):
 class DPConfigError(PerSampleError, ValueError):
     """A training or DP-SGD setting is invalid or contradicts another (``compile_step``, ``make_private``, the
     accountant, the Poisson sampler, a noise scheduler)."""
+
+
+def require_flag(name: str, value: object, error: type[PerSampleError]) -> bool:
+    """``value`` if it is True or False, else ``error`` naming the setting: Python reads any non-empty string as
+    true, so ``secure_rng="no"`` or ``return_norms="false"`` would turn the setting on unasked."""
+    if not isinstance(value, bool):
+        raise error(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value

@@ -31,6 +31,16 @@ def test_train_dp_writes_json_and_plot(tmp_path, capsys):
     assert "final: test accuracy" in text
 
 
+def test_train_with_secure_noise(tmp_path):
+    """``--secure-rng`` draws the noise and the coins from os.urandom: the job's seeded generator is not passed
+    along (make_private refuses a generator it would ignore)."""
+    out = tmp_path / "secure"
+    assert main(["train", *QUICK[2:], "--epochs", "1", "--epsilon", "4", "--secure-rng", "--no-progress",
+                 "--out", str(out)]) == 0
+    metrics = read_outputs(out, "accuracy.png")
+    assert 0 < metrics["final"]["epsilon"] <= 4.0 and metrics["final"]["captures"] == 1
+
+
 def test_train_no_dp_baseline(tmp_path):
     out = tmp_path / "baseline"
     assert main(["train", *QUICK, "--no-dp", "--no-progress", "--optimizer", "adam", "--lr", "0.01",

@@ -258,6 +258,9 @@ def test_batches_and_arguments_of_the_wrong_kind_are_refused_naming_them():
              (lambda: psg.per_sample_grad(loss, argnums="0"), "argnums must be an int >= 0, .* got '0'"),
              (lambda: psg.clip_sum("1"), "max_norm must be positive, a number, got '1'"),
              (lambda: psg.custom(None), "per_param must be a function, got NoneType"),
+             # round L: a truthy string turned the option on
+             (lambda: psg.norms(per_parameter="no"), "per_parameter must be True or False, got str 'no'"),
+             (lambda: psg.clip_sum(1.0, return_norms="x"), "return_norms must be True or False, got str 'x'"),
              # round L: accepted, then a raw TypeError "'int' object is not callable" on an empty batch
              (lambda: psg.custom(lambda n, g: g.sum(0), empty_result=3), "empty_result must be a function .* got int"),
              (lambda: psg.per_sample(model, reduce="norms")(loss)(x, y), "reduce must be a compiled_psg reduction"),

@@ -753,10 +753,12 @@ def test_a_schedule_whose_noise_is_refused_stays_at_its_epoch():
     dict(automatic_gamma="x", clipping="automatic"), dict(target_unclipped_quantile="0.5", clipping="adaptive"),
     dict(min_clipbound=None, clipping="adaptive"),
     dict(clipping="adaptive", unclipped_num_std=float("inf"), noise_multiplier=1.0),
-    dict(in_dims="x"), dict(in_dims=(0, True)),
+    dict(in_dims="x"), dict(in_dims=(0, True)), dict(transactional="no"), dict(distributed="no"),
+    dict(cuda_graphs="no"), dict(secure_rng=True, generator=torch.Generator().manual_seed(0)),
 ], ids=["tiny_divisor", "infinite_divisor", "string_divisor", "bool_sigma", "bool_bound", "string_secure",
         "unknown_backend", "string_gamma", "string_quantile", "none_min_bound", "infinite_count_noise",
-        "string_in_dims", "bool_in_dims"])
+        "string_in_dims", "bool_in_dims", "string_transactional", "string_distributed", "string_cuda_graphs",
+        "secure_with_a_generator"])
 def test_settings_that_would_break_the_training_are_refused_naming_them(setting):
     model = nn.Linear(4, 3)
     options = dict(max_grad_norm=1.0, noise_multiplier=0.0, backend="eager") | setting
@@ -775,6 +777,39 @@ def test_an_optimizer_that_cannot_take_a_dp_step_is_refused_when_the_step_is_bui
     with pytest.raises(DPConfigError, match=r"cannot take a DP step: .*Fix: use an optimizer"):
         compile_step(lambda x, y: F.cross_entropy(model(x), y), model, optimizer(list(model.parameters())),
                      max_grad_norm=1.0, backend="eager")
+
+
+@pytest.mark.parametrize("setting", [dict(secure_rng=True, generator=torch.Generator().manual_seed(0)),
+                                     dict(poisson_sampling="no"), dict(secure_rng="yes")],
+                         ids=["secure_with_a_generator", "string_poisson", "string_secure"])
+def test_make_private_refuses_a_setting_it_would_misread_before_reading_the_loader(setting):
+    """``secure_rng=True`` with a generator ignored the generator (a run seeded to be reproducible was not);
+    ``poisson_sampling="no"`` sampled with Poisson coins."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Watched(TensorDataset):
+        reads = 0
+
+        def __getitem__(self, i):
+            Watched.reads += 1
+            return super().__getitem__(i)
+
+    model = nn.Linear(4, 3)
+    loader = DataLoader(Watched(torch.randn(16, 4), torch.randint(0, 3, (16,))), batch_size=4)
+    with pytest.raises(DPConfigError, match=next(iter(setting))):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                     lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager", **setting)
+    assert Watched.reads == 0
+
+
+def test_a_secure_sampler_takes_no_generator():
+    from compiled_psg._train.sampling import PoissonBatchSampler
+
+    with pytest.raises(DPConfigError, match="generator= would be ignored"):
+        PoissonBatchSampler(16, 0.25, generator=torch.Generator().manual_seed(0), secure=True)
+    with pytest.raises(DPConfigError, match="secure must be True or False, got str 'no'"):
+        PoissonBatchSampler(16, 0.25, secure="no")
+    assert PoissonBatchSampler(16, 0.25, secure=True).generator is None
 
 
 def test_an_unknown_keyword_of_make_private_is_named_as_its_own():

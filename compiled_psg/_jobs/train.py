@@ -98,7 +98,7 @@ def _trainer(args, model, train):
                            target_epsilon=None if args.sigma is not None else args.epsilon,
                            target_delta=args.delta, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
                            accountant=args.accountant, secure_rng=args.secure_rng, backend=args.backend,
-                           generator=generator, sample_rate=q)
+                           generator=None if args.secure_rng else generator, sample_rate=q)
     info = dict(noise_multiplier=private.noise_multiplier, sample_rate=q,
                 expected_batch_size=private.expected_batch_size)
     return private.step, private.data_loader, private.epsilon, info, private.dp_step

@@ -17,7 +17,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._analyze.batch_dims import value_of
 from .._analyze.layout import weighted_batch_sum
-from .._errors import BatchInputError, PerSampleError
+from .._errors import BatchInputError, PerSampleError, require_flag
 from .context import ReduceContext
 
 Shapes = Mapping[str, tuple[torch.Size, torch.dtype, torch.device]]
@@ -198,7 +198,7 @@ def _custom_failure(calling: str, error: Exception) -> BatchInputError:
 
 def norms(per_parameter: bool = False) -> Norms:
     """Per-sample gradient L2 norms (``Tensor[B]``, or ``{name: Tensor[B]}`` with ``per_parameter``)."""
-    return Norms(per_parameter)
+    return Norms(require_flag("norms: per_parameter", per_parameter, BatchInputError))
 
 
 def clip_sum(max_norm: float, *, return_norms: bool = False, memory_budget: float | None = None) -> ClipSum:
@@ -206,7 +206,8 @@ def clip_sum(max_norm: float, *, return_norms: bool = False, memory_budget: floa
     ``memory_budget`` bytes of per-sample values at the peak (None: the fastest plan; see ``DPClip``)."""
     if isinstance(max_norm, bool) or not (isinstance(max_norm, int | float) and max_norm > 0):
         raise BatchInputError(f"clip_sum: max_norm must be positive, a number, got {max_norm!r}")
-    return ClipSum(float(max_norm), return_norms, check_memory_budget(memory_budget, BatchInputError))
+    return ClipSum(float(max_norm), require_flag("clip_sum: return_norms", return_norms, BatchInputError),
+                   check_memory_budget(memory_budget, BatchInputError))
 
 
 def check_memory_budget(budget, error: type[Exception]) -> float | None:

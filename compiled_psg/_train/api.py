@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from .._errors import BatchInputError, DPConfigError
+from .._errors import BatchInputError, DPConfigError, require_flag
 from .._reduce.reductions import Reduction
 from .sharded import ShardedStep, is_sharded
 from .step import DPStep, check_step_objects
@@ -110,6 +110,11 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                "clipbound_learning_rate": clipbound_learning_rate, "unclipped_num_std": unclipped_num_std,
                "min_clipbound": min_clipbound, "max_clipbound": max_clipbound, "memory_budget": memory_budget}
     check_step_objects(model, optimizer, generator)  # before is_sharded reads the model's modules
+    check_noise_source(secure_rng, generator)
+    for name, flag in (("transactional", transactional), ("cuda_graphs", cuda_graphs)):
+        require_flag(name, flag, DPConfigError)
+    if distributed is not None:
+        require_flag("distributed", distributed, DPConfigError)
     from .._api import check_in_dims  # the per-sample layer, which this module's steps are built on
 
     try:
@@ -128,6 +133,15 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                   loss_reduction=loss_reduction, secure_rng=secure_rng, backend=backend, generator=generator,
                   in_dims=in_dims, distributed=distributed, max_physical_batch_size=max_physical_batch_size,
                   clipping=clipping, public_buffers=public_buffers, transactional=transactional, **options)
+
+
+def check_noise_source(secure_rng: object, generator: torch.Generator | None) -> None:
+    """One source of randomness: ``secure_rng=True`` reads ``os.urandom`` and would ignore ``generator``, so a run
+    seeded for reproducibility would silently not be."""
+    if require_flag("secure_rng", secure_rng, DPConfigError) and generator is not None:
+        raise DPConfigError("secure_rng=True draws from os.urandom, which no generator seeds: generator= would be "
+                            "ignored. Fix: give one source, secure_rng=True without a generator (not reproducible) "
+                            "or generator= without secure_rng (reproducible, for tests and debugging)")
 
 
 def _clip_groups(groups) -> tuple[tuple[str, ...], ...] | None:

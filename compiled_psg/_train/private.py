@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from .._errors import BatchInputError, DPConfigError
+from .._errors import BatchInputError, DPConfigError, require_flag
 from . import distributed as dist_utils
 from .accounting import Accountant, calibrate_noise, check_delta, check_sample_rate, check_steps
-from .api import compile_step
+from .api import check_noise_source, compile_step
 from .checkpoint import check_state_kind, load_step_state, saved_step_count
 from .config import check_noise_multiplier
 from .sampling import PoissonBatchSampler, check_batched, dataset_of, poisson_loader
@@ -275,6 +275,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     """
     if (noise_multiplier is None) == (target_epsilon is None):
         raise DPConfigError("give exactly one of noise_multiplier and target_epsilon")
+    check_noise_source(secure_rng, generator)
+    require_flag("poisson_sampling", poisson_sampling, DPConfigError)
     if target_epsilon is not None and epochs is None:
         raise DPConfigError("target_epsilon needs epochs (the number of passes the noise is calibrated for)")
     if target_epsilon is not None:
@@ -329,10 +331,12 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     loader = data_loader
     if poisson_sampling:
         # its own generator (seeded reproducibly): resuming it must not rewind the noise, nor the other way
-        seed = int(torch.randint(0, 2**62, (), generator=generator,
-                                 device="cpu" if generator is None else generator.device))
-        loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch,
-                                generator=torch.Generator().manual_seed(seed), secure=secure_rng,
-                                in_dims=clipping_options.get("in_dims", 0))
+        sampler_generator = None
+        if not secure_rng:
+            seed = int(torch.randint(0, 2**62, (), generator=generator,
+                                     device="cpu" if generator is None else generator.device))
+            sampler_generator = torch.Generator().manual_seed(seed)
+        loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch, generator=sampler_generator,
+                                secure=secure_rng, in_dims=clipping_options.get("in_dims", 0))
     return PrivateTraining(model, optimizer, loader, dp_step, Accountant(accountant), sample_rate,
                            target_delta, poisson_sampling, dataset_size=round(global_size))

@@ -13,7 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from .._errors import BatchInputError, DPConfigError
+from .._errors import BatchInputError, DPConfigError, require_flag
 from .accounting import check_sample_rate
 from .dp import secure_uniform
 
@@ -42,6 +42,10 @@ class PoissonBatchSampler:
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None, secure: bool = False):
         check_sample_rate(sample_rate)
+        if require_flag("secure", secure, DPConfigError) and generator is not None:
+            raise DPConfigError("secure=True draws the coins from os.urandom, which no generator seeds: generator= "
+                                "would be ignored. Fix: give one source, secure=True without a generator or "
+                                "generator= without secure")
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.steps = max(1, round(1 / sample_rate)) if steps is None else steps

@@ -119,8 +119,6 @@ class DPStep(StepSettings):
         refuse_gradient_hooks(model)
         if backend not in BACKENDS:
             raise DPConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if not isinstance(secure_rng, bool):  # a truthy string would turn secure noise on unasked
-            raise DPConfigError(f"secure_rng must be True or False, got {type(secure_rng).__name__} {secure_rng!r}")
         custom, bound, budget = resolve_reduction(reduce, max_grad_norm if clipping == "flat" else None)
         if clipping != "flat":
             if reduce is not None:
@@ -137,7 +135,7 @@ class DPStep(StepSettings):
                                 "custom" if custom is not None else clipping, **clipping_options)
         self._custom_reduce = custom
         self.public_buffers = _public_buffers(model, public_buffers)
-        self.transactional = bool(transactional)  # a failed step restores everything and counts nothing
+        self.transactional = transactional  # a failed step restores everything and counts nothing
         self.batch_buckets = buckets_.resolve(batch_buckets, cuda_graphs, model, backend, max_physical_batch_size,
                                               custom is not None,
                                               dist_utils.is_distributed() if distributed is None else distributed)
