@@ -91,6 +91,50 @@ def _refuse_views_of_each_other(named: dict[str, torch.Tensor]) -> None:
             base = base._base
 
 
+def _memory_span(t: torch.Tensor) -> tuple | None:
+    """(device, storage address, first byte, end byte) of the bytes ``t`` can read; None for a tensor with no
+    storage of its own to share (nested, sparse, empty)."""
+    try:
+        address = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if t.numel() == 0 or not address or t.layout != torch.strided:
+        return None
+    size = t.element_size()
+    first = t.storage_offset() * size
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) * size
+    return t.device, address, first, first + extent + size
+
+
+def _overlapping(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]
+
+
+def _shared_memory(args: tuple, params: dict[str, torch.Tensor], constants: dict[int, object],
+                   written: set[int] | None = None) -> list[tuple[str, str]]:
+    """Pairs (an argument, what shares its memory: another argument, a parameter, a tensor the loss reads from
+    outside), for the arguments in ``written`` (all where None)."""
+    spans = {pos: _memory_span(a) for pos, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    others = [(f"argument {pos}", span) for pos, span in spans.items()]
+    others += [(f"parameter {name!r}", _memory_span(p)) for name, p in params.items()]
+    others += [("a tensor the loss reads from outside its arguments (a buffer, a global or a closure's)",
+                _memory_span(c)) for c in constants.values() if isinstance(c, torch.Tensor)]
+    return [(f"argument {pos}", other) for pos, span in spans.items() if written is None or pos in written
+            for other, other_span in others if other != f"argument {pos}" and _overlapping(span, other_span)]
+
+
+def _shared_memory_error(pairs: list[tuple[str, str]], written: bool) -> BatchInputError:
+    """``written``: the capture says which argument the loss writes; else AOT autograd refused the write."""
+    unique = list(dict.fromkeys(tuple(sorted(pair)) if not written else pair for pair in pairs))
+    which = "; ".join(f"{a} with {b}" for a, b in unique[:3])
+    what = ("the loss writes an argument in place that shares memory with another input" if written else
+            "the loss writes an input in place, and inputs share memory (AOT autograd cannot capture that write)")
+    return BatchInputError(
+        f"{what}: {which}. The captured graph takes each tensor as an input of its own, so a write through one "
+        "would not be seen through the other, where eager torch sees it. Fix: pass tensors that do not share "
+        "memory (a.clone() for one of them), or pass the tensor once and take the view inside the loss")
+
+
 def refuse_nested(params: Mapping) -> None:
     nested = [name for name, v in params.items() if isinstance(v, Mapping)]
     if nested:
@@ -390,7 +434,7 @@ class PerSampleFunction:
         key = self._key(params, modes, args, batch_dims)
         entry, _ = self._valid(self._cache.get(key, []), params, args, batch_dims, batch_size)
         if entry is not None:
-            return PreparedCall(entry, params, args, batch_size)
+            return self._checked_call(entry, params, args, batch_size)
         with CAPTURE_LOCK:  # one capture at a time; another thread may have captured it meanwhile
             entries = self._cache.get(key, [])
             entry, reason = self._valid(entries, params, args, batch_dims, batch_size)
@@ -408,6 +452,20 @@ class PerSampleFunction:
                     self._retired_compiles += old.compiles
                     self._retired_seconds += old.compile_seconds
                 self._cache[key] = [entry, *entries[:MAX_ENTRIES_PER_KEY - 1]]
+        return self._checked_call(entry, params, args, batch_size)
+
+    @staticmethod
+    def _checked_call(entry: CompiledGraph, params: dict[str, torch.Tensor], args: tuple,
+                      batch_size: int) -> PreparedCall:
+        """The call, unless the loss writes an argument that shares memory with another input: checked at every
+        call, as a graph captured on separate tensors may be called with views of one."""
+        captured = entry.rewritten.captured
+        written = {captured.roles[i].key for i in captured.mutated
+                   if isinstance(i, int) and 0 <= i < len(captured.roles) and captured.roles[i].kind == "arg"}
+        if written:
+            pairs = _shared_memory(args, params, captured.constants, written)
+            if pairs:
+                raise _shared_memory_error(pairs, written=True)
         return PreparedCall(entry, params, args, batch_size)
 
     def _build(self, params, args, batch_dims, batch_size) -> Rewritten:
@@ -421,6 +479,10 @@ class PerSampleFunction:
             raise
         except Exception as e:  # the last line of "no raw torch traceback": name what failed, and who can fix it
             text = _first_line(e)
+            if re.search(r"input mutations|[Aa]liased inputs", text):  # AOT autograd on a write into shared memory
+                pairs = _shared_memory(args, params, {})
+                if pairs:
+                    raise _shared_memory_error(pairs, written=False) from e
             hint = next((fix for cause, fix in _CAPTURE_FAILURE_FIXES if re.search(cause, text)), "")
             tail = "" if hint else ("If the loss raises this when called eagerly on the batch, fix it there; otherwise "
                                     "this is a compiled_psg bug: please report this message.")

@@ -372,6 +372,25 @@ def test_assigning_an_inputs_data_in_the_loss_is_refused_with_the_cause_and_the_
     assert torch.equal(x, given)
 
 
+def test_each_reduction_of_an_empty_batch_is_torchs_over_zero_samples():
+    """Round M2: ``psg.variance()`` of an empty batch was 0; a mean over no samples is NaN
+    (``torch.zeros(0, 2, 3).var(0, unbiased=False)``)."""
+    model = nn.Linear(3, 2)
+    x0, y0 = torch.randn(0, 3), torch.randint(0, 2, (0,))
+    g = {n: torch.zeros(0, *p.shape) for n, p in model.named_parameters()}  # the per-sample gradients of no samples
+    flat = torch.cat([v.flatten(1) for v in g.values()], 1)
+    expected = {"norms": flat.norm(dim=1), "sum_squares": {n: v.pow(2).sum(0) for n, v in g.items()},
+                "variance": {n: v.mean(0) for n, v in g.items()}, "gram": flat @ flat.T,  # mean: var's, unwarned
+                "clip_sum": {n: v.sum(0) for n, v in g.items()}}
+    reductions = {"norms": psg.norms(), "sum_squares": psg.sum_squares(), "variance": psg.variance(),
+                  "gram": psg.gram(), "clip_sum": psg.clip_sum(1.0)}
+    for name, reduction in reductions.items():
+        got = psg.per_sample(model, reduce=reduction, backend="eager")(lambda x, y: F.cross_entropy(model(x), y))(
+            x0, y0)
+        torch.testing.assert_close(got, expected[name], equal_nan=True, msg=name)
+    assert all(v.isnan().all() for v in expected["variance"].values())
+
+
 def test_an_empty_batch_is_checked_against_the_loss_and_its_loss_is_the_functions():
     """A batch of zero samples returned empty gradients whatever its shapes (features of the wrong width, float
     labels: what a batch of any other size is refused for), and the loss 0.0 where the function's loss of no

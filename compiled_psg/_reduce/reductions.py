@@ -7,6 +7,7 @@ The math lives in ``ReduceContext``; a reduction only says which quantities to c
 
 from __future__ import annotations
 
+import math
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -116,7 +117,8 @@ class Variance(Reduction):
         return {p.name: ctx.variance(p) for p in ctx.params}
 
     def empty(self, shapes):
-        return {n: torch.zeros(s, dtype=d, device=dev) for n, (s, d, dev) in shapes.items()}
+        # a mean over no samples, as torch's var(0, unbiased=False) of an empty batch: undefined, NaN
+        return {n: torch.full(s, math.nan, dtype=d, device=dev) for n, (s, d, dev) in shapes.items()}
 
 
 @dataclass(frozen=True)
