@@ -562,8 +562,9 @@ def _positional_factory(an: Analysis, node: fx.Node) -> Fact:
                        "loader side), or use per-sample augmentation")
         # not proven mixing (torch.eye(n) @ h is h), but a batch of one would see other values: sizes read as 1
         # are what a sample's own loss sees, and these values are not sizes
-        raise _Refuse(f"its values depend on the batch size (torch.{node.target.overloadpacket.__name__} of the batch's "
-                      "length), which compiled_psg cannot read as 1, the batch size a sample's own loss sees",
+        name = node.target.overloadpacket.__name__
+        raise _Refuse(f"its values depend on the batch size (torch.{name} of the batch's length), which "
+                      "compiled_psg cannot read as 1, the batch size a sample's own loss sees",
                       "build it from sizes that are not the batch's (the features'), or leave it out where it "
                       "changes nothing (torch.eye(n) @ h is h)", kind="batch_value")
     return SHARED
