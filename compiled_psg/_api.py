@@ -16,7 +16,7 @@ from ._capture import backward_semantics, torch_caches
 from ._capture.dynamo import CAPTURE_LOCK, own_compilation
 from ._compile.build import Rewritten, build
 from ._compile.run import BACKENDS, CompiledGraph
-from ._errors import BatchInputError, CaptureError, PerSampleError
+from ._errors import BatchInputError, CaptureError, PerSampleError, UnsupportedError
 from ._inspect.report import Report, dump_if_asked
 from ._reduce.reductions import PerSampleGrads, Reduction
 
@@ -91,7 +91,7 @@ def _refuse_views_of_each_other(named: dict[str, torch.Tensor]) -> None:
             base = base._base
 
 
-def _memory_span(t: torch.Tensor) -> tuple | None:
+def memory_span(t: torch.Tensor) -> tuple | None:
     """(device, storage address, first byte, end byte) of the bytes ``t`` can read; None for a tensor with no
     storage of its own to share (nested, sparse, empty)."""
     try:
@@ -106,7 +106,7 @@ def _memory_span(t: torch.Tensor) -> tuple | None:
     return t.device, address, first, first + extent + size
 
 
-def _overlapping(a: tuple | None, b: tuple | None) -> bool:
+def memories_overlap(a: tuple | None, b: tuple | None) -> bool:
     return a is not None and b is not None and a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]
 
 
@@ -114,13 +114,26 @@ def _shared_memory(args: tuple, params: dict[str, torch.Tensor], constants: dict
                    written: set[int] | None = None) -> list[tuple[str, str]]:
     """Pairs (an argument, what shares its memory: another argument, a parameter, a tensor the loss reads from
     outside), for the arguments in ``written`` (all where None)."""
-    spans = {pos: _memory_span(a) for pos, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    spans = {pos: memory_span(a) for pos, a in enumerate(args) if isinstance(a, torch.Tensor)}
     others = [(f"argument {pos}", span) for pos, span in spans.items()]
-    others += [(f"parameter {name!r}", _memory_span(p)) for name, p in params.items()]
+    others += [(f"parameter {name!r}", memory_span(p)) for name, p in params.items()]
     others += [("a tensor the loss reads from outside its arguments (a buffer, a global or a closure's)",
-                _memory_span(c)) for c in constants.values() if isinstance(c, torch.Tensor)]
+                memory_span(c)) for c in constants.values() if isinstance(c, torch.Tensor)]
     return [(f"argument {pos}", other) for pos, span in spans.items() if written is None or pos in written
-            for other, other_span in others if other != f"argument {pos}" and _overlapping(span, other_span)]
+            for other, other_span in others if other != f"argument {pos}" and memories_overlap(span, other_span)]
+
+
+def _buffer_in_parameter_memory(source, params: dict[str, torch.Tensor]) -> tuple[str | None, str | None]:
+    """(a buffer of the module, the parameter whose memory it shares), or (None, None)."""
+    if not isinstance(source, nn.Module):
+        return None, None
+    spans = [(name, memory_span(p)) for name, p in params.items()]
+    for buffer_name, b in source.named_buffers():
+        span = memory_span(b)
+        param = next((n for n, s in spans if memories_overlap(span, s)), None)
+        if param is not None:
+            return buffer_name, param
+    return None, None
 
 
 def _shared_memory_error(pairs: list[tuple[str, str]], written: bool) -> BatchInputError:
@@ -483,6 +496,14 @@ class PerSampleFunction:
                 pairs = _shared_memory(args, params, {})
                 if pairs:
                     raise _shared_memory_error(pairs, written=False) from e
+            buffer, param = _buffer_in_parameter_memory(self.params_source, params)
+            if buffer is not None:  # AOT autograd: "One of the differentiated Tensors does not require grad", ...
+                raise UnsupportedError(
+                    f"the buffer {buffer!r} shares memory with the parameter {param!r}, and capturing the loss failed "
+                    f"({type(e).__name__}: {text}): a write through the buffer is a write of the parameter, which "
+                    "compiled_psg refuses, and AOT autograd cannot trace the parameter's gradient through it. Fix: "
+                    "register a copy (register_buffer(name, weight.detach().clone())), or read the parameter "
+                    "itself") from e
             hint = next((fix for cause, fix in _CAPTURE_FAILURE_FIXES if re.search(cause, text)), "")
             tail = "" if hint else ("If the loss raises this when called eagerly on the batch, fix it there; otherwise "
                                     "this is a compiled_psg bug: please report this message.")

@@ -184,6 +184,28 @@ def test_a_write_into_an_argument_that_shares_memory_is_refused_naming_both():
                                               dict(model.named_parameters()), (x, x[:, :2])))
 
 
+def test_a_write_through_a_buffer_in_a_parameters_memory_names_both():
+    """Round M: it was a CaptureError ending "this is a compiled_psg bug: please report this message"."""
+    class Aliased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+            self.register_buffer("w_alias", self.l1.weight.data)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.w_alias.mul_(0.5)
+            return self.l2(torch.tanh(self.l1(x)))
+
+    model = Aliased()
+    before = model.l1.weight.detach().clone()
+    with pytest.raises(psg.UnsupportedError, match=r"the buffer 'w_alias' shares memory with the parameter "
+                                                   r"'l1.weight'.*Fix: register a copy"):
+        psg.per_sample(model, backend="eager")(lambda x, y: F.cross_entropy(model(x), y))(
+            torch.randn(3, 3, dtype=torch.float64), torch.tensor([0, 1, 0]))
+    assert torch.equal(model.l1.weight, before)
+
+
 def test_python_side_effects_never_run():
     torch.manual_seed(0)
     model = nn.Linear(4, 3).double()

@@ -1034,3 +1034,13 @@ def test_a_channels_last_model_names_its_memory_format_and_the_fix_works():
     expected = reference_per_sample(loss, dict(model.named_parameters()), (x,))
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_a_factory_of_the_batch_length_is_a_batch_size_refusal_not_mixing():
+    """Round M2: ``torch.eye(len(x)) @ h`` (which is h) was "samples are mixed"; no sample reads another, but a
+    batch of one would see other values, and compiled_psg cannot read these as the sample's batch size 1."""
+    lin = nn.Linear(3, 3).double()
+    with pytest.raises(psg.UnsupportedError, match=r"cannot give this loss a sample's own batch size(.|\n)*torch\."
+                                                   r"eye of the batch's length(.|\n)*Fix: build it from"):
+        psg.per_sample(lin, backend="eager")(lambda x: (torch.eye(len(x), dtype=x.dtype) @ lin(x)).pow(2).sum())(
+            torch.randn(5, 3, dtype=torch.float64))

@@ -802,6 +802,43 @@ def test_make_private_refuses_a_setting_it_would_misread_before_reading_the_load
     assert Watched.reads == 0
 
 
+def test_trained_parameters_sharing_memory_are_refused_and_disjoint_views_of_one_buffer_train_exactly():
+    """Round M: ``m[2].weight.data = m[0].weight.data`` (two Parameters, one memory) took a fused update 0.046 off
+    torch's, the same clipped sums given (each parameter's new value written from the old memory, one over the
+    other); with a parameter made of rows of another's data, those rows were not updated at all."""
+    def tied():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+        model[2].weight.data = model[0].weight.data
+        return model
+
+    def overlapping():
+        model = nn.Linear(4, 3).double()
+        model.rows = nn.Parameter(model.weight.data[:2])
+        return model
+
+    for make, names in ((tied, "'0.weight' and '2.weight'"), (overlapping, "'weight' and 'rows'")):
+        model = make()
+        with pytest.raises(DPConfigError, match=f"the parameters {names} share memory.*Fix: tie them as one"):
+            compile_step(lambda x, y, model=model: F.cross_entropy(model(x)[:, :3], y), model,
+                         torch.optim.SGD(model.parameters(), lr=0.5), max_grad_norm=1.0, backend="eager")
+    torch.manual_seed(0)
+    flat = torch.randn(4 * 3 + 3, dtype=torch.float64)
+    model, reference = nn.Linear(4, 3).double(), nn.Linear(4, 3).double()
+    model.weight, model.bias = nn.Parameter(flat[:12].view(3, 4)), nn.Parameter(flat[12:])  # one buffer, apart
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.5),
+                        max_grad_norm=1e6, backend="eager")
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(3):  # the eager first step, then the fused program's
+        step(x, y)
+        optimizer.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_a_secure_sampler_takes_no_generator():
     from compiled_psg._train.sampling import PoissonBatchSampler
 

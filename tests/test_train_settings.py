@@ -205,10 +205,15 @@ def test_accountant_records_the_noise_each_step_used():
     assert used == [1.0, 1.0, 1.25, 1.25, 1.5, 1.5]
     assert private.accountant.history == [(1.0, 1 / 6, 2), (1.25, 1 / 6, 2), (1.5, 1 / 6, 2)]
     assert private.epsilon() == pytest.approx(_direct_epsilon([(s, 1 / 6) for s in used]), rel=1e-9)
-    with pytest.raises(DPConfigError, match="noise_multiplier > 0"):
-        private.noise_multiplier = 0.0
-    with pytest.raises(DPConfigError, match="clipping bound"):
-        private.max_grad_norm = None
+    for owner in (private, private.dp_step):  # the step keeps its owner's rules, however it is reached
+        with pytest.raises(DPConfigError, match="noise_multiplier > 0"):
+            owner.noise_multiplier = 0.0
+        with pytest.raises(DPConfigError, match="clipping bound"):
+            owner.max_grad_norm = None
+    # round M, privacy: dividing by the actual Poisson batch size revealed it through the update's norm
+    with pytest.raises(DPConfigError, match=r"expected_batch_size=None divides by the actual size of the Poisson "
+                                            r"batch.*Fix: keep a fixed expected_batch_size"):
+        private.dp_step.expected_batch_size = None
     private.max_grad_norm = 0.25
     assert private.dp_step.config == DPConfig(0.25, 1.5, 10.0)  # used from the next step on
 

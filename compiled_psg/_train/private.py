@@ -61,9 +61,7 @@ class PrivateTraining:
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
-        if isinstance(value, int | float) and not value > 0:  # other types: refused by the step's DPConfig
-            raise DPConfigError(f"a private training needs noise_multiplier > 0, got {value}")
-        self.dp_step.noise_multiplier = value
+        self.dp_step.noise_multiplier = value  # noise > 0, as every setting of the step: its _check_owner_rules
 
     @property
     def clipping(self) -> str:
@@ -77,8 +75,6 @@ class PrivateTraining:
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float) -> None:
-        if value is None:
-            raise DPConfigError("a private training needs a clipping bound, got max_grad_norm=None")
         self.dp_step.max_grad_norm = value
 
     @property

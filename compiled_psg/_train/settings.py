@@ -32,8 +32,28 @@ class StepSettings:
                                     f"{getattr(value, name)!r}: it defines the mechanism. Fix: build a step with "
                                     f"{name}={getattr(value, name)!r}")
         value.check_noise_range(self._acc_dtype(), self._grad_dtype())
+        self._check_owner_rules(value)
         self._config = value
         self._stalled_bound = None  # a new bound (or max_clipbound) from the user: adaptive clipping goes on
+
+    def _check_owner_rules(self, value: DPConfig) -> None:
+        """A step that a ``PrivateTraining`` accounts for keeps what its accountant's analysis assumes, however its
+        settings are assigned (``private.noise_multiplier`` or ``private.dp_step.noise_multiplier``): noise, a
+        bound, and a fixed divisor (dividing by the actual Poisson batch size reveals it through the update)."""
+        owner, now = getattr(self, "accounted_by", None), self._config
+        if owner is None:
+            return
+        # the assigned fields only: make_private may build a step without noise (a clipped baseline)
+        if value.noise_multiplier != now.noise_multiplier and not value.noise_multiplier > 0:
+            raise DPConfigError(f"a {owner} needs noise_multiplier > 0, got {value.noise_multiplier}")
+        if value.max_grad_norm is None and now.max_grad_norm is not None:
+            raise DPConfigError(f"a {owner} needs a clipping bound, got max_grad_norm=None")
+        if value.expected_batch_size is None and now.expected_batch_size is not None \
+                and value.loss_reduction == "mean":
+            raise DPConfigError(
+                f"a {owner} divides the clipped sum by the expected batch size q * N "
+                f"({self._config.expected_batch_size}); expected_batch_size=None divides by the actual size of "
+                "the Poisson batch, which the update's norm would reveal. Fix: keep a fixed expected_batch_size")
 
     @property
     def max_grad_norm(self) -> float | None:
