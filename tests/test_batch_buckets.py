@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compiled_psg import DPConfigError, compile_step
+from compiled_psg import BatchInputError, DPConfigError, compile_step
 from tests.reference import reference_per_sample
 
 BUCKETS = (4, 8, 16)
@@ -260,6 +261,122 @@ def test_the_steps_per_sample_function_weighs_every_sample_one():
     assert rw.roles[-1].batched and rw.roles[-1].key == 2 and rw.batch.is_batched(weights)
     plain = step_plain.per_sample.prepare_call(x, y).entry.rewritten
     assert plain.seed_weights is None and len(plain.roles) == len(plain.captured.roles)
+
+
+class Counting(nn.Module):
+    """A linear model whose forward writes buffers under ``torch.no_grad()``: from the batch (``seen``, the batch
+    size; ``mean_x``, the batch's mean) and not from it (``calls``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 3).double()
+        self.register_buffer("seen", torch.zeros((1,), dtype=torch.float64))
+        self.register_buffer("mean_x", torch.zeros(6, dtype=torch.float64))
+        self.register_buffer("calls", torch.zeros((1,), dtype=torch.float64))
+
+    def forward(self, x, write_batch: bool = True):
+        with torch.no_grad():
+            self.calls.add_(1)
+            if write_batch:
+                self.seen.add_(x.shape[0])
+                self.mean_x.copy_(x.mean(0))
+        return self.lin(x)
+
+
+def step_state(model: nn.Module, step, generator: torch.Generator) -> list:
+    """What a refused step must leave as it was: parameters, buffers, the step count, the noise generator."""
+    return [*(t.clone() for t in model.state_dict().values()), step.steps_taken, generator.get_state()]
+
+
+def assert_unchanged(before: list, after: list) -> None:
+    assert len(before) == len(after)
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("buckets", [(4, 8), (2,)], ids=["one-piece", "micro-batches"])
+def test_public_buffer_written_from_the_batch_is_refused(buckets):
+    """A public buffer written from the padded batch would count the padded copies (``seen`` 4 for 3 samples,
+    ``mean_x`` over the copies): refused before anything runs, naming the buffers and the fix."""
+    m = Counting()
+    g = torch.Generator().manual_seed(0)
+    step = compile_step(lambda x, y: F.cross_entropy(m(x), y), m, torch.optim.SGD(m.parameters(), lr=LR),
+                        max_grad_norm=C, noise_multiplier=1.0, expected_batch_size=4.0, generator=g,
+                        public_buffers=["seen", "mean_x"], batch_buckets=buckets)
+    x, y = batch(3, (6,))
+    before = step_state(m, step, g)
+    with pytest.raises(DPConfigError, match=r"(?s)public buffer 'seen'.*public buffer 'mean_x'.*batch_buckets=None"):
+        step(x, y)
+    assert_unchanged(before, step_state(m, step, g))
+    # without buckets the buffers are the batch's
+    m2 = Counting()
+    step2 = compile_step(lambda x, y: F.cross_entropy(m2(x), y), m2, torch.optim.SGD(m2.parameters(), lr=LR),
+                         max_grad_norm=C, expected_batch_size=4.0, public_buffers=["seen", "mean_x"])
+    step2(x, y)
+    assert m2.seen.item() == 3 and torch.equal(m2.mean_x, x.mean(0))
+
+
+def test_public_buffer_written_without_the_batch_passes():
+    """A write that does not read the batch (a call counter) is the same padded or not: it passes."""
+    runs = []
+    for buckets in ((4, 8), None):
+        m = Counting()
+        step = compile_step(lambda x, y, m=m: F.cross_entropy(m(x, write_batch=False), y), m,
+                            torch.optim.SGD(m.parameters(), lr=LR), max_grad_norm=C, expected_batch_size=4.0,
+                            public_buffers=["calls"], batch_buckets=buckets)
+        for n in (3, 5):
+            step(*batch(n, (6,)))
+        assert m.calls.item() == 2
+        runs.append(m)
+    assert_params(*runs)
+
+
+@pytest.mark.parametrize("buckets", [(4, 8), (2,)], ids=["one-piece", "micro-batches"])
+def test_write_to_a_batched_argument_is_refused(buckets):
+    """The loss runs on a padded copy of the batch: its write into ``x`` would be lost (one piece) or reach the
+    first micro-batch's rows only. Refused before anything runs, naming the argument, its line and the fix."""
+    m = nn.Linear(6, 3).double()
+    g = torch.Generator().manual_seed(0)
+
+    def loss(x, y):
+        with torch.no_grad():
+            x.mul_(2)
+        return F.cross_entropy(m(x), y)
+
+    step = compile_step(loss, m, torch.optim.SGD(m.parameters(), lr=LR), max_grad_norm=C, noise_multiplier=1.0,
+                        expected_batch_size=4.0, generator=g, batch_buckets=buckets)
+    x, y = batch(3, (6,))
+    x_before, before = x.clone(), step_state(m, step, g)
+    with pytest.raises(DPConfigError, match=r"(?s)argument 0 \(x\) of the loss, written at .*x.mul_\(2\).*"
+                                            r"batch_buckets=None"):
+        step(x, y)
+    assert torch.equal(x, x_before)
+    assert_unchanged(before, step_state(m, step, g))
+
+
+def singular_loss(m: nn.Module):
+    return lambda x: torch.linalg.inv(m(x).view(-1, 2, 2) * 0 + x.view(-1, 2, 2)).sum()
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["program", "eager-first-step"])
+@pytest.mark.parametrize("buckets, n, bad, named", [
+    pytest.param((4,), 3, [0], "[0] of the batch (counting from 0) fail it, the others pass", id="first-copied"),
+    pytest.param((2, 4), 5, [4], "[4] of the batch (counting from 0) fail it, the others pass", id="last-piece"),
+    pytest.param((8,), 3, [0, 2], "[0, 2] of the batch (counting from 0) fail it, the others pass", id="two"),
+    pytest.param((4,), 6, [4], "[4] of the batch (counting from 0) fail it, the others pass", id="piece-copied"),
+])
+def test_failing_samples_are_named_at_their_positions_in_the_batch(buckets, n, bad, named, momentum):
+    """A padded copy of a failing sample is that sample: the error names the user's positions only, each once
+    (a padded piece's copies map back to the sample they copy), with micro-batches offset as without buckets."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    step = compile_step(singular_loss(m), m, torch.optim.SGD(m.parameters(), lr=LR, momentum=momentum),
+                        max_grad_norm=C, expected_batch_size=4.0, batch_buckets=buckets)
+    x = torch.eye(2).flatten().repeat(n, 1)
+    x[bad] = 0
+    with pytest.raises(BatchInputError, match=re.escape(f"The samples at positions {named}")):
+        step(x)
 
 
 @pytest.mark.parametrize("buckets, why", [

@@ -13,6 +13,11 @@ norm's zero factor gives 0 even where the other factor overflows, ``_rewrite/con
 ``real_rows`` gives the loss from the real rows' own losses and their norms; the batch size the step counts,
 divides by (``expected_batch_size=None``) and accounts for is the user's.
 
+What padding cannot make exact is refused before a step runs (``release.refuse_padded_writes``): a public
+buffer written from the batch (its new value reads the padded rows or the bucket's size) and a write into a
+batched argument (it would go into the padded copy). A failing sample's error names the user's positions: a
+padded row is the sample it copies (``source_row``).
+
 The rows of one piece: index letters n (the bucket), b (the real samples)::
 
     index = [0, 1, ..., b-1, 0, ..., 0]              # [n]
@@ -86,6 +91,11 @@ class PaddedCall:
     args: tuple
     batch_size: int
     real: int
+
+
+def source_row(row: int, b: int) -> int:
+    """The sample of a piece of ``b`` real samples that row ``row`` of its padded batch copies (``pad``)."""
+    return row if row < b else 0
 
 
 def pad(batch: tuple, dims: dict[int, int], b: int, bucket: int) -> tuple:

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .._compile.run import CompiledGraph, failed_check_error
 from .._errors import BatchInputError
-from .buckets import real_rows, real_size
+from .buckets import PaddedCall, real_rows, real_size, source_row
 from .config import DPConfig
 from .eager import eager_update
 from .fuse import StepProgram, commit
@@ -71,17 +71,21 @@ class _SameBuffers:
 
 
 @contextlib.contextmanager
-def _positions_from(offset: int, size: int, total: int) -> Iterator[None]:
-    """A failed check of the loss (a singular matrix) inside a micro-batch of ``size`` samples whose first is at
-    ``offset`` of the user's batch of ``total`` names the failing samples' positions in the user's batch, and says
-    that the later micro-batches' samples were not checked."""
+def _positions_from(offset: int, piece, total: int) -> Iterator[None]:
+    """A failed check of the loss (a singular matrix) inside ``piece``, a micro-batch whose first sample is at
+    ``offset`` of the user's batch of ``total``, names the failing samples' positions in the user's batch, and says
+    that the later micro-batches' samples were not checked. A padded piece's rows past its real samples are copies
+    of a real one (``buckets.source_row``): they name that sample, once."""
+    size = real_size(piece)
     try:
         yield
     except BatchInputError as e:
-        if size == total or not getattr(e, "failing_samples", None):
+        samples = getattr(e, "failing_samples", None)
+        if not samples or (size == total and not isinstance(piece, PaddedCall)):
             raise
+        own = sorted({source_row(s, size) for s in samples})
         unchecked = offset + size if offset + size < total else None
-        raise failed_check_error(e.failed_check, e.failing_samples, offset, unchecked) from e.__cause__
+        raise failed_check_error(e.failed_check, own, offset, unchecked) from e.__cause__
 
 
 def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry, buffers: _SameBuffers | None = None,
@@ -94,7 +98,7 @@ def _sums_of(step, config: DPConfig, pieces: list, runner=lambda entry: entry, b
     for c in pieces:
         if buffers is not None:
             buffers.before_piece()
-        with _positions_from(offset, real_size(c), total), drawing(step):
+        with _positions_from(offset, c, total), drawing(step):
             loss, per_sample, result = run_per_sample(step.inputs, runner(c.entry), config, c.params, c.args,
                                                       c.batch_size)
         offset += real_size(c)
@@ -117,7 +121,7 @@ def fused_path(step, config: DPConfig, built: tuple[StepProgram, CompiledGraph],
     with drawing(step):
         extra = step.inputs.for_program(config, program.inputs, batch_size, partial=partial)
         step.released_config = config
-        with _positions_from(batch_size - real_size(last), real_size(last), batch_size):
+        with _positions_from(batch_size - real_size(last), last, batch_size):
             outputs = dict(zip(program.outputs, compiled.run(last.params, last.args, last.batch_size, extra),
                                strict=True))
     # the update, written into the user's tensors only now that the program has run whole (``fuse.commit``): no

@@ -145,3 +145,35 @@ def _writer_line(value: fx.Node) -> str:
             seen.add(node)
             stack.extend(node.all_input_nodes)
     return "an unknown source line"
+
+
+def refuse_padded_writes(captured: Captured, model: nn.Module, public_buffers: Iterable[str],
+                         loss_fn: object = None) -> None:
+    """Under ``batch_buckets`` (``buckets.py``), raise ``DPConfigError`` naming each public buffer the loss writes
+    from the batch and each batched argument it writes, the line that writes it and the fix. The loss runs on
+    the padded batch: a buffer's new value would read the padded copies or the bucket's size
+    (``self.seen.add_(x.shape[0])``), which no re-weighting undoes, and an argument's write would go into the
+    padded copy of the argument, not the caller's tensor. Writes that do not read the batch (a step counter)
+    pass: padding does not change them."""
+    names = {id(t): n for n, t in model.named_buffers(remove_duplicate=False)}
+    public = set(public_buffers)
+    found = []
+    for index, value in batch_dependent_writes(captured):
+        name = names.get(id(captured.constants.get(index)))
+        if captured.roles[index].kind == "const" and name in public:
+            found.append(f"public buffer {name!r}, written at {_writer_line(value)}, would read the padded batch "
+                         "(the copies of its first sample, the bucket's size as the batch size)")
+    if captured.mutated and captured.mutation_graph is not None:
+        values = captured.mutation_graph.graph.output_node().args[0]
+        for index, value in zip(captured.mutated, values, strict=True):
+            role = captured.roles[index]
+            if role.kind == "arg" and role.batched:
+                where = _writer_line(value) if isinstance(value, fx.Node) else "an unknown source line"
+                found.append(f"{_argument(loss_fn, role.key)}, written at {where}, would be written into the padded "
+                             "copy of the argument, not your tensor")
+    if found:
+        raise DPConfigError(
+            "with batch_buckets the loss runs on each (micro-)batch padded with copies of its first sample, and it "
+            "writes tensors whose new values would not be the batch's: " + "; ".join(found) + ". No step was "
+            "taken. Fix: batch_buckets=None (and cuda_graphs=False), or move the write out of the loss (update "
+            "the buffer or the tensor from the real batch before or after the step)")

@@ -56,7 +56,7 @@ from .inputs import StepInputs
 from .paths import drawing, eager_path, eager_update_of, fused_path
 from .programs import ProgramCache
 from .reduction import dp_clip_for, resolve_reduction
-from .release import refuse_private_writes
+from .release import refuse_padded_writes, refuse_private_writes
 from .results import micro_batches, split_result
 from .settings import StepSettings
 from .transaction import Snapshot
@@ -219,9 +219,13 @@ class DPStep(StepSettings):
     def prepare_batch(self, f, batch: tuple):
         """``f.prepare_call(*batch)``, refused (``DPConfigError``) when the loss writes a parameter or a buffer
         not in ``public_buffers`` from the batch: the model would carry it out of the step un-noised
-        (``release.py``). Before anything runs."""
+        (``release.py``); with ``batch_buckets``, also when it writes a public buffer from the batch or a batched
+        argument (``release.refuse_padded_writes``). Before anything runs."""
         call = f.prepare_call(*batch)
-        refuse_private_writes(call.entry.rewritten.captured, self.model, self.public_buffers, f.fn)
+        captured = call.entry.rewritten.captured
+        refuse_private_writes(captured, self.model, self.public_buffers, f.fn)
+        if self.batch_buckets is not None:  # the loss runs on the padded batch (``buckets.py``)
+            refuse_padded_writes(captured, self.model, self.public_buffers, f.fn)
         return call
 
     @property
