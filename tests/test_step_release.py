@@ -289,6 +289,27 @@ def test_an_unbatched_argument_written_from_the_batch_is_refused_naming_it():
                      noise_multiplier=1.0, backend="eager")(*_batch())
 
 
+@pytest.mark.parametrize("micro_batches", [None, 2], ids=["whole", "micro_batches"])
+def test_a_write_into_a_strided_batch_reaches_the_callers_tensor(micro_batches):
+    """Round M: the step passed the loss a contiguous copy of ``x = torch.ones(3, 6)[:, ::2]`` and dropped its
+    write, where per_sample (and eager torch) write the caller's tensor, as docs/semantics.md says."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+
+    def scales_its_batch(x, y):
+        with torch.no_grad():
+            x.mul_(2)
+        return F.cross_entropy(model(x), y)
+
+    step = psg.compile_step(scales_its_batch, model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                            expected_batch_size=4.0, backend="eager", max_physical_batch_size=micro_batches)
+    for _ in range(2):  # the eager first step, then the program's
+        storage = torch.ones(3, 6)
+        x = storage[:, ::2]
+        step(x, torch.tensor([0, 1, 0]))
+        assert torch.equal(x, torch.full((3, 3), 2.0)) and torch.equal(storage[:, 1::2], torch.ones(3, 3))
+
+
 class _AliasedBias(nn.Module):
     def __init__(self):
         super().__init__()

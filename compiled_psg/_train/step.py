@@ -142,6 +142,7 @@ class DPStep(StepSettings):
                                               dist_utils.is_distributed() if distributed is None else distributed)
         self.cuda_graphs = cuda_graphs
         self._seed_weights = buckets_.SeedWeights()
+        self._written_arguments: set[int] = set()  # positions the loss writes in place (``prepare_batch``)
         self.max_physical_batch_size = max_physical_batch_size
         check_loss(loss_fn)
         self._new_per_sample = lambda reduction: PerSampleFunction(
@@ -226,6 +227,8 @@ class DPStep(StepSettings):
         refuse_private_writes(captured, self.model, self.public_buffers, f.fn)
         if self.batch_buckets is not None:  # the loss runs on the padded batch (``buckets.py``)
             refuse_padded_writes(captured, self.model, self.public_buffers, f.fn)
+        self._written_arguments.update(captured.roles[i].key for i in captured.mutated
+                                       if captured.roles[i].kind == "arg")
         return call
 
     @property
@@ -334,7 +337,8 @@ class DPStep(StepSettings):
         # the model's dtype may have changed since the config was set
         config.check_noise_range(self._acc_dtype(), self._grad_dtype())
         check_optimizer_scalars(self.optimizer)  # settings are the user's to change between steps
-        batch = contiguous_batch(batch)
+        given, batch = batch, contiguous_batch(batch)
+        self._written_arguments.clear()
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
         # after the checks above: what a failed step restores (the eager update adds the parameters to it)
@@ -345,6 +349,9 @@ class DPStep(StepSettings):
             if snapshot is not None:  # the update is applied (eager or committed): from here on it is kept
                 snapshot.restorable = False
             self._count_release(config, counted)  # the update is applied: counted before anything else can fail
+            for pos in self._written_arguments:  # the loss wrote the contiguous copy of a strided argument
+                if batch[pos] is not given[pos]:
+                    given[pos].copy_(batch[pos])
         except BaseException:
             if snapshot is not None and snapshot.restorable and not counted:
                 if snapshot.released:  # the user's code could see the noisy update: counted, its noise kept spent
