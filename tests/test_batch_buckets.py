@@ -8,6 +8,7 @@ import copy
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -381,11 +382,19 @@ def test_failing_samples_are_named_at_their_positions_in_the_batch(buckets, n, b
 
 @pytest.mark.parametrize("buckets, why", [
     ((0, 4), "positive"), ((4, 4), "increasing"), ((8, 4), "increasing"), ((4.0, 8), "int"), ("48", "int"),
-    ((), "at least one"), ((True, 4), "int"), (8, "sequence"),
+    ((), "at least one"), ((True, 4), "int"), (8, "sequence"), ((np.True_, 4), "ints, got bool"),
+    ((np.float32(2), 4), "ints, got float32"), ((torch.tensor(2), 4), r"ints, got Tensor tensor\(2\)"),
 ])
 def test_invalid_buckets_are_refused(buckets, why):
     with pytest.raises(DPConfigError, match=why):
         build(mlp(), buckets, max_grad_norm=C)
+
+
+def test_buckets_of_numpy_ints_are_taken_as_python_ints():
+    """numpy's integers are ints (``numbers.Integral``): np.int64 sizes were refused as "must hold ints". They are
+    stored as Python ints."""
+    _, step = build(mlp(), [np.int64(4), np.int32(8)], max_grad_norm=C)
+    assert step.batch_buckets == (4, 8) and {type(b) for b in step.batch_buckets} == {int}
 
 
 def test_buckets_larger_than_the_physical_batch_are_refused():

@@ -149,13 +149,26 @@ def test_embedding_max_norm_renorming_the_batch_rows_is_refused():
     assert torch.equal(model[0].weight, weight)
 
 
-@pytest.mark.parametrize("names, match", [(["nope"], "names no buffer"), ("running", "list of buffer names")])
+@pytest.mark.parametrize("names, match", [
+    (["nope"], "names no buffer"), ("running", "list of buffer names"), (5, "list of buffer names or None.*got int 5"),
+    ((n for n in ["running"]), "list of buffer names or None.*got generator"),
+    (["running", 3], r"got list \['running', 3\]"),
+], ids=["unknown", "string", "int", "generator", "not_a_name"])
 def test_public_buffers_must_name_buffers(names, match):
     model = Tracking()
     with pytest.raises(psg.DPConfigError, match=match):
         psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
                          torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, backend="eager",
                          public_buffers=names)
+
+
+def test_public_buffers_none_is_no_public_buffer():
+    """None raised a raw TypeError ('NoneType' object is not iterable): it is the default, no public buffer."""
+    model = Tracking()
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0, backend="eager",
+                            public_buffers=None)
+    assert step.public_buffers == frozenset()
 
 
 def test_the_clip_norm_covers_the_optimizers_parameters_and_the_rest_is_named():

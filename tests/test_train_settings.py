@@ -8,6 +8,7 @@ import itertools
 import math
 
 import dp_accounting
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -256,6 +257,85 @@ def test_schedulers_match_opacus_formulas():
         StepNoise(Holder(), step_size=0)
 
 
+def test_a_refused_scheduler_load_changes_nothing():
+    """A load_state_dict with a negative base noise was refused by the training only after the state was assigned:
+    the scheduler was left at the refused position, and every later step() failed; a missing key raised KeyError.
+    Each refusal is a DPConfigError naming the scheduler and the key; the scheduler and the training stay as they
+    were, and the schedule goes on from its own position."""
+    _, private = _private(noise_multiplier=1.0)
+    scheduler = ExponentialNoise(private, gamma=0.5)
+    scheduler.step()
+    scheduler.step()
+    saved = scheduler.state_dict()
+    assert saved == {"base_noise_multiplier": 1.0, "last_epoch": 2} and private.noise_multiplier == 0.25
+    for state, match in (
+            ({"base_noise_multiplier": -1.0, "last_epoch": 7}, "base_noise_multiplier must be a finite number >= 0, "
+                                                                "got -1.0"),
+            ({"base_noise_multiplier": math.inf, "last_epoch": 7}, "base_noise_multiplier must be a finite number"),
+            ({"base_noise_multiplier": "1.0", "last_epoch": 2}, "base_noise_multiplier must be a number, got str"),
+            ({"base_noise_multiplier": 1.0}, r"missing \['last_epoch'\]"),
+            ({**saved, "gamma": 0.5}, r"unknown \['gamma'\]"),
+            ([1.0, 2], "must be a dict .*, got list"),
+            ({"base_noise_multiplier": 1.0, "last_epoch": 2.5}, "last_epoch must be an int >= 0, got float 2.5"),
+            ({"base_noise_multiplier": 1.0, "last_epoch": True}, "last_epoch must be an int >= 0, got bool True"),
+            ({"base_noise_multiplier": 1.0, "last_epoch": -1}, "last_epoch must be an int >= 0, got int -1"),
+            ({"base_noise_multiplier": 0.0, "last_epoch": 3}, "noise_multiplier > 0")):  # the training's refusal
+        with pytest.raises(DPConfigError, match=match) as info:
+            scheduler.load_state_dict(state)
+        assert str(info.value).startswith("ExponentialNoise")
+        assert scheduler.state_dict() == saved and private.noise_multiplier == 0.25
+    scheduler.step()
+    assert private.noise_multiplier == 0.125 and scheduler.last_epoch == 3
+    scheduler.load_state_dict({"base_noise_multiplier": np.float32(2.0), "last_epoch": np.int64(1)})
+    state = scheduler.state_dict()
+    assert state == {"base_noise_multiplier": 2.0, "last_epoch": 1} and private.noise_multiplier == 1.0
+    assert type(state["base_noise_multiplier"]) is float and type(state["last_epoch"]) is int
+
+
+def _sigma_step(noise_multiplier=1.0):
+    model = nn.Linear(3, 2)
+    return compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        max_grad_norm=1.0, noise_multiplier=noise_multiplier, expected_batch_size=4.0,
+                        backend="eager")
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda t: LambdaNoise(t, lambda e: None), r"LambdaNoise: noise_lambda\(0\) must return a number, got NoneType"),
+    (lambda t: LambdaNoise(t, lambda e: "half"), r"LambdaNoise: noise_lambda\(0\) must return a number, got str"),
+    (lambda t: LambdaNoise(t, lambda e: True), r"LambdaNoise: noise_lambda\(0\) must return a number, got bool"),
+    (lambda t: LambdaNoise(t, lambda e: torch.tensor(0.5)), r"got Tensor tensor\(0.5000\): pass float\(t\)"),
+    (lambda t: LambdaNoise(t, lambda e: -0.5), r"LambdaNoise gave noise_multiplier=-0.5 at epoch 0"),
+    (lambda t: ExponentialNoise(t, gamma="0.9"), "ExponentialNoise: gamma must be a number, got str '0.9'"),
+    (lambda t: ExponentialNoise(t, gamma=None), "ExponentialNoise: gamma must be a number, got NoneType"),
+    (lambda t: ExponentialNoise(t, gamma=math.nan), "ExponentialNoise: gamma must be a positive finite number"),
+    (lambda t: ExponentialNoise(t, gamma=0.9, last_epoch="3"), "ExponentialNoise: last_epoch must be an int >= -1"),
+    (lambda t: StepNoise(t, 1, gamma=None), "StepNoise: gamma must be a number, got NoneType"),
+    (lambda t: StepNoise(t, 1, gamma=0.0), "StepNoise: gamma must be a positive finite number, got 0.0"),
+    (lambda t: StepNoise(t, True), "StepNoise: step_size must be a positive int, got bool True"),
+    (lambda t: StepNoise(t, 2.0), "StepNoise: step_size must be a positive int, got float 2.0"),
+], ids=["lambda_none", "lambda_str", "lambda_bool", "lambda_tensor", "lambda_negative", "gamma_str", "gamma_none",
+        "gamma_nan", "last_epoch_str", "step_gamma_none", "step_gamma_zero", "step_size_bool", "step_size_float"])
+def test_scheduler_settings_of_the_wrong_kind_are_refused_naming_them(make, match):
+    """Each raised a raw TypeError or ValueError (or, a bool step size, was taken as 1); each is a DPConfigError
+    naming the scheduler and the setting, and the step's noise stays as it was."""
+    step = _sigma_step()
+    with pytest.raises(DPConfigError, match=match):
+        make(step)
+    assert step.noise_multiplier == 1.0
+
+
+def test_a_refused_schedule_step_leaves_the_epoch_and_the_noise():
+    """A lambda that gives no number at a later epoch: that step() is refused, the schedule stays at its epoch and
+    the step at its noise; a numpy number is taken, as the Python float the step stores."""
+    step = _sigma_step()
+    schedule = LambdaNoise(step, lambda e: np.float32(0.5) if e < 2 else None)
+    schedule.step()
+    assert schedule.last_epoch == 1 and step.noise_multiplier == 0.5 and type(step.noise_multiplier) is float
+    with pytest.raises(DPConfigError, match=r"LambdaNoise: noise_lambda\(2\) must return a number, got NoneType"):
+        schedule.step()
+    assert schedule.last_epoch == 1 and step.noise_multiplier == 0.5
+
+
 def test_epsilon_without_poisson_sampling_warns():
     _, private = _private(poisson_sampling=False)
     for x, y in private.data_loader:
@@ -346,6 +426,69 @@ def test_objects_of_the_wrong_kind_are_refused_naming_the_argument():
         psg.poisson_loader(None, 0.1)
     with pytest.raises(DPConfigError, match="ExponentialNoise: training must be .* got NoneType"):
         ExponentialNoise(None, gamma=0.9)
+
+
+def test_numbers_of_numpy_types_are_taken_as_python_numbers():
+    """numpy's scalars are real numbers (``numbers.Real``): np.float32 noise and an np.int64 divisor were refused as
+    "not a finite number". Each is taken and stored as Python's float or int, so that no numpy scalar reaches the
+    step's program, the accountant or the saved state; the step equals the one built from Python numbers."""
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+
+    def run(**kw):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        step = compile_step(lambda a, b: F.cross_entropy(model(a), b), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), backend="eager",
+                            generator=torch.Generator().manual_seed(0), **kw)
+        step(x, y)
+        return model, step
+
+    numpy_model, step = run(max_grad_norm=np.float32(0.5), noise_multiplier=np.float32(1.0),
+                            expected_batch_size=np.int64(4), automatic_gamma=np.float16(0.5), clipping="automatic")
+    python_model, _ = run(max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=4, automatic_gamma=0.5,
+                          clipping="automatic")
+    assert all(torch.equal(p, q) for p, q in zip(numpy_model.parameters(), python_model.parameters(), strict=True))
+    config = step.last_config
+    assert (type(config.max_grad_norm), type(config.noise_multiplier), type(config.expected_batch_size),
+            type(config.automatic_gamma)) == (float, float, int, float)
+    step.noise_multiplier = np.float64(2.0)
+    step.max_grad_norm = np.int32(2)
+    assert type(step.noise_multiplier) is float and type(step.max_grad_norm) is float
+    per_layer = DPConfig([np.float32(1.0), np.int64(2)], clipping="per_layer")
+    assert per_layer.max_grad_norm == (1.0, 2.0) and {type(b) for b in per_layer.max_grad_norm} == {float}
+
+    _, private = _private(noise_multiplier=np.float32(1.0))
+    private.noise_multiplier = np.float32(0.5)
+    private.step(*next(iter(private.data_loader)))
+    assert private.accountant.history == [(0.5, 1 / 6, 1)] and type(private.accountant.history[0][0]) is float
+    with pytest.raises(DPConfigError, match="noise_multiplier > 0, got 0.0"):
+        private.noise_multiplier = np.float32(0.0)  # a private training needs noise, whatever the number's type
+    assert private.noise_multiplier == 0.5
+    accountant = psg.Accountant()
+    accountant.step(np.float32(2.0), 0.5)
+    assert type(accountant.history[0][0]) is float
+
+
+@pytest.mark.parametrize(("setting", "value", "match"), [
+    ("noise_multiplier", torch.tensor(1.0), r"noise_multiplier must be a number, got Tensor tensor\(1.\): pass "
+                                            r"float\(t\)"),
+    ("expected_batch_size", torch.tensor(4), r"expected_batch_size must be a number or None, got Tensor "
+                                             r"tensor\(4\): pass float\(t\)"),
+    ("max_grad_norm", torch.tensor(1.0), r"max_grad_norm must be a number.*got Tensor tensor\(1.\): pass "
+                                         r"float\(t\)"),
+    ("noise_multiplier", np.True_, "noise_multiplier must be a number, got bool"),
+    ("expected_batch_size", np.True_, "expected_batch_size must be a number or None, got bool"),
+    ("noise_multiplier", np.float32("nan"), r"noise_multiplier must be a finite number >= 0, got np.float32\(nan\)"),
+    ("noise_multiplier", 1 + 0j, "noise_multiplier must be a number, got complex"),
+], ids=["tensor_sigma", "tensor_divisor", "tensor_bound", "numpy_bool_sigma", "numpy_bool_divisor", "nan_float32",
+        "complex_sigma"])
+def test_numbers_that_are_not_real_numbers_are_refused_naming_their_type(setting, value, match):
+    """A one-element tensor was refused as "must be a finite number >= 0"; the refusal names its type and the fix."""
+    model = nn.Linear(3, 2)
+    options = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, setting: value}
+    with pytest.raises(DPConfigError, match=match):
+        compile_step(lambda x: model(x).sum(), model, torch.optim.SGD(model.parameters(), lr=0.1), backend="eager",
+                     **options)
 
 
 def _wide_step(dtype: torch.dtype, bound: float, lr: float = 1e-30, **kw):

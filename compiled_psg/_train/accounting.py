@@ -162,7 +162,7 @@ class Accountant:
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         check_sample_rate(sample_rate)  # dp-accounting would refuse it only at epsilon(), on every call
-        check_noise_multiplier(noise_multiplier)
+        noise_multiplier = check_noise_multiplier(noise_multiplier)  # a Python float in the history
         check_steps(steps)
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
             sigma, q, n = self.history[-1]

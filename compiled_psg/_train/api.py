@@ -24,7 +24,7 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
                  automatic_gamma: float = 0.01, target_unclipped_quantile: float = 0.5,
                  clipbound_learning_rate: float = 0.2, unclipped_num_std: float | None = None,
                  min_clipbound: float = 0.0, max_clipbound: float = math.inf,
-                 memory_budget: float | None = None, public_buffers: Sequence[str] = (),
+                 memory_budget: float | None = None, public_buffers: Sequence[str] | None = (),
                  transactional: bool = True, batch_buckets: Sequence[int] | None = None,
                  cuda_graphs: bool = False) -> DPStep:
     """Build ``step(*batch) -> loss``: one (DP-)SGD step of ``optimizer`` on ``model``'s parameters, compiled as
@@ -85,7 +85,7 @@ def compile_step(loss_fn: Callable, model: nn.Module, optimizer: torch.optim.Opt
     Nothing computed from the batch leaves the step but the noisy update: a loss that writes a parameter or a
     buffer from the batch (a running statistic under ``no_grad``, ``Embedding(max_norm=...)``'s renorm) is refused
     with ``DPConfigError`` before the step runs. ``public_buffers``: names of buffers whose writes you declare
-    public (released as they are, outside the DP guarantee).
+    public (released as they are, outside the DP guarantee; None: none).
 
     A step is a transaction (``transactional=True``): if it raises before its update is committed (a refused
     batch, an out-of-memory error in the program, the compile at the end of the first step, an interrupt), the

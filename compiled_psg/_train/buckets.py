@@ -34,6 +34,7 @@ import torch
 
 from .._compile.run import CompiledGraph
 from .._errors import DPConfigError
+from .config import is_int
 
 
 def check_buckets(value: object) -> tuple[int, ...] | None:
@@ -47,14 +48,15 @@ def check_buckets(value: object) -> tuple[int, ...] | None:
         raise DPConfigError("batch_buckets must hold at least one size, got an empty sequence. Fix: "
                             "batch_buckets=None (no padding) or e.g. (8, 16, 32, 64)")
     for b in value:
-        if isinstance(b, bool) or not isinstance(b, int):
+        if not is_int(b):
             raise DPConfigError(f"batch_buckets must hold ints, got {type(b).__name__} {b!r} in {value!r}")
         if b <= 0:
             raise DPConfigError(f"batch_buckets must hold positive sizes, got {b} in {value!r}")
-    if any(a >= b for a, b in zip(value, value[1:], strict=False)):
+    sizes = tuple(int(b) for b in value)  # numpy's integers as Python's: the sizes reach shapes and the saved state
+    if any(a >= b for a, b in zip(sizes, sizes[1:], strict=False)):
         raise DPConfigError(f"batch_buckets must be strictly increasing (sorted, no duplicates), got {value!r}. "
-                            f"Fix: batch_buckets={tuple(sorted(set(value)))}")
-    return tuple(value)
+                            f"Fix: batch_buckets={tuple(sorted(set(sizes)))}")
+    return sizes
 
 
 def check_fits(buckets: tuple[int, ...] | None, max_physical_batch_size: int | None) -> None:

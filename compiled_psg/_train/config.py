@@ -17,6 +17,7 @@ Sensitivity (add or remove one sample) of the clipped sum, which the noise std i
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -30,34 +31,56 @@ LOSS_REDUCTIONS = ("mean", "sum")
 CLIPPING = ("flat", "per_layer", "automatic", "adaptive", "custom")
 
 
-def _is_number(value) -> bool:
-    """A real number, not a bool (``True`` is an int to Python, and a slip for a setting)."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def is_number(value) -> bool:
+    """A real number of any type ``numbers.Real`` covers (Python's, numpy's scalars), not a bool: ``True`` is an
+    int to Python, and a slip for a setting (numpy's ``bool_`` is no ``numbers.Real``)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_number(name: str, value, *, optional: bool = False) -> None:
-    """``value`` is a real number (or None where ``optional``): else a DPConfigError naming the setting, before a
-    comparison with it raises a raw TypeError."""
-    if not (_is_number(value) or (optional and value is None)):
-        raise DPConfigError(f"{name} must be a number{' or None' if optional else ''}, got "
-                            f"{type(value).__name__} {value!r}")
+def is_int(value) -> bool:
+    """An integer of any type ``numbers.Integral`` covers (Python's int, numpy's integers), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_noise_multiplier(value) -> None:
-    """A finite number >= 0: NaN, infinite or negative noise has no privacy meaning (infinite noise turns every
-    parameter into inf/NaN, and an accountant would report epsilon 0)."""
-    if not (_is_number(value) and 0 <= value < math.inf):
-        raise DPConfigError(f"noise_multiplier must be a finite number >= 0, got {value!r}")
+def as_python(value: numbers.Real) -> int | float:
+    """A real number as Python's int (an integer type) or float: a numpy scalar kept as a setting would reach the
+    step's program, the accountant's history and the saved state."""
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def not_a_number(name: str, value: object, expected: str = "be a number") -> DPConfigError:
+    """The refusal of ``value`` for the setting ``name`` ("{name} must {expected}"), naming its type; a
+    one-element tensor names the fix."""
+    fix = ": pass float(t)" if isinstance(value, torch.Tensor) and value.numel() == 1 else ""
+    return DPConfigError(f"{name} must {expected}, got {type(value).__name__} {value!r}{fix}")
+
+
+def check_number(name: str, value, *, optional: bool = False) -> int | float | None:
+    """``value`` as a Python number (``as_python``), or None where ``optional``; else a DPConfigError naming the
+    setting, before a comparison with it raises a raw TypeError."""
+    if optional and value is None:
+        return None
+    if not is_number(value):
+        raise not_a_number(name, value, "be a number or None" if optional else "be a number")
+    return as_python(value)
+
+
+def check_noise_multiplier(value, name: str = "noise_multiplier") -> float:
+    """``value`` as a Python float if it is a finite number >= 0: NaN, infinite or negative noise has no privacy
+    meaning (infinite noise turns every parameter into inf/NaN, and an accountant would report epsilon 0)."""
+    sigma = check_number(name, value)
+    if not 0 <= sigma < math.inf:
+        raise DPConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(sigma)
 
 
 def _as_bound(value):
     """A float, or a tuple of floats for per-group bounds (lists are accepted and frozen)."""
-    if value is None or _is_number(value):
+    if value is None or is_number(value):
         return None if value is None else float(value)
-    if isinstance(value, Sequence) and not isinstance(value, str) and all(_is_number(v) for v in value):
+    if isinstance(value, Sequence) and not isinstance(value, str) and all(is_number(v) for v in value):
         return tuple(float(v) for v in value)
-    raise DPConfigError(f"max_grad_norm must be a number, a list of numbers (clipping='per_layer') or None, "
-                        f"got {type(value).__name__}")
+    raise not_a_number("max_grad_norm", value, "be a number, a list of numbers (clipping='per_layer') or None")
 
 
 _LOG_FLOAT_MAX = math.log(sys.float_info.max)
@@ -117,13 +140,12 @@ class DPConfig:
             raise DPConfigError(f"clipping must be one of {CLIPPING}, got {self.clipping!r}")
         for name in ("automatic_gamma", "target_unclipped_quantile", "clipbound_learning_rate", "min_clipbound",
                      "max_clipbound"):
-            check_number(name, getattr(self, name))
-        check_number("expected_batch_size", self.expected_batch_size, optional=True)
-        check_number("unclipped_num_std", self.unclipped_num_std, optional=True)
-        check_noise_multiplier(self.noise_multiplier)
+            object.__setattr__(self, name, check_number(name, getattr(self, name)))
+        for name in ("expected_batch_size", "unclipped_num_std"):
+            object.__setattr__(self, name, check_number(name, getattr(self, name), optional=True))
+        object.__setattr__(self, "noise_multiplier", check_noise_multiplier(self.noise_multiplier))
         bound = _as_bound(self.max_grad_norm)
         object.__setattr__(self, "max_grad_norm", bound)
-        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
         bounds = bound if isinstance(bound, tuple) else (bound,)
         if bound is not None and not all(b > 0 for b in bounds):
             raise DPConfigError(f"max_grad_norm must be positive, got {self.max_grad_norm}")

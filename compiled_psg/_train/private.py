@@ -18,7 +18,7 @@ from . import distributed as dist_utils
 from .accounting import Accountant, calibrate_noise, check_delta, check_sample_rate, check_steps
 from .api import check_noise_source, compile_step
 from .checkpoint import check_state_kind, load_step_state, saved_step_count
-from .config import check_noise_multiplier
+from .config import check_noise_multiplier, is_number
 from .sampling import PoissonBatchSampler, check_batched, dataset_of, poisson_loader
 from .step import DPStep, refuse_copy
 
@@ -190,7 +190,7 @@ class PrivateTraining:
                 "the training afresh")
         saved = state["dataset_size"]
         if saved != self.dataset_size:
-            sizes = ("" if not isinstance(saved, int | float) or isinstance(saved, bool) else
+            sizes = ("" if not is_number(saved) else
                      f" (expected batch size {self.sample_rate * saved} against {self.sample_rate * self.dataset_size}"
                      " here, the gradient's divisor)")
             raise DPConfigError(
@@ -217,7 +217,7 @@ class PrivateTraining:
                 raise DPConfigError(f"the saved accountant's history entry {k} must be {shape} with steps a "
                                     f"positive int, got {n!r}{fix}")
             try:
-                check_noise_multiplier(sigma)
+                sigma = check_noise_multiplier(sigma)
             except DPConfigError as error:
                 raise DPConfigError(f"the saved accountant's history entry {k}: {error}{fix}") from None
             if q != self.sample_rate:

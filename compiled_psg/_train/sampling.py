@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .._errors import BatchInputError, DPConfigError, require_flag
 from .accounting import check_sample_rate
+from .config import is_number
 from .dp import secure_uniform
 
 
@@ -115,7 +116,7 @@ class PoissonBatchSampler:
                                 f"{sorted(state) if isinstance(state, dict) else type(state).__name__}). Nothing was "
                                 "loaded. Fix: load the state saved by PrivateTraining.state_dict()")
         rate, size = state["sample_rate"], state["num_samples"]
-        if not (_is_number(rate) and _is_number(size)) or float(rate) != float(self.sample_rate) \
+        if not (is_number(rate) and is_number(size)) or float(rate) != float(self.sample_rate) \
                 or size != self.num_samples:
             raise DPConfigError(
                 f"the saved Poisson sampler drew from {size!r} examples at sample_rate {rate!r}, this one from "
@@ -150,10 +151,6 @@ class PoissonBatchSampler:
 
 #: the keys of ``PoissonBatchSampler.state_dict()``: the position, and the sampling it is a position in
 _STATE_KEYS = {"epoch_state", "drawn", "sample_rate", "num_samples"}
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class _CollateWithEmpty:

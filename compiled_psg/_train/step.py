@@ -34,6 +34,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 import torch.nn as nn
@@ -111,7 +112,7 @@ class DPStep(StepSettings):
                  loss_reduction: str = "mean", secure_rng: bool = False, backend: str = "inductor",
                  generator: torch.Generator | None = None, in_dims=0, distributed: bool | None = None,
                  max_physical_batch_size: int | None = None, clipping: str = "flat",
-                 public_buffers: Sequence[str] = (), transactional: bool = True, batch_buckets=None,
+                 public_buffers: Sequence[str] | None = (), transactional: bool = True, batch_buckets=None,
                  cuda_graphs: bool = False, **clipping_options):
         from .._api import PerSampleFunction, check_loss
 
@@ -508,9 +509,14 @@ _UNFIT_OPTIMIZERS = {
 }
 
 
-def _public_buffers(model: nn.Module, names: Sequence[str]) -> frozenset[str]:
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise DPConfigError(f"public_buffers must be a list of buffer names, got {names!r}")
+def _public_buffers(model: nn.Module, names: Sequence[str] | None) -> frozenset[str]:
+    if names is None:
+        return frozenset()  # the default's meaning, ()
+    # a collection, not any iterable: a generator would be used up by this check
+    if isinstance(names, str | bytes) or not isinstance(names, Sequence | AbstractSet) \
+            or not all(isinstance(n, str) for n in names):
+        raise DPConfigError(f"public_buffers must be a list of buffer names or None (no public buffer), got "
+                            f"{type(names).__name__} {names!r}")
     known = {n for n, _ in model.named_buffers(remove_duplicate=False)}
     unknown = sorted(set(names) - known)
     if unknown:
