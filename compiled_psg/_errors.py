@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 
@@ -50,3 +51,20 @@ def require_flag(name: str, value: object, error: type[PerSampleError]) -> bool:
     if not isinstance(value, bool):
         raise error(f"{name} must be True or False, got {type(value).__name__} {value!r}")
     return value
+
+
+def is_number(value) -> bool:
+    """A real number of any type ``numbers.Real`` covers (Python's, numpy's scalars), not a bool: ``True`` is an
+    int to Python, and a slip for a setting (numpy's ``bool_`` is no ``numbers.Real``)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_int(value) -> bool:
+    """An integer of any type ``numbers.Integral`` covers (Python's int, numpy's integers), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def as_python(value: numbers.Real) -> int | float:
+    """A real number as Python's int (an integer type) or float: a numpy scalar kept as a setting would reach the
+    step's program, the accountant's history and the saved state."""
+    return int(value) if isinstance(value, numbers.Integral) else float(value)

@@ -4,6 +4,7 @@ multiplier each step used; noise schedules; refusals of invalid settings."""
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 import math
 
@@ -465,8 +466,26 @@ def test_numbers_of_numpy_types_are_taken_as_python_numbers():
         private.noise_multiplier = np.float32(0.0)  # a private training needs noise, whatever the number's type
     assert private.noise_multiplier == 0.5
     accountant = psg.Accountant()
-    accountant.step(np.float32(2.0), 0.5)
-    assert type(accountant.history[0][0]) is float
+    accountant.step(np.float32(2.0), np.float64(0.5), np.int64(2))
+    assert [type(v) for v in accountant.history[0]] == [float, float, int]
+
+
+def test_the_other_numeric_settings_take_numpy_numbers_too():
+    """``clip_sum(np.float32(1))``, ``memory_budget``, ``sample_rate``, ``target_delta``, ``epochs`` and
+    ``max_physical_batch_size`` of numpy types were refused as "must be a number"; each is kept as a Python number
+    (a numpy scalar in a saved state would not load under ``torch.load(weights_only=True)``)."""
+    assert psg.clip_sum(np.float32(1.0), memory_budget=np.int64(0)) == psg.clip_sum(1.0, memory_budget=0)
+    _, private = _private(noise_multiplier=None, target_epsilon=np.float32(8.0), epochs=np.int64(1),
+                          target_delta=np.float32(1e-5), sample_rate=np.float64(0.2),
+                          max_physical_batch_size=np.int64(4))
+    assert (type(private.sample_rate), type(private.target_delta), type(private.dp_step.max_physical_batch_size)) \
+        == (float, float, int)
+    private.step(*next(iter(private.data_loader)))
+    state = private.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)  # plain Python numbers throughout
 
 
 @pytest.mark.parametrize(("setting", "value", "match"), [

@@ -18,7 +18,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._analyze.batch_dims import value_of
 from .._analyze.layout import weighted_batch_sum
-from .._errors import BatchInputError, PerSampleError, require_flag
+from .._errors import BatchInputError, PerSampleError, is_number, require_flag
 from .context import ReduceContext
 
 Shapes = Mapping[str, tuple[torch.Size, torch.dtype, torch.device]]
@@ -206,7 +206,7 @@ def norms(per_parameter: bool = False) -> Norms:
 def clip_sum(max_norm: float, *, return_norms: bool = False, memory_budget: float | None = None) -> ClipSum:
     """The sum of per-sample gradients each clipped to ``max_norm`` (optionally with the norms), within
     ``memory_budget`` bytes of per-sample values at the peak (None: the fastest plan; see ``DPClip``)."""
-    if isinstance(max_norm, bool) or not (isinstance(max_norm, int | float) and max_norm > 0):
+    if not (is_number(max_norm) and max_norm > 0):
         raise BatchInputError(f"clip_sum: max_norm must be positive, a number, got {max_norm!r}")
     return ClipSum(float(max_norm), require_flag("clip_sum: return_norms", return_norms, BatchInputError),
                    check_memory_budget(memory_budget, BatchInputError))
@@ -216,7 +216,7 @@ def check_memory_budget(budget, error: type[Exception]) -> float | None:
     """``budget`` as a float (bytes), or None; ``error`` for anything else than a number >= 0."""
     if budget is None:
         return None
-    if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget >= 0:
+    if not (is_number(budget) and budget >= 0):
         raise error(f"memory_budget must be None or a number of bytes >= 0 (0: hold as little per sample as "
                     f"the strategies allow), got {budget!r}")
     return float(budget)

@@ -13,7 +13,7 @@ import logging
 import math
 import warnings
 
-from .._errors import DPConfigError
+from .._errors import DPConfigError, is_int, is_number
 from .config import check_noise_multiplier
 
 MECHANISMS = ("rdp", "pld", "prv", "opacus-rdp")
@@ -25,23 +25,28 @@ def _check(mechanism: str) -> None:
         raise DPConfigError(f"accountant must be one of {MECHANISMS}, got {mechanism!r}")
 
 
-def check_delta(delta: float) -> None:
-    if not (isinstance(delta, int | float) and 0 < delta < 1):
+def check_delta(delta: float) -> float:
+    """``delta`` as a Python float (the checks return what the caller keeps: no numpy scalar reaches a saved
+    state, which ``torch.load(weights_only=True)`` would refuse)."""
+    if not (is_number(delta) and 0 < delta < 1):
         raise DPConfigError(f"delta must be a number in (0, 1), got {delta!r}: epsilon is undefined at delta <= 0 (no "
                             "finite noise reaches it) and meaningless at delta >= 1")
+    return float(delta)
 
 
-def check_sample_rate(sample_rate: float) -> None:
-    if isinstance(sample_rate, bool) or not (isinstance(sample_rate, int | float) and 0 < sample_rate <= 1):
+def check_sample_rate(sample_rate: float) -> float:
+    if not (is_number(sample_rate) and 0 < sample_rate <= 1):
         raise DPConfigError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}: it is the probability "
                             "that a sample joins a batch. Fix: batch size / dataset size (make_private's default "
                             "when sample_rate=None)")
+    return float(sample_rate)
 
 
-def check_steps(steps: int, name: str = "steps") -> None:
-    if isinstance(steps, bool) or not (isinstance(steps, int) and steps >= 1):
+def check_steps(steps: int, name: str = "steps") -> int:
+    if not (is_int(steps) and steps >= 1):
         raise DPConfigError(f"{name} must be a positive int, got {steps!r}: the noise is calibrated for that many "
                             f"passes or steps. Fix: {name}=1 or more")
+    return int(steps)
 
 
 #: Below this noise multiplier dp-accounting's RDP overflows (it reports epsilon 0 at 1e-154 and divides by zero at
@@ -114,12 +119,10 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
     for the opacus accountants.
     """
     _check(mechanism)
-    if not (isinstance(target_epsilon, int | float) and 0 < target_epsilon < math.inf):
+    if not (is_number(target_epsilon) and 0 < target_epsilon < math.inf):
         raise DPConfigError(f"target_epsilon must be a positive finite number, got {target_epsilon!r}. Fix: "
                             "a target such as 1 to 10; for no privacy, train without compiled_psg's DP step")
-    check_delta(target_delta)
-    check_sample_rate(sample_rate)
-    check_steps(steps)
+    target_delta, sample_rate, steps = check_delta(target_delta), check_sample_rate(sample_rate), check_steps(steps)
     if mechanism in _OPACUS:
         from opacus.accountants.utils import get_noise_multiplier
 
@@ -161,9 +164,9 @@ class Accountant:
         self.history: list[tuple[float, float, int]] = []
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        check_sample_rate(sample_rate)  # dp-accounting would refuse it only at epsilon(), on every call
-        noise_multiplier = check_noise_multiplier(noise_multiplier)  # a Python float in the history
-        check_steps(steps)
+        sample_rate = check_sample_rate(sample_rate)  # dp-accounting would refuse it only at epsilon(), each call
+        noise_multiplier = check_noise_multiplier(noise_multiplier)  # Python numbers in the history
+        steps = check_steps(steps)
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
             sigma, q, n = self.history[-1]
             self.history[-1] = (sigma, q, n + steps)

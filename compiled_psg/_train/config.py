@@ -17,35 +17,17 @@ Sensitivity (add or remove one sample) of the clipped sum, which the noise std i
 from __future__ import annotations
 
 import math
-import numbers
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from .._errors import DPConfigError
+from .._errors import DPConfigError, as_python, is_int, is_number  # noqa: F401 (the settings' checks)
 from .._reduce.reductions import check_memory_budget
 
 LOSS_REDUCTIONS = ("mean", "sum")
 CLIPPING = ("flat", "per_layer", "automatic", "adaptive", "custom")
-
-
-def is_number(value) -> bool:
-    """A real number of any type ``numbers.Real`` covers (Python's, numpy's scalars), not a bool: ``True`` is an
-    int to Python, and a slip for a setting (numpy's ``bool_`` is no ``numbers.Real``)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def is_int(value) -> bool:
-    """An integer of any type ``numbers.Integral`` covers (Python's int, numpy's integers), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def as_python(value: numbers.Real) -> int | float:
-    """A real number as Python's int (an integer type) or float: a numpy scalar kept as a setting would reach the
-    step's program, the accountant's history and the saved state."""
-    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def not_a_number(name: str, value: object, expected: str = "be a number") -> DPConfigError:

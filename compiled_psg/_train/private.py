@@ -276,17 +276,17 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     if target_epsilon is not None and epochs is None:
         raise DPConfigError("target_epsilon needs epochs (the number of passes the noise is calibrated for)")
     if target_epsilon is not None:
-        check_steps(epochs, "epochs")
+        epochs = check_steps(epochs, "epochs")
     if not isinstance(data_loader, DataLoader):
         raise DPConfigError(f"data_loader must be a torch.utils.data.DataLoader, got a {type(data_loader).__name__}: "
                             "make_private replaces it with a Poisson-sampling loader over the same dataset. Fix: "
                             "DataLoader(dataset, batch_size=...)")
     dataset_of(data_loader, "data_loader")
     check_batched(data_loader, "data_loader")
-    check_delta(target_delta)
+    target_delta = check_delta(target_delta)
     if sample_rate is None:
         sample_rate = 1 / len(data_loader)
-    check_sample_rate(sample_rate)
+    sample_rate = check_sample_rate(sample_rate)
     if dist_utils.is_distributed():
         low = -dist_utils.all_reduce_scalar(-sample_rate, op=torch.distributed.ReduceOp.MAX)
         high = dist_utils.all_reduce_scalar(sample_rate, op=torch.distributed.ReduceOp.MAX)

@@ -42,7 +42,7 @@ class PoissonBatchSampler:
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None, secure: bool = False):
-        check_sample_rate(sample_rate)
+        sample_rate = check_sample_rate(sample_rate)
         if require_flag("secure", secure, DPConfigError) and generator is not None:
             raise DPConfigError("secure=True draws the coins from os.urandom, which no generator seeds: generator= "
                                 "would be ignored. Fix: give one source, secure=True without a generator or "

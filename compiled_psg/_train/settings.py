@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._errors import DPConfigError
+from .._errors import DPConfigError, is_int
 from .config import MECHANISM, DPConfig
 
 
@@ -108,7 +108,7 @@ class StepSettings:
 
     @max_physical_batch_size.setter
     def max_physical_batch_size(self, value: int | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and not (is_int(value) and value >= 1):
             raise DPConfigError(f"max_physical_batch_size must be a positive int or None, got {value!r}")
         if value is not None and getattr(self, "_custom_reduce", None) is not None:
             # micro-batches' results are summed: right for a sum over samples only (not a mean, max, median)
@@ -119,4 +119,4 @@ class StepSettings:
         from .buckets import check_fits
 
         check_fits(getattr(self, "batch_buckets", None), value)
-        self._max_physical_batch_size = value
+        self._max_physical_batch_size = None if value is None else int(value)
