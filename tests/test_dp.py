@@ -89,6 +89,36 @@ def test_poisson_sampler(secure):
     assert len(PoissonBatchSampler(1000, 0.05)) == 20
 
 
+@pytest.mark.parametrize("sampler", ["subset", "custom_batches"])
+def test_a_loader_sampling_part_of_its_dataset_is_refused(sampler):
+    """Red team N: with ``sampler=SubsetRandomSampler(range(100))`` over 1000 rows, make_private's Poisson loader
+    drew from all 1000 (595 of 655 rows outside the user's split) at the rate of the subset's batches (10x)."""
+    from torch.utils.data import BatchSampler, SequentialSampler, SubsetRandomSampler
+
+    data = TensorDataset(torch.randn(1000, 3), torch.randint(0, 2, (1000,)))
+    if sampler == "subset":
+        loader = DataLoader(data, batch_size=10, sampler=SubsetRandomSampler(range(100)))
+    else:
+        class EveryOther(BatchSampler):
+            def __iter__(self):
+                return (b for i, b in enumerate(super().__iter__()) if i % 2 == 0)
+
+        loader = DataLoader(data, batch_sampler=EveryOther(SequentialSampler(data), 10, False))
+    model = nn.Linear(3, 2)
+    with pytest.raises(DPConfigError, match=r"Poisson sampling draws from every index of its dataset \(1000\).*"
+                                            r"Fix: .*Subset\(dataset, indices\)"):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                     lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager")
+    with pytest.raises(DPConfigError, match="draws from every index"):
+        poisson_loader(loader)
+    kept = make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                        lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager",
+                        poisson_sampling=False)  # the loader as it is: its sampler is the user's
+    assert kept.data_loader is loader
+    for shuffle in (False, True):  # the whole dataset, in order or shuffled: sampled as it is
+        poisson_loader(DataLoader(data, batch_size=10, shuffle=shuffle))
+
+
 def test_poisson_loader_yields_empty_batches():
     data = TensorDataset(torch.randn(5, 3), torch.arange(5))
     loader = poisson_loader(data, 0.02, steps=30, generator=torch.Generator().manual_seed(0))

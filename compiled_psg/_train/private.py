@@ -19,7 +19,7 @@ from .accounting import Accountant, calibrate_noise, check_delta, check_sample_r
 from .api import check_noise_source, compile_step
 from .checkpoint import check_state_kind, load_step_state, saved_step_count
 from .config import check_noise_multiplier, is_number
-from .sampling import PoissonBatchSampler, check_batched, dataset_of, poisson_loader
+from .sampling import PoissonBatchSampler, check_batched, check_samples_whole_dataset, dataset_of, poisson_loader
 from .step import DPStep, refuse_copy
 
 
@@ -283,6 +283,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                             "DataLoader(dataset, batch_size=...)")
     dataset_of(data_loader, "data_loader")
     check_batched(data_loader, "data_loader")
+    if poisson_sampling:
+        check_samples_whole_dataset(data_loader, "data_loader")
     target_delta = check_delta(target_delta)
     if sample_rate is None:
         sample_rate = 1 / len(data_loader)
