@@ -26,6 +26,7 @@ def step_state(step) -> dict:
             "steps_taken": step.steps_taken,
             "model": step.model.state_dict(),
             "optimizer": step.optimizer.state_dict(),
+            "optimizer_kind": _optimizer_kind(step.model, step.optimizer),
             "generator": None if step.noise.generator is None else step.noise.generator.get_state()}
 
 
@@ -42,6 +43,7 @@ def load_step_state(step, state: dict) -> None:
     config = _saved_config(step.config, state["config"])
     _check_model_state(step.model, state["model"])
     _check_optimizer_state(step.optimizer, state["optimizer"])
+    _check_optimizer_kind(step.model, step.optimizer, state.get("optimizer_kind"))
     _check_not_live(step, state, saved_steps)
     _check_no_rollback(step, saved_steps)
     if step.noise.generator is not None and (
@@ -168,6 +170,40 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> Non
         raise DPConfigError(f"the saved optimizer state is of another optimizer than this "
                             f"{type(optimizer).__name__}: its groups have no {missing}. Nothing was loaded. Fix: "
                             "build the optimizer the saved run used")
+
+
+def _optimizer_kind(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's class and the model's name of each parameter it updates, group by group (None for one
+    outside the model): what ``_check_optimizer_state`` cannot tell from torch's state (Adam's groups have every
+    key of Adamax's and RAdam's; a state saved over the parameters in another order has the same counts)."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            "params": [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]}
+
+
+def _check_optimizer_kind(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: object) -> None:
+    """Refuse a state of another optimizer class, or over the parameters in another order (red team N: Adam's
+    state loaded into Adamax raised KeyError 'exp_inf' at every later step; into RAdam, or over two equal layers
+    in another order, it trained on with the wrong moments). A state saved without it is checked as before."""
+    if saved is None:
+        return
+    here = _optimizer_kind(model, optimizer)
+    if not isinstance(saved, dict) or set(saved) != {"class", "params"}:
+        raise DPConfigError(f"the saved optimizer_kind must be a dict with 'class' and 'params', got {saved!r}. "
+                            "Nothing was loaded")
+    if saved["class"] != here["class"]:
+        raise DPConfigError(f"the saved optimizer state is of a {saved['class']}, this optimizer is a "
+                            f"{here['class']}. Nothing was loaded. Fix: build the optimizer the saved run used")
+    if saved["params"] != here["params"]:
+        first = next(((g, i, s, h) for g, (sg, hg) in enumerate(zip(saved["params"], here["params"], strict=False))
+                      for i, (s, h) in enumerate(zip(sg, hg, strict=False)) if s != h), None)
+        where = ("" if first is None else f": group {first[0]} position {first[1]} holds {first[2]!r} in the saved "
+                 f"state, {first[3]!r} here")
+        raise DPConfigError(f"the saved optimizer state is over the model's parameters in another order than this "
+                            f"optimizer{where}. Nothing was loaded. Fix: build the optimizer over the parameters in "
+                            "the order of the saved run (e.g. model.parameters())")
 
 
 #: optimizer settings torch added over versions, which its ``load_state_dict`` fills in for an older state
