@@ -248,3 +248,17 @@ def test_make_private_argument_errors():
         make_private(model, optimizer, loader, loss_fn, noise_multiplier=1.0, target_epsilon=1.0, epochs=1)
     with pytest.raises(DPConfigError, match="epochs"):
         make_private(model, optimizer, loader, loss_fn, target_epsilon=1.0)
+
+
+def test_an_accountant_out_of_memory_is_refused_naming_the_fix(monkeypatch):
+    """Red team N: pld at sigma 0.001, q 0.2 raised numpy's MemoryError (38 GiB); the grid's size is the library's,
+    so the allocation failure is simulated here, where the library allocates."""
+    def allocate(*args, **kwargs):
+        raise MemoryError("Unable to allocate 38.0 GiB for an array")
+
+    monkeypatch.setattr(pld.PLDAccountant, "compose", allocate)
+    with pytest.raises(DPConfigError, match=r"ran out of memory \(Unable to allocate 38.0 GiB.*Fix: accountant='rdp'"):
+        epsilon(0.001, 0.2, 5, 1e-5, "pld")
+    with pytest.raises(DPConfigError, match="ran out of memory"):
+        calibrate_noise(3.0, 1e-5, 0.2, 5, "pld")
+    assert epsilon(1.0, 0.2, 5, 1e-5, "rdp") > 0  # the other accountants are untouched

@@ -163,3 +163,20 @@ def test_a_held_output_gradient_is_counted_for_x_at_w_as_for_a_linear():
         norm = next(c for c in rewrite.choices if c.quantity == "sq_norm")
         # one layer keeps the materialized plan (the bounded one forms as much at its peak); its runner-up is priced
         assert norm.method == "materialize" and f", {t * o * 4} held" in norm.cost["vs materialize, bounded"], norm
+
+
+def test_make_private_plans_memory_at_the_micro_batch_size():
+    """Red team N: make_private captured on the loader's whole first batch, so with max_physical_batch_size=8
+    the plan was made for 64 samples (peak 577280 bytes, over a 100 kB budget) where compile_step's, for the
+    micro-batches the step runs, fits."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    data = TensorDataset(torch.randn(256, 16), torch.randint(0, 4, (256,)))
+    private = psg.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=64),
+                               lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager",
+                               max_physical_batch_size=8, memory_budget=100_000)
+    x, y = data[:8]
+    assert psg.explain(private.dp_step, x, y).memory_plan["batch_size"] == 8
+    assert private.dp_step.per_sample.captures == 1  # the capture make_private made serves the steps

@@ -9,6 +9,7 @@ step is the Poisson-subsampled Gaussian mechanism with sampling rate ``q`` and n
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import warnings
@@ -82,6 +83,22 @@ def _dp_accounting_accountant(mechanism: str):
     return rdp.RdpAccountant() if mechanism == "rdp" else pld.PLDAccountant()
 
 
+def _memory_refused(accounting):
+    """A ``MemoryError`` of the accounting library (PLD and PRV discretize the privacy loss on a grid whose size
+    grows as the noise shrinks: 38 GiB at sigma 0.001, q 0.2) as a ``DPConfigError`` naming the fix."""
+    @functools.wraps(accounting)
+    def refusing(*args, **kwargs):
+        try:
+            return accounting(*args, **kwargs)
+        except MemoryError as e:
+            raise DPConfigError(
+                f"the accountant ran out of memory ({e}): the pld and prv accountants discretize the privacy loss on "
+                "a grid that grows as the noise multiplier shrinks. Fix: accountant='rdp' (an upper bound, "
+                "computed in closed form), or a larger noise multiplier") from None
+    return refusing
+
+
+@_memory_refused
 def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism: str = "rdp") -> float:
     """Epsilon at ``delta`` after the steps in ``history`` (``(noise_multiplier, sample_rate, steps)``)."""
     _check(mechanism)
@@ -111,6 +128,7 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     return epsilon_of([(noise_multiplier, sample_rate, steps)], delta, mechanism)
 
 
+@_memory_refused
 def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
                     mechanism: str = "rdp", epsilon_tolerance: float = 0.01) -> float:
     """The smallest noise multiplier whose ``steps`` steps at ``sample_rate`` stay within ``target_epsilon``.

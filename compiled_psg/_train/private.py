@@ -323,7 +323,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                            generator=generator, max_physical_batch_size=max_physical_batch_size,
                            clipping=clipping, **clipping_options)
     start = time.perf_counter()
-    dp_step.prepare_batch(dp_step.per_sample, first)
+    dp_step.prepare(first)
     dp_step.compile_seconds += time.perf_counter() - start
 
     loader = data_loader

@@ -426,6 +426,15 @@ class DPStep(StepSettings):
             return fused_path(self, config, built, pieces, batch_size)
         return eager_path(self, config, pieces, batch_size, accumulate)
 
+    def prepare(self, batch: tuple) -> None:
+        """Capture and check what a step on ``batch`` runs, as the step would (its micro-batches and buckets: the
+        memory plan is made at their size), running nothing: ``make_private`` refuses a model on its first batch."""
+        from .._api import batch_dims_of
+
+        f = self.per_sample
+        batch = contiguous_batch(batch)
+        self._pieces(f, batch, batch_dims_of(batch, f.in_dims)[1])
+
     def _pieces(self, f, batch: tuple, batch_size: int) -> list:
         """The batch's micro-batches, prepared; with ``batch_buckets``, at most the largest bucket each, padded to
         their bucket (``buckets.py``)."""
