@@ -243,8 +243,9 @@ class DPConfig:
 
     @property
     def noise_std(self) -> float:
-        """The std of the noise added to the clipped sum."""
-        if self.max_grad_norm is None:
+        """The std of the noise added to the clipped sum: 0 without noise (also for an infinite bound, where
+        0 * inf would be NaN)."""
+        if self.max_grad_norm is None or self.gradient_noise_multiplier == 0:
             return 0.0
         return self.gradient_noise_multiplier * self.sensitivity
 
