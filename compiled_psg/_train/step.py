@@ -545,17 +545,10 @@ def _public_buffers(model: nn.Module, names: Sequence[str] | None) -> frozenset[
 
 
 def _parameter_sharing_memory(model: nn.Module, buffer: torch.Tensor) -> str | None:
-    """The name of a parameter whose storage is ``buffer``'s, if any."""
-    try:
-        pointer = buffer.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a sharded DTensor, meta)
-        return None
-    if pointer == 0:
-        return None
-    for name, p in model.named_parameters(remove_duplicate=False):
-        try:
-            if p.untyped_storage().data_ptr() == pointer:
-                return name
-        except (RuntimeError, NotImplementedError):
-            continue
-    return None
+    """The name of a parameter whose memory overlaps ``buffer``'s, if any (``memory_span``: None for a tensor
+    without storage of its own, a sharded DTensor or a meta tensor)."""
+    from .._api import memories_overlap, memory_span
+
+    span = memory_span(buffer)
+    return next((name for name, p in model.named_parameters(remove_duplicate=False)
+                 if memories_overlap(span, memory_span(p))), None)
