@@ -397,6 +397,18 @@ def test_buckets_of_numpy_ints_are_taken_as_python_ints():
     assert step.batch_buckets == (4, 8) and {type(b) for b in step.batch_buckets} == {int}
 
 
+@pytest.mark.parametrize("sizes", [np.array([4, 8]), torch.tensor([4, 8])], ids=["numpy", "tensor"])
+def test_buckets_given_as_an_array_are_taken_as_their_sizes(sizes):
+    """Red team M: ``batch_buckets=np.array([4, 8])`` was refused as "not a sequence". A 1-D array or tensor of
+    integers holds the sizes; a float array or a 2-D one is refused as any other bad value."""
+    _, step = build(mlp(), sizes, max_grad_norm=C)
+    assert step.batch_buckets == (4, 8) and {type(b) for b in step.batch_buckets} == {int}
+    for bad, why in ((np.array([4.0, 8.0]), "ints, got float 4.0"), (np.array([[4, 8]]), "sequence"),
+                     (torch.tensor([8, 4]), "increasing")):
+        with pytest.raises(DPConfigError, match=why):
+            build(mlp(), bad, max_grad_norm=C)
+
+
 def test_buckets_larger_than_the_physical_batch_are_refused():
     with pytest.raises(DPConfigError, match="max_physical_batch_size"):
         build(mlp(), (4, 16), max_grad_norm=C, max_physical_batch_size=8)

@@ -119,6 +119,33 @@ def test_a_loader_sampling_part_of_its_dataset_is_refused(sampler):
         poisson_loader(DataLoader(data, batch_size=10, shuffle=shuffle))
 
 
+@pytest.mark.parametrize("outcome", ["refused", "kept_loader"])
+def test_make_private_leaves_the_users_generators_as_they_were(outcome):
+    """Red team M: a refused make_private had advanced torch's global generator (its peek at the loader drew the
+    workers' base seed and the shuffling sampler's seed). Neither a refusal nor a run that keeps the user's loader
+    may move the streams the user seeded: the global one, the loader's and the sampler's."""
+    data = TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
+    loader_generator, sampler_generator = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    loaders = [DataLoader(data, batch_size=8, shuffle=True),  # draws from the global generator
+               DataLoader(data, batch_size=8, shuffle=True, generator=loader_generator),
+               DataLoader(data, batch_size=8, sampler=torch.utils.data.RandomSampler(data,
+                                                                                     generator=sampler_generator))]
+    model = nn.Linear(3, 2)
+    for loader in loaders:
+        torch.manual_seed(0)
+        expected = [torch.random.get_rng_state(), loader_generator.get_state(), sampler_generator.get_state()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        if outcome == "refused":
+            with pytest.raises(psg.SampleMixingError):
+                make_private(model, optimizer, loader, lambda x, y: F.cross_entropy(model(x - x.mean(0)), y),
+                             noise_multiplier=1.0, backend="eager")
+        else:
+            make_private(model, optimizer, loader, lambda x, y: F.cross_entropy(model(x), y),
+                         noise_multiplier=1.0, backend="eager", poisson_sampling=False)
+        after = [torch.random.get_rng_state(), loader_generator.get_state(), sampler_generator.get_state()]
+        assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
+
+
 def test_poisson_loader_yields_empty_batches():
     data = TensorDataset(torch.randn(5, 3), torch.arange(5))
     loader = poisson_loader(data, 0.02, steps=30, generator=torch.Generator().manual_seed(0))

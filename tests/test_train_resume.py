@@ -127,16 +127,17 @@ def test_step_state_dict_restores_settings_and_refuses_a_mismatch():
 
 
 @pytest.mark.parametrize("mismatch", ["wider_model", "other_groups", "other_optimizer", "adam_into_adamax",
-                                      "other_order"])
+                                      "other_order", "other_dtype"])
 def test_a_state_of_another_model_or_optimizer_loads_nothing(mismatch):
     """``nn.Module.load_state_dict`` copies the entries that fit before it raises: everything is checked first, so
     a refused load leaves the settings, the parameters, the optimizer and the generator as they were. A state
     saved with Adam loaded into SGD's step raised torch's KeyError after loading the parameters; red team N:
     Adam's into Adamax was loaded (KeyError 'exp_inf' at every later step), and a state over the parameters in
-    another order was loaded (a raw size mismatch at the next step; equal shapes trained on other moments)."""
-    def built(width, groups, adam=False, adamax=False, reverse=False):
+    another order was loaded (a raw size mismatch at the next step; equal shapes trained on other moments), and a
+    float64 run's state was cast into a float32 model (the run went on in another precision and noise)."""
+    def built(width, groups, adam=False, adamax=False, reverse=False, dtype=torch.float32):
         torch.manual_seed(width)
-        model = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 3))
+        model = nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 3)).to(dtype)
         params = [{"params": list(m.parameters())} for m in (model[0], model[2])] if groups else model.parameters()
         params = list(params)[::-1] if reverse else params
         optimizer = (torch.optim.Adam(params, lr=0.1) if adam else torch.optim.Adamax(params, lr=0.1) if adamax
@@ -144,18 +145,21 @@ def test_a_state_of_another_model_or_optimizer_loads_nothing(mismatch):
         step = compile_step(lambda x: model(x).pow(2).sum(), model, optimizer,
                             max_grad_norm=1.0, noise_multiplier=1.0, backend="eager",
                             generator=torch.Generator().manual_seed(0))
-        step(torch.randn(5, 4))
+        step(torch.randn(5, 4, dtype=dtype))
         return model, step
 
     _, saved = built(16 if mismatch == "wider_model" else 8, groups=mismatch == "other_groups",
-                     adam=mismatch in ("other_optimizer", "adam_into_adamax"))
+                     adam=mismatch in ("other_optimizer", "adam_into_adamax"),
+                     dtype=torch.float64 if mismatch == "other_dtype" else torch.float32)
     saved.noise_multiplier, saved.max_grad_norm = 3.0, 0.5
     state = saved.state_dict()
     model, step = built(8, groups=False, adamax=mismatch == "adam_into_adamax", reverse=mismatch == "other_order")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer_before, generator_before = repr(step.optimizer.state_dict()), step.noise.generator.get_state()
-    with pytest.raises(DPConfigError, match="Nothing was loaded"):
+    with pytest.raises(DPConfigError, match="Nothing was loaded") as refused:
         step.load_state_dict(state)
+    if mismatch == "other_dtype":
+        assert "0.weight: saved torch.float64, model torch.float32" in str(refused.value)
     assert (step.noise_multiplier, step.max_grad_norm, step.steps_taken) == (1.0, 1.0, 1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert repr(step.optimizer.state_dict()) == optimizer_before

@@ -41,6 +41,8 @@ def check_buckets(value: object) -> tuple[int, ...] | None:
     """``batch_buckets`` as a tuple of increasing positive ints, or None; ``DPConfigError`` otherwise."""
     if value is None:
         return None
+    if getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None)):
+        value = value.tolist()  # a numpy array or a tensor of sizes: its Python numbers, checked below
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
         raise DPConfigError(f"batch_buckets must be None or a sequence of increasing positive ints (e.g. (8, 16, "
                             f"32, 64)), got {type(value).__name__} {value!r}")

@@ -152,6 +152,15 @@ def _check_model_state(model: nn.Module, saved: dict) -> None:
         raise DPConfigError("the saved model state is not one of this model: "
                             + ", ".join(p for p in problems if p) + ". Nothing was loaded. Fix: build the model "
                             "exactly as the saved run did before loading")
+    # torch's load_state_dict casts: a float64 run would go on in float32, its noise drawn in another dtype, so
+    # the continuation would not be the saved run's (red team N)
+    dtypes = [f"{k}: saved {saved[k].dtype}, model {live[k].dtype}" for k in live
+              if isinstance(saved[k], torch.Tensor) and saved[k].dtype != live[k].dtype]
+    if dtypes:
+        raise DPConfigError(f"the saved model state is of other dtypes than this model ({'; '.join(dtypes[:5])}"
+                            f"{' ...' if len(dtypes) > 5 else ''}): loading would cast it, and the run would not go "
+                            "on as the saved one. Nothing was loaded. Fix: build the model in the saved dtypes "
+                            "(model.to(...)) before loading, or cast the saved tensors yourself to change precision")
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:

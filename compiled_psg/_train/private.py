@@ -19,7 +19,14 @@ from .accounting import Accountant, calibrate_noise, check_delta, check_sample_r
 from .api import check_noise_source, compile_step
 from .checkpoint import check_state_kind, load_step_state, saved_step_count
 from .config import check_noise_multiplier, is_number
-from .sampling import PoissonBatchSampler, check_batched, check_samples_whole_dataset, dataset_of, poisson_loader
+from .sampling import (
+    PoissonBatchSampler,
+    check_batched,
+    check_samples_whole_dataset,
+    dataset_of,
+    peek_batch,
+    poisson_loader,
+)
 from .step import DPStep, refuse_copy
 
 
@@ -307,7 +314,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     if unknown:
         raise DPConfigError(f"make_private got unexpected keyword arguments {unknown}. Fix: pass the settings "
                             "make_private and compile_step take (docs/training.md)")
-    first = next(iter(data_loader))
+    first = peek_batch(data_loader)
     if isinstance(first, Mapping):
         raise BatchInputError(
             f"the data loader yields dicts (keys {sorted(first)}); make_private passes a batch to loss_fn as "

@@ -269,6 +269,23 @@ def check_samples_whole_dataset(loader: DataLoader, name: str) -> None:
                             "not")
 
 
+def peek_batch(loader: DataLoader):
+    """The loader's first batch, with every generator the peek draws from left as it was: starting an iterator
+    draws the workers' base seed from the loader's generator (torch's global one without), and a shuffling
+    sampler draws its permutation's seed. ``make_private`` only looks at this batch; a refused call, or a run that
+    then iterates the loader itself (``poisson_sampling=False``), must see the streams the user seeded."""
+    generators = {id(g): g for g in (loader.generator, getattr(loader.sampler, "generator", None),
+                                     getattr(loader.batch_sampler, "generator", None)) if g is not None}
+    saved = [(g, g.get_state()) for g in generators.values()]
+    global_state = torch.random.get_rng_state()
+    try:
+        return next(iter(loader))
+    finally:
+        torch.random.set_rng_state(global_state)
+        for generator, state in saved:
+            generator.set_state(state)
+
+
 def check_batched(loader: DataLoader, name: str) -> None:
     """Refuse a loader that yields single samples (``batch_size=None``): its length is the dataset's, not a number
     of batches, and its collate function (``default_convert``) does not stack samples into a batch."""
