@@ -119,13 +119,20 @@ def test_a_loader_sampling_part_of_its_dataset_is_refused(sampler):
         poisson_loader(DataLoader(data, batch_size=10, shuffle=shuffle))
 
 
-@pytest.mark.parametrize("outcome", ["refused", "kept_loader"])
-def test_make_private_leaves_the_users_generators_as_they_were(outcome):
+@pytest.mark.parametrize("outcome", ["refused", "kept_loader", "unknown_accountant", "refused_after_the_draw"])
+def test_make_private_leaves_the_users_generators_as_they_were(outcome, monkeypatch):
     """Red team M: a refused make_private had advanced torch's global generator (its peek at the loader drew the
-    workers' base seed and the shuffling sampler's seed). Neither a refusal nor a run that keeps the user's loader
-    may move the streams the user seeded: the global one, the loader's and the sampler's."""
+    workers' base seed and the shuffling sampler's seed); red team O: ``accountant="gdp"`` was refused after the
+    sampler's seed was drawn from the global generator or the user's ``generator=``. Neither a refusal nor a run
+    that keeps the user's loader may move the streams the user seeded: the global one, the loader's, the sampler's
+    and the noise generator."""
     data = TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
     loader_generator, sampler_generator = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    noise_generator = torch.Generator().manual_seed(3)
+    if outcome == "refused_after_the_draw":  # the last thing built after the seed's draw fails
+        def failing_training(*args, **kwargs):
+            raise DPConfigError("simulated")
+        monkeypatch.setattr("compiled_psg._train.private.PrivateTraining", failing_training)
     loaders = [DataLoader(data, batch_size=8, shuffle=True),  # draws from the global generator
                DataLoader(data, batch_size=8, shuffle=True, generator=loader_generator),
                DataLoader(data, batch_size=8, sampler=torch.utils.data.RandomSampler(data,
@@ -133,16 +140,24 @@ def test_make_private_leaves_the_users_generators_as_they_were(outcome):
     model = nn.Linear(3, 2)
     for loader in loaders:
         torch.manual_seed(0)
-        expected = [torch.random.get_rng_state(), loader_generator.get_state(), sampler_generator.get_state()]
+        streams = (torch.random, loader_generator, sampler_generator, noise_generator)
+        expected = [g.get_rng_state() if g is torch.random else g.get_state() for g in streams]
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        if outcome == "refused":
-            with pytest.raises(psg.SampleMixingError):
-                make_private(model, optimizer, loader, lambda x, y: F.cross_entropy(model(x - x.mean(0)), y),
-                             noise_multiplier=1.0, backend="eager")
-        else:
-            make_private(model, optimizer, loader, lambda x, y: F.cross_entropy(model(x), y),
-                         noise_multiplier=1.0, backend="eager", poisson_sampling=False)
-        after = [torch.random.get_rng_state(), loader_generator.get_state(), sampler_generator.get_state()]
+        for generator in (None, noise_generator):
+            options = dict(noise_multiplier=1.0, backend="eager", generator=generator)
+            if outcome == "refused":
+                with pytest.raises(psg.SampleMixingError):
+                    make_private(model, optimizer, loader, lambda x, y: F.cross_entropy(model(x - x.mean(0)), y),
+                                 **options)
+            elif outcome == "kept_loader":
+                make_private(model, optimizer, loader, lambda x, y: F.cross_entropy(model(x), y),
+                             poisson_sampling=False, **options)
+            else:
+                with pytest.raises(DPConfigError, match="accountant must be one of" if outcome ==
+                                   "unknown_accountant" else "simulated"):
+                    make_private(model, optimizer, loader, lambda x, y: F.cross_entropy(model(x), y),
+                                 accountant="gdp" if outcome == "unknown_accountant" else "rdp", **options)
+        after = [g.get_rng_state() if g is torch.random else g.get_state() for g in streams]
         assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
 
 

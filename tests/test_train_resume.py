@@ -166,6 +166,49 @@ def test_a_state_of_another_model_or_optimizer_loads_nothing(mismatch):
     assert torch.equal(step.noise.generator.get_state(), generator_before)
 
 
+@pytest.mark.parametrize("corruption", ["generator_bytes", "generator_dtype", "model_entry", "optimizer_state"])
+def test_a_corrupted_state_loads_nothing(corruption):
+    """Red team O: a state whose generator entry had the right shape but bytes torch refuses, or a model entry
+    that is no tensor, passed the checks and raised torch's raw error after the model (and the settings) were
+    loaded: a "resume, else start afresh" loop trained on the saved weights with epsilon counted from 0. Every
+    entry is checked before anything is loaded, and the optimizer's own loader (which assigns nothing before it
+    can raise) runs first."""
+    data = TensorDataset(torch.randn(40, 6), torch.randint(0, 3, (40,)))
+
+    def built(seed):
+        torch.manual_seed(seed)
+        model = nn.Linear(6, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, make_private(model, optimizer, DataLoader(data, batch_size=10),
+                                   lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0,
+                                   backend="eager", generator=torch.Generator().manual_seed(seed))
+
+    _, saved = built(0)
+    for x, y in saved.data_loader:
+        saved.step(x, y)
+    saved.dp_step.noise_multiplier = 2.0
+    state = copy.deepcopy(saved.state_dict())
+    step_state = state["step"]
+    if corruption == "generator_bytes":
+        step_state["generator"].fill_(255)
+    elif corruption == "generator_dtype":
+        step_state["generator"] = step_state["generator"].float()
+    elif corruption == "model_entry":
+        step_state["model"]["bias"] = [0.0, 0.0, 0.0]
+    else:
+        step_state["optimizer"]["state"] = [0.0]
+    model, private = built(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    generator_before = private.dp_step.noise.generator.get_state()
+    for target, whole in ((private, state), (private.dp_step, step_state)):
+        with pytest.raises(DPConfigError, match="Nothing was loaded"):
+            target.load_state_dict(whole)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert (private.steps, private.epsilon(), private.dp_step.noise_multiplier) == (0, 0.0, 1.0)
+        assert not private.dp_step.optimizer.state
+        assert torch.equal(private.dp_step.noise.generator.get_state(), generator_before)
+
+
 def test_copying_or_pickling_a_training_points_to_state_dict():
     """copy.deepcopy of a step or a PrivateTraining raised torch's "Cannot access data pointer of Tensor" and
     pickle an AttributeError on a lambda; both are a DPConfigError saying to save state_dict() instead."""

@@ -46,19 +46,17 @@ def load_step_state(step, state: dict) -> None:
     _check_optimizer_kind(step.model, step.optimizer, state.get("optimizer_kind"))
     _check_not_live(step, state, saved_steps)
     _check_no_rollback(step, saved_steps)
-    if step.noise.generator is not None and (
-            not isinstance(state["generator"], torch.Tensor)
-            or state["generator"].shape != step.noise.generator.get_state().shape):
-        raise DPConfigError("the saved generator state is not one of this step's generator: build the step with "
-                            "a generator of the same kind (device) as the saved run's")
+    if step.noise.generator is not None:
+        _check_generator_state(step.noise.generator, state["generator"])
     stalled = state.get("stalled_bound")
     if not (stalled is None or isinstance(stalled, str)):
         raise DPConfigError(f"the saved stalled_bound must be a message or None, got {type(stalled).__name__}. "
                             "Nothing was loaded")
+    # the optimizer first: torch's loader assigns nothing before it can raise, the model's copies entry by entry
+    step.optimizer.load_state_dict(state["optimizer"])
     step.config = config
     step._stalled_bound = stalled  # after the config, whose assignment clears it
     step.model.load_state_dict(state["model"])
-    step.optimizer.load_state_dict(state["optimizer"])
     if step.noise.generator is not None:
         step.noise.generator.set_state(state["generator"])
     if saved_steps != step.steps_taken:  # a state of this count leaves the steps released since as released
@@ -146,9 +144,13 @@ def _check_model_state(model: nn.Module, saved: dict) -> None:
     missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
     shapes = [f"{k}: saved {tuple(saved[k].shape)}, model {tuple(live[k].shape)}" for k in live
               if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != live[k].shape]
-    if missing or unexpected or shapes:
+    # torch copies the entries that fit and raises on a non-tensor after them (a module's extra state is no tensor)
+    not_tensors = [f"{k} ({type(saved[k]).__name__})" for k in live
+                   if k in saved and isinstance(live[k], torch.Tensor) and not isinstance(saved[k], torch.Tensor)]
+    if missing or unexpected or shapes or not_tensors:
         problems = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
-                    f"other shapes ({'; '.join(shapes[:5])})" if shapes else ""]
+                    f"other shapes ({'; '.join(shapes[:5])})" if shapes else "",
+                    f"no tensors at {not_tensors[:5]}" if not_tensors else ""]
         raise DPConfigError("the saved model state is not one of this model: "
                             + ", ".join(p for p in problems if p) + ". Nothing was loaded. Fix: build the model "
                             "exactly as the saved run did before loading")
@@ -163,8 +165,28 @@ def _check_model_state(model: nn.Module, saved: dict) -> None:
                             "(model.to(...)) before loading, or cast the saved tensors yourself to change precision")
 
 
+def _check_generator_state(generator: torch.Generator, saved: object) -> None:
+    """``generator.set_state(saved)`` will succeed: tried on a fresh generator of the same device first (a state of
+    the right shape may still hold bytes torch refuses, after the model was loaded)."""
+    if isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8 and saved.shape == generator.get_state().shape:
+        try:
+            torch.Generator(device=generator.device).set_state(saved)
+            return
+        except RuntimeError:
+            pass
+    raise DPConfigError("the saved generator state is not one of this step's generator (a torch.Generator's "
+                        "get_state() of the same device). Nothing was loaded. Fix: build the step with a generator "
+                        "of the same kind (device) as the saved run's, and load the state its state_dict() saved")
+
+
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """The checks of ``Optimizer.load_state_dict`` that can fail, made before the model is loaded."""
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
+            and isinstance(saved.get("param_groups"), list) and all(isinstance(g, dict) and "params" in g
+                                                                     for g in saved["param_groups"])):
+        raise DPConfigError("the saved optimizer state is not an optimizer's state_dict() (a dict with a 'state' "
+                            "dict and a 'param_groups' list of groups). Nothing was loaded. Fix: load the state "
+                            "state_dict() saved")
     groups = saved.get("param_groups", []) if isinstance(saved, dict) else None
     if groups is None or len(groups) != len(optimizer.param_groups) or any(
             len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, optimizer.param_groups, strict=True)):

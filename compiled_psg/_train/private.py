@@ -4,6 +4,7 @@ dp-accounting or opacus (``accounting.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 import warnings
@@ -280,6 +281,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         raise DPConfigError("give exactly one of noise_multiplier and target_epsilon")
     check_noise_source(secure_rng, generator)
     require_flag("poisson_sampling", poisson_sampling, DPConfigError)
+    accounting = Accountant(accountant)  # refused before anything runs or draws
     if target_epsilon is not None and epochs is None:
         raise DPConfigError("target_epsilon needs epochs (the number of passes the noise is calibrated for)")
     if target_epsilon is not None:
@@ -334,14 +336,30 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     dp_step.compile_seconds += time.perf_counter() - start
 
     loader = data_loader
-    if poisson_sampling:
-        # its own generator (seeded reproducibly): resuming it must not rewind the noise, nor the other way
-        sampler_generator = None
-        if not secure_rng:
-            seed = int(torch.randint(0, 2**62, (), generator=generator,
-                                     device="cpu" if generator is None else generator.device))
-            sampler_generator = torch.Generator().manual_seed(seed)
-        loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch, generator=sampler_generator,
-                                secure=secure_rng, in_dims=clipping_options.get("in_dims", 0))
-    return PrivateTraining(model, optimizer, loader, dp_step, Accountant(accountant), sample_rate,
-                           target_delta, poisson_sampling, dataset_size=round(global_size))
+    with _draws_undone_on_refusal(generator):
+        if poisson_sampling:
+            # its own generator (seeded reproducibly): resuming it must not rewind the noise, nor the other way
+            sampler_generator = None
+            if not secure_rng:
+                seed = int(torch.randint(0, 2**62, (), generator=generator,
+                                         device="cpu" if generator is None else generator.device))
+                sampler_generator = torch.Generator().manual_seed(seed)
+            loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch, generator=sampler_generator,
+                                    secure=secure_rng, in_dims=clipping_options.get("in_dims", 0))
+        return PrivateTraining(model, optimizer, loader, dp_step, accounting, sample_rate,
+                               target_delta, poisson_sampling, dataset_size=round(global_size))
+
+
+@contextlib.contextmanager
+def _draws_undone_on_refusal(generator: torch.Generator | None):
+    """Put ``generator`` (torch's global one without) back where it was if the block raises: the sampler's seed
+    is drawn from it, and a refused ``make_private`` must leave the user's streams as they were."""
+    global_state = torch.random.get_rng_state()
+    own_state = None if generator is None else generator.get_state()
+    try:
+        yield
+    except BaseException:
+        torch.random.set_rng_state(global_state)
+        if generator is not None:
+            generator.set_state(own_state)
+        raise
