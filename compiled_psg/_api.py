@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,17 +110,47 @@ def memories_overlap(a: tuple | None, b: tuple | None) -> bool:
     return a is not None and b is not None and a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3]
 
 
-def _shared_memory(args: tuple, params: dict[str, torch.Tensor], constants: dict[int, object],
+def _shared_memory(args: tuple, params: dict[str, torch.Tensor], outside: Iterable[tuple[str, object]],
                    written: set[int] | None = None) -> list[tuple[str, str]]:
     """Pairs (an argument, what shares its memory: another argument, a parameter, a tensor the loss reads from
-    outside), for the arguments in ``written`` (all where None)."""
+    ``outside``, named), for the arguments in ``written`` (all where None)."""
     spans = {pos: memory_span(a) for pos, a in enumerate(args) if isinstance(a, torch.Tensor)}
     others = [(f"argument {pos}", span) for pos, span in spans.items()]
     others += [(f"parameter {name!r}", memory_span(p)) for name, p in params.items()]
-    others += [("a tensor the loss reads from outside its arguments (a buffer, a global or a closure's)",
-                memory_span(c)) for c in constants.values() if isinstance(c, torch.Tensor)]
+    others += [(name, memory_span(c)) for name, c in outside if isinstance(c, torch.Tensor)]
     return [(f"argument {pos}", other) for pos, span in spans.items() if written is None or pos in written
             for other, other_span in others if other != f"argument {pos}" and memories_overlap(span, other_span)]
+
+
+_READ_FROM_OUTSIDE = "a tensor the loss reads from outside its arguments (a buffer, a global or a closure's)"
+
+
+def _tensors_read_from_outside(fn, source) -> list[tuple[str, object]]:
+    """Named tensors a loss that failed to capture may read besides its arguments and parameters: the buffers of
+    its module (or of modules among its free and global names), and the tensors among those names."""
+    found: list[tuple[str, object]] = []
+    modules = [("the model", source)] if isinstance(source, nn.Module) else []
+    for name, value in backward_semantics.names_read_from_outside(fn).items():
+        if isinstance(value, torch.Tensor):
+            found.append((f"`{name}`, a tensor the loss reads from outside its arguments", value))
+        elif isinstance(value, nn.Module):
+            modules.append((f"`{name}`", value))
+    for owner, module in {id(module): (owner, module) for owner, module in reversed(modules)}.values():
+        found += [(f"the buffer {buffer!r} of {owner}", b) for buffer, b in module.named_buffers()]
+    return found
+
+
+def _overlapping_itself(args: tuple, written: set[int]) -> list[int]:
+    """The written arguments two of whose elements are one memory location (``expand``, a zero stride): more
+    elements than bytes to hold them, or torch's own check."""
+    return [pos for pos in sorted(written) if isinstance(args[pos], torch.Tensor) and args[pos].layout == torch.strided
+            and (torch._debug_has_internal_overlap(args[pos]) == 1
+                 or _span_bytes(args[pos]) < args[pos].numel() * args[pos].element_size())]
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    span = memory_span(t)
+    return t.numel() * t.element_size() if span is None else span[3] - span[2]
 
 
 def _buffer_in_parameter_memory(source, params: dict[str, torch.Tensor]) -> tuple[str | None, str | None]:
@@ -138,7 +168,7 @@ def _buffer_in_parameter_memory(source, params: dict[str, torch.Tensor]) -> tupl
 
 def _shared_memory_error(pairs: list[tuple[str, str]], written: bool) -> BatchInputError:
     """``written``: the capture says which argument the loss writes; else AOT autograd refused the write."""
-    unique = list(dict.fromkeys(tuple(sorted(pair)) if not written else pair for pair in pairs))
+    unique = list({frozenset(pair): pair for pair in reversed(pairs)}.values())[::-1]  # (a, b) and (b, a) once
     which = "; ".join(f"{a} with {b}" for a, b in unique[:3])
     what = ("the loss writes an argument in place that shares memory with another input" if written else
             "the loss writes an input in place, and inputs share memory (AOT autograd cannot capture that write)")
@@ -476,7 +506,16 @@ class PerSampleFunction:
         written = {captured.roles[i].key for i in captured.mutated
                    if isinstance(i, int) and 0 <= i < len(captured.roles) and captured.roles[i].kind == "arg"}
         if written:
-            pairs = _shared_memory(args, params, captured.constants, written)
+            overlapping = _overlapping_itself(args, written)
+            if overlapping:
+                pos = overlapping[0]
+                raise BatchInputError(
+                    f"the loss writes argument {pos} in place, and several of its elements are one memory location "
+                    f"(shape {tuple(args[pos].shape)}, strides {args[pos].stride()}: an expand() or a zero "
+                    "stride); eager torch refuses that write too. Fix: pass a tensor of its own, "
+                    "x.contiguous() or x.clone()")
+            outside = [(_READ_FROM_OUTSIDE, c) for c in captured.constants.values()]
+            pairs = _shared_memory(args, params, outside, written)
             if pairs:
                 raise _shared_memory_error(pairs, written=True)
         return PreparedCall(entry, params, args, batch_size)
@@ -493,7 +532,7 @@ class PerSampleFunction:
         except Exception as e:  # the last line of "no raw torch traceback": name what failed, and who can fix it
             text = _first_line(e)
             if re.search(r"input mutations|[Aa]liased inputs", text):  # AOT autograd on a write into shared memory
-                pairs = _shared_memory(args, params, {})
+                pairs = _shared_memory(args, params, _tensors_read_from_outside(self.fn, self.params_source))
                 if pairs:
                     raise _shared_memory_error(pairs, written=False) from e
             buffer, param = _buffer_in_parameter_memory(self.params_source, params)

@@ -1,5 +1,7 @@
 """The capture changes nothing the user owns; in-place updates inside the loss happen on every call, as in eager."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -84,6 +86,13 @@ def test_buffer_updates_apply_once_per_call_as_in_eager(rebind):
     params = dict(model.named_parameters())
     _assert_matches(grads, reference_per_sample(lambda a, b: F.cross_entropy(model.fc(a), b), params, (x * 3, y)))
     assert loss.captures == 1
+    # an empty batch (Poisson sampling draws them) updates the buffers as one eager call does: the counter, and
+    # the running mean of no samples (NaN, as torch's mean of none); red team O: the updates were skipped
+    loss(x[:0], y[:0])
+    F.cross_entropy(twin(x[:0]), y[:0])
+    assert model.calls.item() == 4
+    torch.testing.assert_close(model.ema, twin.ema, rtol=0, atol=0, equal_nan=True)
+    assert model.ema.isnan().all()
 
 
 class Rebinding(nn.Module):
@@ -182,6 +191,48 @@ def test_a_write_into_an_argument_that_shares_memory_is_refused_naming_both():
     got = psg.per_sample(model, backend="eager")(lambda a, b: model(a).pow(2).sum() + b.sum())(x, x[:, :2])
     _assert_matches(got, reference_per_sample(lambda a, b: model(a).pow(2).sum() + b.sum(),
                                               dict(model.named_parameters()), (x, x[:, :2])))
+
+
+def test_a_written_argument_in_the_memory_of_a_buffer_a_closure_or_itself_is_refused_naming_it():
+    """Red team O: a written argument that is the model's buffer, or a tensor the loss reads from its closure, fell
+    to AOT autograd's raw text ("otherwise this is a compiled_psg bug"); an expanded argument (a zero stride) ran
+    the whole graph, then raised torch's raw RuntimeError writing it back."""
+    torch.manual_seed(0)
+
+    class WithBuffer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3).double()
+            self.register_buffer("shift", torch.randn(5, 4, dtype=torch.float64))
+
+        def forward(self, x):
+            return self.fc(x + self.shift[:1])
+
+    model = WithBuffer()
+    _, y = _data()
+    closure = torch.randn(5, 4, dtype=torch.float64)
+
+    def through_buffer(x, y):
+        x.add_(1)
+        return F.cross_entropy(model(x), y)
+
+    def through_closure(x, y):
+        x.mul_(2)
+        return F.cross_entropy(model.fc(x + closure[:1]), y)
+
+    for fn, arg, named in ((through_buffer, model.shift, "the buffer 'shift' of the model"),
+                           (through_closure, closure, "`closure`, a tensor the loss reads from outside")):
+        before = arg.clone()
+        with pytest.raises(psg.BatchInputError, match=rf"argument 0 with {re.escape(named)}.*Fix: pass tensors "):
+            psg.per_sample(model, backend="eager")(fn)(arg, y)
+        assert torch.equal(arg, before)
+    expanded = torch.randn(1, 4, dtype=torch.float64).expand(5, 4)
+    loss = psg.per_sample(model, backend="eager")(through_closure)
+    with pytest.raises(psg.BatchInputError, match=r"writes argument 0 in place, and several of its elements are one "
+                                                  r"memory location \(shape \(5, 4\), strides \(0, 1\).*Fix: .*"
+                                                  r"x\.contiguous\(\)"):
+        loss(expanded, y)
+    assert torch.equal(loss(expanded.contiguous(), y)["fc.bias"], loss(expanded.clone(), y)["fc.bias"])
 
 
 def test_a_write_through_a_buffer_in_a_parameters_memory_names_both():

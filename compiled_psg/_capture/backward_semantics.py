@@ -168,14 +168,8 @@ def refuse_closures_from_parameters(fn, params: dict[str, torch.Tensor]) -> None
     (``doubled = lin.weight * 2``, then ``lambda x: x @ doubled``): its gradient path runs outside the captured
     graph, which Dynamo cannot trace (a graph break, or under ``-W error`` a warning about ``.grad``). Named
     here, with the variable, before the capture. Only the function's own free and global names are read."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return
-    named = {n: c.cell_contents for n, c in zip(code.co_freevars, fn.__closure__ or (), strict=False) if _filled(c)}
-    scope = getattr(fn, "__globals__", {})
-    named.update((n, scope[n]) for n in code.co_names if n in scope)
     by_id = {id(p): n for n, p in params.items()}
-    for name, value in named.items():
+    for name, value in names_read_from_outside(fn).items():
         if isinstance(value, torch.Tensor) and value.grad_fn is not None:
             reached = _parameters_behind(value.grad_fn, by_id)
             if reached:
@@ -184,6 +178,18 @@ def refuse_closures_from_parameters(fn, params: dict[str, torch.Tensor]) -> None
                     f"({', '.join(sorted(reached)[:3])}) outside it: part of their gradient flows through it, "
                     "outside the captured graph, where per-sample gradients cannot follow. Fix: compute it inside "
                     "the loss function, or .detach() it where it is meant as a constant")
+
+
+def names_read_from_outside(fn) -> dict[str, object]:
+    """The values of the function's own free variables and of the globals it names (not those of the functions
+    it calls)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    named = {n: c.cell_contents for n, c in zip(code.co_freevars, fn.__closure__ or (), strict=False) if _filled(c)}
+    scope = getattr(fn, "__globals__", {})
+    named.update((n, scope[n]) for n in code.co_names if n in scope)
+    return named
 
 
 def _filled(cell) -> bool:

@@ -247,8 +247,10 @@ class CompiledGraph:
     def loss_of_empty_batch(self, params: dict[str, torch.Tensor], args: tuple) -> torch.Tensor:
         """The loss of a batch of no samples, as the function computes it: NaN for a mean over the samples, 0 for
         a sum. The rewritten graph's nodes that compute the loss (the captured forward) run op by op on the empty
-        batch, without gradients or the loss's in-place updates; where they raise on zero samples (a shape the
-        loss derives from the batch size, ``x.view(len(x), -1)``), NaN."""
+        batch, without gradients; where they raise on zero samples (a shape the loss derives from the batch size,
+        ``x.view(len(x), -1)``), NaN. The loss's in-place updates are applied as one eager call applies them (a
+        counter, a power iteration's vector: Poisson sampling draws empty batches), unless computing them raises
+        on zero samples: then none is."""
         if self._empty_loss_graph is None:
             graph = copy.deepcopy(self.rewritten.graph_module.graph)
             output = graph.output_node()
@@ -261,12 +263,21 @@ class CompiledGraph:
         if weights is not None:  # the seed weights' placeholder (``build(seed_weights=True)``): no samples
             args = (*args, torch.zeros(0, dtype=weights.dtype, device=weights.device))
         inputs = self._inputs(params, args, 0)
-        try:
-            with torch.no_grad():
-                return self._empty_loss_graph.forward(*inputs)  # not the module call: no global module hooks
-        except Exception:  # noqa: BLE001 -- the loss is undefined on zero samples; the step of noise still is
-            reference = next(iter(params.values()))
-            return torch.full((), float("nan"), dtype=reference.dtype, device=reference.device)
+        with torch.no_grad():
+            new_values = None
+            if self.rewritten.captured.mutated:
+                try:
+                    new_values = self._mutation_values(inputs)
+                except Exception:  # noqa: BLE001 -- an update undefined on zero samples: all of them are skipped
+                    new_values = None
+            try:
+                loss = self._empty_loss_graph.forward(*inputs)  # not the module call: no global module hooks
+            except Exception:  # noqa: BLE001 -- the loss is undefined on zero samples; the step of noise still is
+                reference = next(iter(params.values()))
+                loss = torch.full((), float("nan"), dtype=reference.dtype, device=reference.device)
+            if new_values is not None:
+                self._apply_mutations(params, args, new_values)
+        return loss
 
     def __call__(self, params: dict[str, torch.Tensor], args: tuple, batch_size: int):
         weights = self.rewritten.seed_weights
