@@ -148,14 +148,20 @@ def test_embedding_max_norm_view_taken_before_is_refused():
 
 
 def test_embedding_bag_max_norm_is_refused_by_name():
+    """Red team O: behind another layer (``head(bag(t))``) it was refused as "the loss writes a tensor that
+    requires grad in place (p.data.clamp_(...) on a parameter, say)", with no line and a fix that did not apply."""
     torch.manual_seed(0)
     bag = nn.EmbeddingBag(10, 3, max_norm=1.0, mode="mean").double()
+    head = nn.Linear(3, 2).double()
     with torch.no_grad():
         bag.weight.mul_(3)
     before = bag.weight.detach().clone()
-    with pytest.raises(psg.UnsupportedError, match=r"EmbeddingBag\(max_norm=\.\.\.\).*Fix: renormalize outside"):
-        psg.per_sample(bag, backend="eager")(lambda i: bag(i).pow(2).sum())(_IDX)
-    assert torch.equal(bag.weight, before)
+    for loss in (lambda i: bag(i).pow(2).sum(), lambda i: head(bag(i)).pow(2).sum()):
+        with pytest.raises(psg.UnsupportedError, match=r"EmbeddingBag\(max_norm=\.\.\.\) \(F.embedding_bag\) at "
+                                                       r"\S*test_vmap_gaps.py:\d+ in <lambda>.*Fix: renormalize "
+                                                       r"outside"):
+            psg.per_sample(nn.ModuleList([bag, head]), backend="eager")(loss)(_IDX)
+        assert torch.equal(bag.weight, before)
 
 
 # ---------------------------------------------------------------- per-sample losses scaled by the batch size

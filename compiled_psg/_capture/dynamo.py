@@ -421,6 +421,7 @@ def _renorm_in_place(weight, input, max_norm, norm_type) -> None:
 
 _original_embedding = torch.nn.functional.embedding
 _EMBEDDING_SIGNATURE = inspect.signature(_original_embedding)
+_EMBEDDING_BAG_SIGNATURE = inspect.signature(torch.nn.functional.embedding_bag)
 
 
 def _embedding_max_norm_per_row(gm: fx.GraphModule) -> int:
@@ -435,6 +436,14 @@ def _embedding_max_norm_per_row(gm: fx.GraphModule) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     lookups = []
     for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is torch.nn.functional.embedding_bag
+                and _EMBEDDING_BAG_SIGNATURE.bind(*node.args, **node.kwargs).arguments.get("max_norm") is not None):
+            _pending.setdefault("refusal", UnsupportedError(
+                f"nn.EmbeddingBag(max_norm=...) (F.embedding_bag) at {where(node)}: compiled_psg computes "
+                "per-sample gradients of nn.Embedding's max_norm, not of EmbeddingBag's, whose in-place renorm of "
+                "the batch's rows feeds the bags (a write it cannot capture as it is). Fix: renormalize outside "
+                "the loss (with torch.no_grad(): bag.weight.renorm_(2, 0, max_norm)) and construct the "
+                "EmbeddingBag with max_norm=None"))
         if node.op != "call_function" or node.target is not torch.nn.functional.embedding:
             continue
         bound = _EMBEDDING_SIGNATURE.bind(*node.args, **node.kwargs)

@@ -159,20 +159,13 @@ def _build(loss_fn, params: dict[str, torch.Tensor], args: tuple, batch_dims: di
 
 def _refuse_reads_after_renorm(forward: fx.GraphModule) -> None:
     """An in-place ``embedding_renorm_`` renormalizes every weight row the batch's indices name. ``nn.Embedding``'s
-    ``max_norm`` is rewritten per row at capture (``dynamo._embedding_max_norm_per_row``); a loss whose values
-    still read a renormed weight (``nn.EmbeddingBag(max_norm=...)``, ``torch.embedding_renorm_`` called directly)
-    would give each sample rows renormed by the whole batch."""
+    ``max_norm`` is rewritten per row at capture (``dynamo._embedding_max_norm_per_row``), and
+    ``nn.EmbeddingBag``'s refused there; a loss whose values still read a renormed weight
+    (``torch.embedding_renorm_`` called directly) would give each sample rows renormed by the whole batch."""
     renorms = [n for n in forward.graph.nodes if n.target is ATEN.embedding_renorm.default]
     if not renorms:
         return
     line = source_line(next(u for n in renorms for u in n.users))  # where the renormed weight is read
-    if any(u.target in (ATEN._embedding_bag.default, ATEN._embedding_bag_forward_only.default)
-           for n in renorms for u in n.users):
-        raise UnsupportedError(
-            f"nn.EmbeddingBag(max_norm=...) at {line}: compiled_psg computes per-sample gradients of nn.Embedding's "
-            "max_norm, not of EmbeddingBag's, whose in-place renorm of the whole batch's rows feeds the bags. Fix: "
-            "renormalize outside the loss (with torch.no_grad(): bag.weight.renorm_(2, 0, max_norm)) and construct "
-            "the EmbeddingBag with max_norm=None")
     raise SampleMixingError(
         f"per-sample gradients are undefined for this loss: at {line}, the loss reads a weight that "
         "embedding_renorm_ renormalized in place from the whole batch's indices, so each sample would read rows "
