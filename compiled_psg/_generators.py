@@ -101,3 +101,16 @@ class Rewind:
                 others = (_begun[k] - e.begun) - (self.own[k] - e.own)
                 if e.clean and others == 0 and _begun[k] == _ended[k]:
                     e.generator.set_state(e.before)
+
+
+def state_loads(generator: torch.Generator, state: object) -> bool:
+    """``generator.set_state(state)`` would succeed: tried on a fresh generator of its device (a state of the right
+    shape may hold bytes torch refuses, and a checkpoint's load must fail before it changes anything)."""
+    if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8
+            and state.shape == generator.get_state().shape):
+        return False
+    try:
+        torch.Generator(device=generator.device).set_state(state)
+    except RuntimeError:
+        return False
+    return True

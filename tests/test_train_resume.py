@@ -166,13 +166,16 @@ def test_a_state_of_another_model_or_optimizer_loads_nothing(mismatch):
     assert torch.equal(step.noise.generator.get_state(), generator_before)
 
 
-@pytest.mark.parametrize("corruption", ["generator_bytes", "generator_dtype", "model_entry", "optimizer_state"])
+@pytest.mark.parametrize("corruption", ["generator_bytes", "generator_dtype", "model_entry", "optimizer_state",
+                                        "owner_rule", "moment_shape", "lr_string",
+                                        "sampler_bytes"])
 def test_a_corrupted_state_loads_nothing(corruption):
     """Red team O: a state whose generator entry had the right shape but bytes torch refuses, or a model entry
     that is no tensor, passed the checks and raised torch's raw error after the model (and the settings) were
-    loaded: a "resume, else start afresh" loop trained on the saved weights with epsilon counted from 0. Every
-    entry is checked before anything is loaded, and the optimizer's own loader (which assigns nothing before it
-    can raise) runs first."""
+    loaded: a "resume, else start afresh" loop trained on the saved weights with epsilon counted from 0. A
+    momentum of another shape, a string lr, or a sampler's generator bytes loaded, and the next step or
+    batch raised torch's raw error. A state breaking the PrivateTraining's rules (no noise) was refused after the
+    optimizer's state was loaded. Every entry is checked before anything is loaded."""
     data = TensorDataset(torch.randn(40, 6), torch.randint(0, 3, (40,)))
 
     def built(seed):
@@ -195,18 +198,46 @@ def test_a_corrupted_state_loads_nothing(corruption):
         step_state["generator"] = step_state["generator"].float()
     elif corruption == "model_entry":
         step_state["model"]["bias"] = [0.0, 0.0, 0.0]
-    else:
+    elif corruption == "optimizer_state":
         step_state["optimizer"]["state"] = [0.0]
+    elif corruption == "owner_rule":
+        step_state["config"]["noise_multiplier"] = 0.0
+    elif corruption == "moment_shape":
+        step_state["optimizer"]["state"][0]["momentum_buffer"] = torch.zeros(2)
+    elif corruption == "lr_string":
+        step_state["optimizer"]["param_groups"][0]["lr"] = "0.1"
+    else:
+        state["sampler"]["epoch_state"].fill_(255)
     model, private = built(1)
+    sampler_before = repr(private.data_loader.batch_sampler.state_dict())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     generator_before = private.dp_step.noise.generator.get_state()
-    for target, whole in ((private, state), (private.dp_step, step_state)):
-        with pytest.raises(DPConfigError, match="Nothing was loaded"):
+    targets = [(private, state)] + ([] if corruption == "sampler_bytes" else [(private.dp_step, step_state)])
+    for target, whole in targets:
+        with pytest.raises(DPConfigError, match="Nothing was loaded|needs noise_multiplier > 0"):
             target.load_state_dict(whole)
+        assert repr(private.data_loader.batch_sampler.state_dict()) == sampler_before
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         assert (private.steps, private.epsilon(), private.dp_step.noise_multiplier) == (0, 0.0, 1.0)
         assert not private.dp_step.optimizer.state
         assert torch.equal(private.dp_step.noise.generator.get_state(), generator_before)
+
+
+def test_a_loaded_state_kept_in_memory_is_not_written_by_the_training():
+    """Red team O: torch's optimizer loader keeps the saved tensors (same device and dtype), so training after
+    ``load_state_dict(best)`` wrote its momentum into ``best``; loading ``best`` again resumed the saved weights
+    with a later step's momentum."""
+    model, private, _ = build()
+    batches = iter(private.data_loader)
+    private.step(*next(batches))
+    best = copy.deepcopy(private.state_dict())
+    saved_momentum = copy.deepcopy(best["step"]["optimizer"]["state"])
+    _, resumed, _ = build(seed=1)
+    resumed.load_state_dict(best)
+    for x, y in resumed.data_loader:
+        resumed.step(x, y)
+    for k, per in saved_momentum.items():
+        assert all(torch.equal(v, best["step"]["optimizer"]["state"][k][name]) for name, v in per.items())
 
 
 def test_copying_or_pickling_a_training_points_to_state_dict():

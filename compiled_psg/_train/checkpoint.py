@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields
 
 import torch
 import torch.nn as nn
 
 from .._errors import DPConfigError
+from .._generators import state_loads
 from . import update_graph
 from .config import MECHANISM, DPConfig
 
@@ -41,9 +43,11 @@ def load_step_state(step, state: dict) -> None:
         raise DPConfigError("the saved step and this one disagree on generator=: build the step with a "
                             "torch.Generator exactly when the saved one had one")
     config = _saved_config(step.config, state["config"])
+    step.check_config(config)  # the noise range, a PrivateTraining's rules: refused before anything is loaded
     _check_model_state(step.model, state["model"])
     _check_optimizer_state(step.optimizer, state["optimizer"])
     _check_optimizer_kind(step.model, step.optimizer, state.get("optimizer_kind"))
+    _check_optimizer_steps(step.optimizer, state["optimizer"])
     _check_not_live(step, state, saved_steps)
     _check_no_rollback(step, saved_steps)
     if step.noise.generator is not None:
@@ -52,8 +56,13 @@ def load_step_state(step, state: dict) -> None:
     if not (stalled is None or isinstance(stalled, str)):
         raise DPConfigError(f"the saved stalled_bound must be a message or None, got {type(stalled).__name__}. "
                             "Nothing was loaded")
-    # the optimizer first: torch's loader assigns nothing before it can raise, the model's copies entry by entry
-    step.optimizer.load_state_dict(state["optimizer"])
+    # the optimizer first: torch's loader assigns nothing before it can raise, the model's copies entry by entry.
+    # Its tensors copied: torch's loader keeps the saved ones (same device and dtype), so the training would write
+    # into the checkpoint (a state kept in memory, loaded again later, would hold a later step's moments)
+    saved_optimizer = state["optimizer"]
+    step.optimizer.load_state_dict({**saved_optimizer, "state": {
+        k: {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in per.items()}
+        if isinstance(per, dict) else per for k, per in saved_optimizer["state"].items()}})
     step.config = config
     step._stalled_bound = stalled  # after the config, whose assignment clears it
     step.model.load_state_dict(state["model"])
@@ -166,14 +175,9 @@ def _check_model_state(model: nn.Module, saved: dict) -> None:
 
 
 def _check_generator_state(generator: torch.Generator, saved: object) -> None:
-    """``generator.set_state(saved)`` will succeed: tried on a fresh generator of the same device first (a state of
-    the right shape may still hold bytes torch refuses, after the model was loaded)."""
-    if isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8 and saved.shape == generator.get_state().shape:
-        try:
-            torch.Generator(device=generator.device).set_state(saved)
-            return
-        except RuntimeError:
-            pass
+    """``generator.set_state(saved)`` will succeed, or nothing is loaded."""
+    if state_loads(generator, saved):
+        return
     raise DPConfigError("the saved generator state is not one of this step's generator (a torch.Generator's "
                         "get_state() of the same device). Nothing was loaded. Fix: build the step with a generator "
                         "of the same kind (device) as the saved run's, and load the state its state_dict() saved")
@@ -201,6 +205,54 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> Non
         raise DPConfigError(f"the saved optimizer state is of another optimizer than this "
                             f"{type(optimizer).__name__}: its groups have no {missing}. Nothing was loaded. Fix: "
                             "build the optimizer the saved run used")
+
+
+def _check_optimizer_steps(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """A torch optimizer steps from the saved state: tried on a copy of it over meta tensors (no memory, no data),
+    loaded with ``saved`` and stepped once. Torch's loader accepts a moment of another shape, a missing one, a
+    string ``lr`` or one-element ``betas``, and the next step raises. An optimizer the copy cannot try on its own
+    state (another library's, one whose step needs a closure) is not tried."""
+    if not type(optimizer).__module__.startswith("torch.optim"):
+        return
+    try:
+        _step_on_meta(optimizer, optimizer.state_dict())
+    except Exception:  # noqa: BLE001 -- not triable on meta tensors: torch's loader's own checks stand
+        return
+    try:
+        _step_on_meta(optimizer, saved)
+    except Exception as error:  # noqa: BLE001 -- whatever the saved state makes the step raise
+        raise DPConfigError(f"the saved optimizer state does not step this {type(optimizer).__name__} "
+                            f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}). Nothing was "
+                            "loaded. Fix: load the state its state_dict() saved, into an optimizer built as the "
+                            "saved run's") from None
+
+
+def _step_on_meta(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """One step of a copy of ``optimizer`` over meta tensors, from ``state`` (its tensors as meta tensors, except
+    the scalars: a step count is read as a number)."""
+    def meta(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        return value.clone() if value.numel() <= 1 else torch.empty_like(value, device="meta")
+
+    params = [[torch.nn.Parameter(torch.empty_like(p, device="meta")) for p in group["params"]]
+              for group in optimizer.param_groups]
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": mine, "foreach": False}
+              for group, mine in zip(optimizer.param_groups, params, strict=True)]
+    for group in groups:
+        if group.get("fused"):
+            group["fused"] = False
+    on_meta = {"state": {k: {name: meta(v) for name, v in per.items()} if isinstance(per, dict) else per
+                         for k, per in state["state"].items()},
+               "param_groups": state["param_groups"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scratch = type(optimizer)(groups)
+        scratch.load_state_dict(on_meta)
+        for p in (p for mine in params for p in mine):
+            p.grad = torch.zeros_like(p)
+        step = type(scratch).step
+        getattr(step, "__wrapped__", step)(scratch)  # not the hooks' wrapper: no user code runs for the trial
 
 
 def _optimizer_kind(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

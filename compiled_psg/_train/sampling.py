@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, default_collate
 
 from .._errors import BatchInputError, DPConfigError, require_flag
+from .._generators import state_loads
 from .accounting import check_sample_rate
 from .config import is_number
 from .dp import secure_uniform
@@ -132,8 +133,7 @@ class PoissonBatchSampler:
             raise DPConfigError(f"the saved Poisson sampler drew its coins from {saved}, this one from {here}: the "
                                 "saved position cannot be resumed. Nothing was loaded. Fix: build the training with "
                                 "the secure_rng of the saved run")
-        if epoch_state is not None and (not isinstance(epoch_state, torch.Tensor)
-                                        or epoch_state.shape != self.generator.get_state().shape):
+        if epoch_state is not None and not state_loads(self.generator, epoch_state):
             raise DPConfigError("the saved Poisson sampler state is not one of this sampler's generator. Nothing was "
                                 "loaded. Fix: build the sampler with a generator of the same kind (a CPU "
                                 "torch.Generator) as the saved run's")

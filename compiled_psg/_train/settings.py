@@ -23,6 +23,13 @@ class StepSettings:
 
     @config.setter
     def config(self, value: DPConfig) -> None:
+        self.check_config(value)
+        self._config = value
+        self._stalled_bound = None  # a new bound (or max_clipbound) from the user: adaptive clipping goes on
+
+    def check_config(self, value: DPConfig) -> None:
+        """What assigning ``config = value`` checks, without assigning (a checkpoint's load checks it before it
+        loads anything)."""
         if not isinstance(value, DPConfig):
             raise DPConfigError(f"config must be a DPConfig, got {type(value).__name__}")
         for name in MECHANISM:
@@ -33,8 +40,6 @@ class StepSettings:
                                     f"{name}={getattr(value, name)!r}")
         value.check_noise_range(self._acc_dtype(), self._grad_dtype())
         self._check_owner_rules(value)
-        self._config = value
-        self._stalled_bound = None  # a new bound (or max_clipbound) from the user: adaptive clipping goes on
 
     def _check_owner_rules(self, value: DPConfig) -> None:
         """A step that a ``PrivateTraining`` accounts for keeps what its accountant's analysis assumes, however its
