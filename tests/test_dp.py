@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dp_accounting
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -159,6 +160,20 @@ def test_make_private_leaves_the_users_generators_as_they_were(outcome, monkeypa
                                  accountant="gdp" if outcome == "unknown_accountant" else "rdp", **options)
         after = [g.get_rng_state() if g is torch.random else g.get_state() for g in streams]
         assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"steps": 0}, "steps .* must be a positive int or None, got 0"),
+    ({"steps": -1}, "got -1"), ({"steps": 2.5}, "got 2.5"), ({"steps": "3"}, "got '3'"), ({"steps": True}, "got True"),
+    ({"generator": 42}, "generator must be a CPU torch.Generator or None.*got int 42"),
+])
+def test_poisson_loader_settings_are_refused_naming_them(kw, match):
+    """Red team O: ``steps=0`` gave epochs of no batches, ``-1`` a raw ValueError from len(), ``2.5`` or ``"3"`` a
+    raw TypeError at the first batch, ``generator=42`` torch's TypeError."""
+    data = TensorDataset(torch.randn(20, 3), torch.arange(20))
+    with pytest.raises(DPConfigError, match=match):
+        poisson_loader(data, 0.1, **kw)
+    assert len(poisson_loader(data, 0.1, steps=np.int64(3))) == 3
 
 
 def test_poisson_loader_yields_empty_batches():

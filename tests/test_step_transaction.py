@@ -839,6 +839,29 @@ def test_trained_parameters_sharing_memory_are_refused_and_disjoint_views_of_one
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_parameters_tied_through_data_after_the_step_was_built_are_refused_at_the_next_step():
+    """Red team O: the check ran when the step was built only; ``m[2].weight.data = m[0].weight.data`` after two
+    steps let later steps run, 0.0196 off torch's SGD. The next step refuses, changing nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 4, (6,))
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.5),
+                        max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=6, backend="eager",
+                        generator=torch.Generator().manual_seed(0))
+    step(x, y)
+    step(x, y)  # the fused program's
+    model[2].weight.data = model[0].weight.data
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(2):
+        with pytest.raises(DPConfigError, match="the parameters '0.weight' and '2.weight' share memory"):
+            step(x, y)
+    assert step.steps_taken == 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model[2].weight.data = model[0].weight.data.clone()  # apart again: the step goes on
+    step(x, y)
+    assert step.steps_taken == 3
+
+
 def test_a_secure_sampler_takes_no_generator():
     from compiled_psg._train.sampling import PoissonBatchSampler
 

@@ -408,6 +408,29 @@ def test_sampling_rate_and_calibration_inputs_are_refused_naming_the_argument():
         psg.Accountant().step(1.0, 2.0)
 
 
+def test_what_make_private_fixed_cannot_be_assigned_and_a_step_takes_no_keywords():
+    """Red team O: ``private.sample_rate = 0.001`` was taken, and the accountant recorded every step at 0.001
+    while the loader sampled at 0.2 (epsilon 0.61 reported, 4.54 spent); so were the dataset size, the delta,
+    the loader and the accountant. ``private.step(x, y=y)`` raised Python's TypeError."""
+    _, private = _private()
+    x, y = next(iter(private.data_loader))
+    private.step(x, y)
+    fixed = {"sample_rate": 0.001, "dataset_size": 10**6, "target_delta": 1e-9, "poisson_sampling": False,
+             "accountant": psg.Accountant(), "data_loader": None, "dp_step": None}
+    for name, value in fixed.items():
+        before = getattr(private, name)
+        with pytest.raises(DPConfigError, match=f"a PrivateTraining's {name} is fixed when make_private builds it"):
+            setattr(private, name, value)
+        with pytest.raises(DPConfigError, match=f"{name} is fixed"):
+            delattr(private, name)
+        assert getattr(private, name) is before
+    private.noise_multiplier = 2.0  # the settings a training may change between steps
+    private.max_grad_norm = 0.25
+    with pytest.raises(psg.BatchInputError, match="keyword"):
+        private.step(x, y=y)
+    assert private.steps == 1 and private.epsilon() == epsilon(1.0, 1 / 6, 1, DELTA, "rdp")
+
+
 def test_objects_of_the_wrong_kind_are_refused_naming_the_argument():
     """An optimizer of None, an int as the generator, a list as the loader, an empty dataset, None as
     poisson_loader's data or as a scheduler's training ended in AttributeError, TypeError or ZeroDivisionError

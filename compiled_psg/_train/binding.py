@@ -40,9 +40,12 @@ class OptimizerBinding:
         # holding a tensor the model no longer reads, which the check below refuses
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # dtype and device too: model.double() or .to(device) changes them in place, under the optimizer's state
-        key = (tuple((id(p), p.requires_grad, p.dtype, p.device) for p in flat), tuple(id(p) for _, p in named))
+        # and its memory: one tied to another through .data after the step was built shares it
+        key = (tuple((id(p), p.requires_grad, p.dtype, p.device, _address(p)) for p in flat),
+               tuple(id(p) for _, p in named))
         if key == self._key:
             return False
+        refuse_shared_parameters(self.model)
         trainable = {id(p): n for n, p in named}
         trained = [j for j, p in enumerate(flat) if p.requires_grad]
         params = [flat[j] for j in trained]
@@ -111,3 +114,34 @@ def check_optimizer_scalars(optimizer: torch.optim.Optimizer) -> None:
                     f"largest {min(dtypes, key=lambda d: torch.finfo(d).max)} number ({largest:g}) its parameters "
                     f"hold: the optimizer's step cannot use it. Fix: set {name} within the parameters' range")
 
+
+def refuse_shared_parameters(model: nn.Module) -> None:
+    """Two trained parameters in one memory (``b.weight.data = a.weight.data``, a parameter made of a view of
+    another's ``.data``): torch's optimizer applies both updates to it in turn, while the fused program writes
+    each parameter's new value computed from the old memory, and one write overwrites the other (red team M: 0.046
+    off torch's update after one step; red team O: tied after the step was built, checked where the binding
+    refreshes). One Parameter object used twice (``b.weight = a.weight``) is one parameter, with the gradient of
+    both uses."""
+    from .._api import memories_overlap, memory_span
+
+    seen: list[tuple[str, tuple]] = []
+    for name, p in model.named_parameters():
+        span = memory_span(p) if p.requires_grad else None
+        if span is None:
+            continue
+        other = next((n for n, s in seen if memories_overlap(span, s)), None)
+        if other is not None:
+            raise DPConfigError(
+                f"the parameters {other!r} and {name!r} share memory (tied through .data, or one a view of the "
+                "other's data): a DP step updates each on its own, so one update would overwrite the other. Fix: "
+                f"tie them as one parameter (set the module attribute of {name!r} to the Parameter {other!r}), "
+                "whose gradient sums both uses, or give each its own memory (.clone())")
+        seen.append((name, span))
+
+
+def _address(p: torch.Tensor) -> int | None:
+    """Where ``p``'s data starts; None for a tensor without storage of its own (a sharded DTensor)."""
+    try:
+        return p.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None

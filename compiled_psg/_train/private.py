@@ -59,6 +59,29 @@ class PrivateTraining:
         dp_step.on_release(self._account)
         dp_step.accounted_by = type(self).__name__  # its state loads with the accountant's, through this object
 
+    #: what make_private fixed, which the accountant's analysis (or the step it counts) assumes: assigning one
+    #: would have epsilon computed for another training than the one that runs (red team O:
+    #: ``private.sample_rate = 0.001`` reported epsilon 0.61 for a run sampled at 0.2, whose epsilon is 4.54)
+    _FIXED = ("model", "optimizer", "data_loader", "dp_step", "accountant", "sample_rate", "target_delta",
+              "poisson_sampling", "dataset_size")
+
+    def __setattr__(self, name: str, value) -> None:
+        self._refuse_changing(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._refuse_changing(name)
+        super().__delattr__(name)
+
+    def _refuse_changing(self, name: str) -> None:
+        if name in self._FIXED and name in self.__dict__:
+            fix = ("pass the delta to epsilon(delta=...)" if name == "target_delta" else
+                   "build the training with the make_private arguments that give it (a noise multiplier, a "
+                   "clipping bound and a noise schedule can be changed between steps)")
+            raise DPConfigError(f"a PrivateTraining's {name} is fixed when make_private builds it: the accountant "
+                                "counts every step at the training's sampling rate over its dataset, with its step, "
+                                f"loader and model. Fix: {fix}")
+
     def _account(self, noise_multiplier: float) -> None:
         self.accountant.step(noise_multiplier, self.sample_rate)
 
@@ -98,11 +121,11 @@ class PrivateTraining:
         """Logical steps taken (the accountant's count)."""
         return self.accountant.steps
 
-    def step(self, *batch) -> torch.Tensor:
+    def step(self, *batch, **keywords) -> torch.Tensor:
         """One DP-SGD step on a (logical) batch. The step itself has the accountant record the noise multiplier it
         used, when its update is applied (``DPStep.on_release``): a failure after that point (an interrupt, the
         compile at the end of the first step) still counts it, a failure before it counts nothing."""
-        return self.dp_step(*batch)
+        return self.dp_step(*batch, **keywords)  # keywords refused there, naming the fix
 
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far at ``delta`` (default: ``target_delta``). The accountant's analysis assumes

@@ -16,7 +16,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 from .._errors import BatchInputError, DPConfigError, require_flag
 from .._generators import state_loads
 from .accounting import check_sample_rate
-from .config import is_number
+from .config import is_int, is_number
 from .dp import secure_uniform
 
 
@@ -44,13 +44,20 @@ class PoissonBatchSampler:
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None, secure: bool = False):
         sample_rate = check_sample_rate(sample_rate)
+        if steps is not None and not (is_int(steps) and steps >= 1):
+            raise DPConfigError(f"steps (the batches of an epoch) must be a positive int or None, got {steps!r}. Fix: "
+                                "steps=None draws round(1 / sample_rate) batches an epoch, a pass over the data")
+        if generator is not None and not (isinstance(generator, torch.Generator) and generator.device.type == "cpu"):
+            raise DPConfigError(f"generator must be a CPU torch.Generator or None (the coins are drawn on the CPU), "
+                                f"got {type(generator).__name__} {generator!r}. Fix: "
+                                "generator=torch.Generator().manual_seed(seed)")
         if require_flag("secure", secure, DPConfigError) and generator is not None:
             raise DPConfigError("secure=True draws the coins from os.urandom, which no generator seeds: generator= "
                                 "would be ignored. Fix: give one source, secure=True without a generator or "
                                 "generator= without secure")
         self.num_samples = num_samples
         self.sample_rate = sample_rate
-        self.steps = max(1, round(1 / sample_rate)) if steps is None else steps
+        self.steps = max(1, round(1 / sample_rate)) if steps is None else int(steps)
         if generator is None and not secure:
             # one draw from the global generator, so that an unseeded loader follows torch.manual_seed
             generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())))

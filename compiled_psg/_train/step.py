@@ -47,7 +47,7 @@ from . import buckets as buckets_
 from . import distributed as dist_utils
 from . import update_graph
 from .adaptive import next_bound
-from .binding import OptimizerBinding, check_optimizer_scalars
+from .binding import OptimizerBinding, check_optimizer_scalars, refuse_shared_parameters
 from .checkpoint import load_step_state, step_state
 from .config import DPConfig
 from .eager import NoiseSource
@@ -486,29 +486,6 @@ def check_step_objects(model, optimizer, generator) -> None:
     if unfit is not None and type(optimizer).__module__.startswith("torch.optim"):
         raise DPConfigError(f"{type(optimizer).__name__} cannot take a DP step: {unfit}. Fix: use an optimizer whose "
                             "step() reads .grad alone, e.g. torch.optim.SGD or torch.optim.Adam")
-
-
-def refuse_shared_parameters(model: nn.Module) -> None:
-    """Two trained parameters in one memory (``b.weight.data = a.weight.data``, a parameter made of a view of
-    another's ``.data``): torch's optimizer applies both updates to it in turn, while the fused program writes
-    each parameter's new value computed from the old memory, and one write overwrites the other (red team M: 0.046
-    off torch's update after one step). One Parameter object used twice (``b.weight = a.weight``) is one
-    parameter, with the gradient of both uses."""
-    from .._api import memories_overlap, memory_span
-
-    seen: list[tuple[str, tuple]] = []
-    for name, p in model.named_parameters():
-        span = memory_span(p) if p.requires_grad else None
-        if span is None:
-            continue
-        other = next((n for n, s in seen if memories_overlap(span, s)), None)
-        if other is not None:
-            raise DPConfigError(
-                f"the parameters {other!r} and {name!r} share memory (tied through .data, or one a view of the "
-                "other's data): a DP step updates each on its own, so one update would overwrite the other. Fix: "
-                f"tie them as one parameter (set the module attribute of {name!r} to the Parameter {other!r}), "
-                "whose gradient sums both uses, or give each its own memory (.clone())")
-        seen.append((name, span))
 
 
 #: torch optimizers whose step cannot be the update of a DP step -> why
