@@ -49,6 +49,10 @@ def _params_and_modes(params: nn.Module | Mapping[str, torch.Tensor]) -> tuple[d
     for name, p in named.items():
         if not isinstance(p, torch.Tensor):
             raise BatchInputError(f"parameter {name!r} is a {type(p).__name__}, not a tensor")
+        if p.is_complex():
+            raise BatchInputError(f"parameter {name!r} is complex ({p.dtype}): compiled_psg computes per-sample "
+                                  "gradients of real parameters only. Fix: hold it as its real and imaginary parts, "
+                                  "a real parameter of shape [..., 2] read as torch.view_as_complex(p) in the loss")
         if not p.is_floating_point():
             raise BatchInputError(f"parameter {name!r} has dtype {p.dtype}; gradients need a floating dtype. "
                                   "Fix: leave it out of params, or convert it with .float()")

@@ -231,6 +231,37 @@ def test_tolist_in_the_loss_is_refused_with_the_fix():
     _refuse(model, loss, CaptureError, "graph break", ".tolist()", "Fix: keep tensor values as tensors")
 
 
+def test_a_batched_tensor_split_into_its_samples_is_refused_for_what_it_is():
+    """Red team O: ``torch.tensor(y.tolist())`` of a batched argument (an int tensor: no graph break) was refused
+    as "fixes the batch size in aten.unbind", with the fix "use x.view(x.shape[0], -1) ... pass every per-sample
+    tensor as a batched argument", which ``y`` already is."""
+    model = _mlp()
+
+    def split(x, y):
+        return (model(x) * torch.tensor(y.tolist(), dtype=DTYPE).unsqueeze(1)).sum()
+
+    _refuse(model, split, CaptureError, "splits a batched tensor into its samples at", "torch.tensor(y.tolist()",
+            "aten.unbind", "Fix: keep the values as tensors", args=(torch.randn(4, 4, dtype=DTYPE), torch.arange(4)))
+
+
+def test_a_complex_parameter_is_refused_with_a_fix_that_keeps_it():
+    """Red team O: the fix said "convert it with .float()", which drops the imaginary part."""
+    w = torch.randn(3, dtype=torch.complex128, requires_grad=True)
+    with pytest.raises(BatchInputError, match=r"parameter 'w' is complex \(torch.complex128\).*Fix: .*"
+                                              r"torch.view_as_complex\(p\)") as info:
+        psg.per_sample({"w": w}, backend="eager")(lambda x: (x * w).abs().sum())(torch.randn(4, 3))
+    assert ".float()" not in str(info.value)
+    real = torch.view_as_real(w.detach()).clone().requires_grad_(True)  # the fix: exact against the loop
+
+    def loss(x):
+        return (x.to(torch.complex128) * torch.view_as_complex(real)).abs().pow(2).sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    got = psg.per_sample({"real": real}, backend="eager")(loss)(x)["real"]
+    expected = torch.stack([torch.autograd.grad(loss(x[i:i + 1]), real)[0] for i in range(4)])
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_item_in_the_loss_is_refused_with_the_fix():
     model = _mlp()
 

@@ -984,6 +984,12 @@ def _fixed_batch_size(text: str, fixed: batch_size_branches.FixedBy | None) -> C
             "not a batched argument (read from a closure or a global, or in an argument whose in_dims entry is "
             "None: pass it as a batched argument), or torch's backward formula of an op in the loss reads the "
             "batch size as a number (compute that op outside the per-sample function)" + torch_says)
+    if fixed is not None and fixed.op and fixed.op.startswith("aten.unbind"):
+        return CaptureError(
+            f"the loss splits a batched tensor into its samples at {fixed.line} ({fixed.op}: x.tolist(), list(x), "
+            "a loop over x or x.unbind(0)): the number of pieces is the batch size, so one graph cannot serve every "
+            "batch size. Fix: keep the values as tensors and compute on the whole batch at once (torch.tensor(y."
+            "tolist()) is y itself; a loop over the samples is an op along dimension 0)" + torch_says)
     seen = (f" The batch size was fixed in {fixed.op}, at {fixed.line}." if fixed is not None and fixed.op
             else f" The batch size was fixed at {fixed.line}." if fixed is not None else "")
     return CaptureError(
