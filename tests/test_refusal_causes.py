@@ -1044,3 +1044,110 @@ def test_a_factory_of_the_batch_length_is_a_batch_size_refusal_not_mixing():
                                                    r"eye of the batch's length(.|\n)*Fix: build it from"):
         psg.per_sample(lin, backend="eager")(lambda x: (torch.eye(len(x), dtype=x.dtype) @ lin(x)).pow(2).sum())(
             torch.randn(5, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("factory", ["linspace", "logspace"])
+def test_a_factory_taking_the_batch_length_as_a_python_int_names_the_op_and_the_line(factory):
+    """``torch.linspace(0.5, 1, x.shape[0])`` as per-sample weights: torch takes ``steps`` as a Python int, so the
+    trace fixes the batch size at the call. The refusal is the one for a factory of the batch's length, naming the
+    factory and the user's line (it said "tracing the gradients of the loss fixed the batch size", naming
+    neither)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    make = getattr(torch, factory)
+
+    def loss(x, y):
+        weights = make(0.5, 1, x.shape[0])  # <batch_length_factory>
+        return (F.cross_entropy(model(x), y, reduction="none") * weights).sum()
+
+    line = _line_of("# <batch_length_factory>")
+    with pytest.raises(psg.UnsupportedError, match=rf"cannot give this loss a sample's own batch size(.|\n)*torch\."
+                                                   rf"{factory} at \S*test_refusal_causes.py:{line}\b.*torch\."
+                                                   rf"{factory} of the batch's length.*Fix: build it from"):
+        psg.per_sample(model, backend="eager")(loss)(torch.randn(4, 6), torch.randint(0, 3, (4,)))
+
+
+def test_a_python_int_argument_fixed_to_the_batch_size_names_the_function_and_the_line():
+    """A torch function whose argument is a Python int (``torch.histc``'s ``bins``) given ``x.shape[0]``: the
+    message names the function and the user's line, not torch's backward formulas."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+
+    def loss(x, y):
+        return F.cross_entropy(model(x), y) + torch.histc(x.detach(), bins=x.shape[0]).sum()  # <int_argument>
+
+    line = _line_of("# <int_argument>")
+    with pytest.raises(psg.CaptureError, match=rf"torch\.histc(.|\n)*test_refusal_causes.py:{line}\b(.|\n)*Fix: ") \
+            as info:
+        psg.per_sample(model, backend="eager")(loss)(torch.randn(4, 4), torch.randint(0, 3, (4,)))
+    assert "tracing the gradients of the loss" not in str(info.value)
+
+
+def _line_of(marker: str) -> int:
+    lines = Path(__file__).read_text().splitlines()
+    return next(i + 1 for i, text in enumerate(lines) if text.endswith(marker))
+
+
+_NON_BATCH_SIZE = {
+    "interpolate": (lambda m, x: F.interpolate(m(x).transpose(1, 2), size=x.shape[0]).mean(2), "_unsafe_index"),
+    "slice": (lambda m, x: m(x).sum(1) * x[:, :, :x.shape[0]].sum((1, 2)).unsqueeze(1), "slice"),
+    "repeat": (lambda m, x: m(x).sum(1).repeat(1, x.shape[0])[:, :3], "repeat"),
+}
+
+
+@pytest.mark.parametrize("case", list(_NON_BATCH_SIZE))
+def test_the_batch_size_as_the_size_of_a_non_batch_dimension_is_named_as_such(case):
+    """``F.interpolate(h, size=x.shape[0])``, ``x[:, :x.shape[0]]``, ``h.repeat(1, x.shape[0])``: each sample is
+    computed on its own, but a sample's own loss sees size 1 there, so its problem differs from its part of the
+    batched one. The refusal says so, names the op and the line, and gives a fix the user owns (it said "holds
+    batch positions as float32 ... pairing samples" at an arange the user never wrote, or "no batch semantics")."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    body, op = _NON_BATCH_SIZE[case]
+
+    def loss(x, y):
+        return F.cross_entropy(body(model, x), y)  # <non_batch_size>
+
+    line = _line_of("# <non_batch_size>")
+    with pytest.raises(psg.UnsupportedError, match=rf"cannot give this loss a sample's own batch size(.|\n)*aten\."
+                                                   rf"{op} .*test_refusal_causes.py:\d+.*batch size as the size of "
+                                                   rf"a non-batch dimension.*Fix: .*fixed size") as info:
+        psg.per_sample(model, backend="eager")(loss)(torch.randn(4, 5, 6), torch.randint(0, 3, (4,)))
+    assert re.search(rf"test_refusal_causes.py:({line}|\d+ in <lambda>)", str(info.value)), str(info.value)
+    assert "pairing samples" not in str(info.value) and "float32" not in str(info.value)
+
+
+@pytest.mark.parametrize("dims,align_corners", [(2, False), (2, True), (3, False)], ids=["2d", "2d_aligned", "3d"])
+def test_a_spatial_transformer_with_affine_grid_is_exact(dims, align_corners):
+    """``F.affine_grid(theta, list(x.shape))`` takes the batch size as a size; torch's backward of it reads that
+    size as an integer, which stopped the capture (a CaptureError naming neither the op nor the line). Each
+    ``theta_i`` makes ``grid_i``: exact against the loop, in float64, with the loss equal to the eager one."""
+    torch.manual_seed(0)
+    spatial = (4, 5) if dims == 2 else (3, 4, 2)
+    x = torch.randn(4, 2, *spatial, dtype=torch.float64)
+    model = nn.Linear(x[0].numel(), dims * (dims + 1)).double()
+    y = torch.randint(0, 3, (4,))
+
+    def loss(x, y):
+        theta = model(x.flatten(1)).view(-1, dims, dims + 1)
+        grid = F.affine_grid(theta, list(x.shape), align_corners=align_corners)
+        out = F.grid_sample(x, grid, align_corners=align_corners)
+        return F.cross_entropy(out.flatten(1)[:, :3], y)
+
+    fn = psg.per_sample(model, backend="eager")(loss)
+    got = fn(x, y)
+    want = reference_per_sample(loss, dict(model.named_parameters()), (x, y))
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(fn.with_losses(x, y)[0], loss(x, y), rtol=1e-12, atol=1e-12)
+
+
+def test_affine_grid_matches_the_eager_kernel_bit_for_bit():
+    """The traced decomposition gives the eager kernel's values (the same base grid and bmm), in float32 too."""
+    torch.manual_seed(0)
+    for size, align in (([3, 1, 4, 5], False), ([3, 1, 4, 5], True), ([2, 1, 3, 4, 2], False), ([2, 1, 1, 1], False),
+                        ([2, 1, 1, 3, 1], False)):
+        theta = torch.randn(size[0], len(size) - 2, len(size) - 1)
+        want = F.affine_grid(theta, size, align_corners=align)
+        got = corrected_decompositions.affine_grid_generator(theta, size, align)
+        assert torch.equal(got, want), (size, align)

@@ -99,6 +99,16 @@ _FIX_DIM = ("apply it along a non-batch dimension, or pass in_dims so the batch 
 _FIX_PER_SAMPLE = "compute per-sample quantities only, each from its own sample"
 
 
+def _non_batch_size(dims: list[int]) -> _Refuse:
+    """The samples stay apart, but the batch size sizes other dimensions (``F.interpolate(h, size=len(x))``,
+    ``x[:, :len(x)]``, ``h.repeat(1, len(x))``): a sample's own loss sees size 1 there, another problem."""
+    where_ = f"dimension {dims[0]}" if len(dims) == 1 else f"dimensions {tuple(dims)}"
+    return _Refuse(f"it uses the batch size as the size of a non-batch dimension ({where_} of its output), where a "
+                   "sample's own loss, on a batch of one, sees size 1, so each sample's problem differs from its part "
+                   "of the batched one", "give that dimension a fixed size, or a size read from a non-batch "
+                   "dimension (x.shape[1]), instead of x.shape[0] or len(x)", kind="batch_value")
+
+
 def _mix(reason: str, fix: str = _FIX_PER_SAMPLE) -> _Refuse:
     return _Refuse(reason, fix)
 
@@ -148,6 +158,9 @@ class Analysis:
         self.sites: list[MixingSite] = []
         self._reported: set[fx.Node] = set()
         self._from_params: dict[fx.Node, bool] = {}
+        # shared values as long as the batch whose entries are positions along another dimension (an arange
+        # that F.interpolate(h, size=len(x)) indexes time steps with), and their casts, views and pointwise results
+        self.other_positions: set[fx.Node] = set()
 
     def carries_gradient(self, node: fx.Node) -> bool:
         """Whether a parameter's gradient may flow back through ``node``'s value: a floating (or complex) value
@@ -302,6 +315,8 @@ class Analysis:
             return fact
         dims = self.batch.dims(value)
         if isinstance(fact, PerSample | SampleIndex):
+            if fact.dim in dims and len(dims) > 1:
+                raise _non_batch_size([d for d in dims if d != fact.dim])
             if dims != (fact.dim,):
                 raise _unknown(_op_name(node), f" (its output has the batch in dimensions {dims})")
             if isinstance(fact, PerSample) and fact.layout is not None:
@@ -310,6 +325,10 @@ class Analysis:
             self._check_no_pooled_inputs(node)
             return fact
         if dims:
+            if isinstance(fact, Shared) and (node in self.other_positions or any(
+                    a in self.other_positions for a in node.all_input_nodes)):
+                self.other_positions.add(node)
+                return fact
             if len(dims) > 1:
                 raise _mix("its result pairs every sample with every other sample",
                            "compute per-sample quantities only; losses over pairs of samples (contrastive "
@@ -482,8 +501,8 @@ def _pointwise(an: Analysis, node: fx.Node) -> Fact:
         pooled = _pooled(facts.values())
         if pooled is not None:
             return pooled
-        if an.batch.is_batched(node):  # a random draw shaped like the batch (rand_like of a shared value)
-            return _from_shape(an, node)
+        if an.batch.is_batched(node) and not an.other_positions.intersection(facts):
+            return _from_shape(an, node)  # a random draw shaped like the batch (rand_like of a shared value)
     return result
 
 
@@ -547,10 +566,40 @@ def _arange(an: Analysis, node: fx.Node) -> Fact:
     end_v = value_of(end) if isinstance(end, fx.Node) else end
     if start_v == 0 and isinstance(step_v, int) and step_v > 0 and isinstance(end_v, torch.SymInt):
         if sympy.simplify(end_v.node.expr - step_v * an.batch.symbol) == 0:
+            if _indexes_a_non_batch_dimension(an, node):
+                an.other_positions.add(node)  # the index op's output check names the batch size there
+                return SHARED
             return _positions_kept(node, SampleIndex(0, step_v))
     raise _mix("it makes batch positions into values (an arange whose length depends on the batch size)",
                "index with per-sample values, or use arange(n) only to pair each sample with itself "
                "(logits[torch.arange(n), y])")
+
+
+_INDEXING = ops._overloads("index.Tensor", "_unsafe_index.Tensor", "index_select")
+
+
+def _indexes_a_non_batch_dimension(an: Analysis, node: fx.Node) -> bool:
+    """Whether ``arange(n)`` reaches, through pointwise ops, casts and views, an index into a dimension of a
+    batched value other than its batch dimension: ``F.interpolate(h, size=len(x))`` picks ``len(x)`` time steps
+    with it. Its entries are then positions along that dimension, not the samples' positions in the batch."""
+    todo, seen = [node], {node}
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            target = user.target
+            if target in _INDEXING:
+                x = user.args[0]
+                positions = ([_norm_dim(user.args[1], _rank(x))] if user.args[2] is current else []) \
+                    if target.overloadpacket.__name__ == "index_select" \
+                    else [p for p, i in enumerate(user.args[1]) if i is current]
+                dims = an.batch.dims(value_of(x))
+                if dims and any(p not in dims for p in positions):
+                    return True
+            elif (ops.has_pointwise_tag(target) or target in ops.IDENTITY or target in ops.VIEWS) \
+                    and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
 
 
 @_handles(ops.POSITIONAL_FACTORIES)
@@ -562,12 +611,17 @@ def _positional_factory(an: Analysis, node: fx.Node) -> Fact:
                        "loader side), or use per-sample augmentation")
         # not proven mixing (torch.eye(n) @ h is h), but a batch of one would see other values: sizes read as 1
         # are what a sample's own loss sees, and these values are not sizes
-        name = node.target.overloadpacket.__name__
-        raise _Refuse(f"its values depend on the batch size (torch.{name} of the batch's length), which "
-                      "compiled_psg cannot read as 1, the batch size a sample's own loss sees",
-                      "build it from sizes that are not the batch's (the features'), or leave it out where it "
-                      "changes nothing (torch.eye(n) @ h is h)", kind="batch_value")
+        raise _Refuse(*batch_length_values(node.target.overloadpacket.__name__), kind="batch_value")
     return SHARED
+
+
+def batch_length_values(factory: str) -> tuple[str, str]:
+    """``(reason, fix)`` of the refusal of ``torch.<factory>`` (eye, linspace, ...) of the batch's length; the
+    capture gives the same refusal where torch takes that length as a Python int (``linspace``'s ``steps``)."""
+    return (f"its values depend on the batch size (torch.{factory} of the batch's length), which compiled_psg "
+            "cannot read as 1, the batch size a sample's own loss sees",
+            "build it from sizes that are not the batch's (the features'), or leave it out where it changes nothing "
+            "(torch.eye(n) @ h is h)")
 
 
 @_handles(ops.FLAT_ORDER)
@@ -1749,4 +1803,5 @@ def analyze_facts(graph: fx.Graph, batch: BatchDims) -> tuple[dict[fx.Node, Fact
     return analysis.facts, sites
 
 
-__all__ = ["MixingSite", "find_mixing", "analyze_facts", "PerSample", "Pooled", "SampleIndex", "SHARED"]
+__all__ = ["MixingSite", "find_mixing", "analyze_facts", "batch_length_values", "PerSample", "Pooled", "SampleIndex",
+           "SHARED"]

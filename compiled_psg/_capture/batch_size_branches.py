@@ -10,7 +10,9 @@ of one would decide differently is refused, unless it is made inside a tensor op
 
 Allowed, by where the decision is made: tensor ops' shape functions (fake tensors' dispatch, meta functions,
 decompositions, the autograd engine's shape checks) compare sizes with 1 to pick layouts (contiguity, strides,
-broadcasting) and give the same values at every size. Anything else is the program's own control flow.
+broadcasting) and give the same values at every size; so do the checks of torch's own Python functions listed
+in ``_ARGUMENT_CHECKS`` (``F.affine_grid``'s ``min(size) <= 0``), which a batch of one passes as the batch does.
+Anything else is the program's own control flow.
 Batch-size values that stay symbolic (``loss * (len(x) > 1)``) reach the graph and read 1 per sample there
 (``_rewrite.per_sample_pass.substitute_batch_values``).
 """
@@ -75,7 +77,7 @@ def watched():
             found.fixed_by = _fixing_op()
         if mine and not size_oblivious and fallback_value is None:
             at_one = _at_batch_of_one(orig_expr, self)
-            if at_one is not None and at_one != value and _made_by_the_program():
+            if at_one is not None and at_one != value and _made_by_the_program() and not _in_an_argument_check():
                 one = "has no value" if at_one is UNDEFINED else at_one
                 found.append(Decision(f"{orig_expr} is {value} for this batch but {one} for a batch of one, at "
                                       f"{_user_line()}", is_number=not isinstance(value, sympy.logic.boolalg.Boolean)))
@@ -190,11 +192,13 @@ class Decisions(list):
 @dataclass(frozen=True)
 class FixedBy:
     """Where the batch size got fixed: the op torch was running (None for Python code, as ``int(len(x))``), the
-    autograd node whose backward ran it (None outside a backward) and the traced code's line."""
+    autograd node whose backward ran it (None outside a backward), the traced code's line and the torch function
+    Dynamo was calling there (``torch.linspace``, whose ``steps`` torch takes as a Python int; None: none)."""
 
     op: str | None
     backward_of: str | None
     line: str
+    function: str | None = None
 
     def describe(self) -> str:
         if self.op is None:
@@ -206,16 +210,34 @@ class FixedBy:
 def _fixing_op() -> FixedBy:
     """The ATen op whose shape function (fake tensor dispatch) is running on this thread, outermost first (the op
     the traced code or the autograd engine called, not an op of its decomposition), and the autograd node."""
-    op = None
+    op, function = None, None
     frame = sys._getframe(1)
     while frame is not None:
         func = frame.f_locals.get("func") if "func" in frame.f_code.co_varnames \
             and _in(frame, ("torch/_subclasses/",)) else None
         if isinstance(func, torch._ops.OpOverload):
             op = func
+        if function is None and frame.f_code.co_name == "run_node" and _in(frame, ("torch/_dynamo/utils.py",)):
+            function = _function_name(frame.f_locals.get("node"))
         frame = frame.f_back
     node = torch._C._current_autograd_node()
-    return FixedBy(str(op) if op is not None else None, node.name() if node is not None else None, _user_line())
+    return FixedBy(str(op) if op is not None else None, node.name() if node is not None else None, _user_line(),
+                   function)
+
+
+def _function_name(node) -> str | None:
+    """The torch function (``torch.linspace``) or tensor method (``Tensor.repeat``) of the node of Dynamo's graph
+    being run on fake values, as the user writes it; None for other nodes."""
+    if getattr(node, "op", None) == "call_method":
+        return f"Tensor.{node.target}"
+    target = getattr(node, "target", None)
+    name = getattr(target, "__name__", None)
+    if getattr(node, "op", None) != "call_function" or name is None:
+        return None
+    for prefix, module in (("torch", torch), ("torch.nn.functional", torch.nn.functional)):
+        if getattr(module, name, None) is target:
+            return f"{prefix}.{name}"
+    return name
 
 
 def _batch_sizes(expr, shape_env) -> set:
@@ -245,6 +267,27 @@ def _read_from_a_value(shape_env, symbol) -> bool:
     sources = getattr(shape_env, "var_to_sources", {}).get(symbol, ())
     return bool(sources) and not any(isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE
                                      for source in sources)
+
+
+# torch functions whose decisions on sizes are argument checks that a batch of one passes as the batch does:
+# F.affine_grid's ``min(size) <= 0`` compares the batch size with the image sizes, and raises only for a size < 1
+_ARGUMENT_CHECKS = (torch.nn.functional.affine_grid.__code__,)
+
+
+def _in_an_argument_check() -> bool:
+    """Whether the code that made the decision (past the shape environment and the conversions of symbolic values)
+    is one of ``_ARGUMENT_CHECKS``: Dynamo runs ``F.affine_grid`` on fake values as one in-graph function."""
+    frame = sys._getframe(2)
+    while frame is not None and (_in(frame, _MACHINERY) or _in(frame, _CONVERSIONS)):
+        frame = frame.f_back
+    return frame is not None and frame.f_code in _ARGUMENT_CHECKS
+
+
+def in_an_argument_check(filename: str, function: str) -> bool:
+    """Whether the torch code a guard names (``nn/functional.py``, ``affine_grid``: its file's path may be
+    shortened to its end) is one of ``_ARGUMENT_CHECKS``."""
+    return any(code.co_name == function and code.co_filename.replace("\\", "/").endswith("/" + filename.lstrip("/"))
+               for code in _ARGUMENT_CHECKS)
 
 
 def _made_by_the_program() -> bool:

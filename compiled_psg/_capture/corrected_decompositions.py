@@ -12,9 +12,10 @@ compute the same values and trace with a symbolic batch size: the linear algebra
 matrix (its check, ``aten._linalg_check_errors``, reaches the graph as an effect token that no per-sample program
 carries: the ``_ex`` twin and an assertion of our own instead, ``_assert_ok``), ``sgn`` (its backward on real
 tensors builds zeros from the input's concrete sizes, fixing the batch size), ``kron`` and ``take_along_dim``
-(their C++ decompositions read concrete sizes) and ``fractional_max_pool2d`` (its backward's meta function reads
-the batch size). ``tests/test_linalg_stacks.py``, ``tests/test_op_db.py`` and ``tests/test_refusal_causes.py``
-check them against the loop.
+(their C++ decompositions read concrete sizes), ``fractional_max_pool2d`` (its backward's meta function reads
+the batch size) and ``affine_grid_generator`` (its backward's C++ kernel takes the batch size as an integer).
+``tests/test_linalg_stacks.py``, ``tests/test_op_db.py`` and ``tests/test_refusal_causes.py`` check them against
+the loop.
 
 ``corrected()`` installs both tables for one capture, under the capture lock, and restores torch's own afterwards
 (the switch list in ``dynamo.py``). Another thread's trace of the op in that window gets the replacement.
@@ -23,6 +24,7 @@ check them against the loop.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -205,6 +207,35 @@ def fractional_max_pool2d(input: torch.Tensor, kernel_size: list[int], output_si
     return input.flatten(-2).gather(-1, indices.flatten(-2)).view(indices.shape), indices
 
 
+def _linspace_from_neg_one(theta: torch.Tensor, steps: int, align_corners: bool) -> torch.Tensor:
+    """The eager kernel's sample positions along one axis: ``linspace(-1, 1)``, scaled to pixel centers unless
+    ``align_corners``, ``[0]`` for one step (``aten/src/ATen/native/AffineGridGenerator.cpp``)."""
+    if steps <= 1:
+        return torch.zeros(1, dtype=theta.dtype, device=theta.device)
+    positions = torch.linspace(-1, 1, steps, dtype=theta.dtype, device=theta.device)
+    return positions if align_corners else positions * (steps - 1) / steps
+
+
+def affine_grid_generator(theta: torch.Tensor, size: list[int], align_corners: bool) -> torch.Tensor:
+    """``F.affine_grid``: ``grid[n] = base @ theta[n].T`` (index letters: n batch; base ``[H*W, 3]`` holds
+    ``(x, y, 1)`` per output pixel, ``[D*H*W, 4]`` in 3-d), one ``bmm`` per sample as the eager kernel computes
+    it, so the values are the kernel's. ``size`` holds the batch size (``list(x.shape)``) and torch's backward
+    (``affine_grid_generator_backward``) reads it as integers, which stops the capture; autograd differentiates
+    this ``bmm`` instead, and the batch only sizes the expanded base grid."""
+    torch._check(len(size) in (4, 5), lambda: "affine_grid_generator needs 4d (spatial) or 5d (volumetric) inputs.")
+    n, spatial = size[0], list(size[2:])
+    axes = [_linspace_from_neg_one(theta, s, align_corners) for s in reversed(spatial)]  # x, y(, z)
+    coords = []
+    for k, axis in enumerate(axes):  # axis k varies along spatial dimension -1 - k
+        view = [1] * len(spatial)
+        view[len(spatial) - 1 - k] = axis.shape[0]
+        coords.append(axis.view(view).expand(spatial))
+    coords.append(torch.ones(spatial, dtype=theta.dtype, device=theta.device))
+    points = math.prod(spatial)
+    base = torch.stack(coords, -1).view(1, points, len(coords)).expand(n, points, len(coords))
+    return base.bmm(theta.transpose(1, 2)).view(n, *spatial, len(spatial))
+
+
 #: op -> a decomposition that traces, with the same values, where torch's own stops the capture.
 TRACEABLE: dict[torch._ops.OpOverload, Callable] = {
     aten.linalg_inv.default: linalg_inv,
@@ -215,6 +246,7 @@ TRACEABLE: dict[torch._ops.OpOverload, Callable] = {
     aten.kron.default: kron,
     aten.fractional_max_pool2d.default: fractional_max_pool2d,
     aten.take_along_dim.default: take_along_dim,
+    aten.affine_grid_generator.default: affine_grid_generator,
 }
 
 
@@ -262,8 +294,8 @@ patches.register(patches.Patch(
     "traceable decompositions", "OpOverload.py_kernels[CompositeImplicitAutograd or Autograd] of " + ", ".join(
         str(op) for op in TRACEABLE),
     "torch's trace of these ops stops the capture: the checked linear algebra records an effect token (its "
-    "_ex twin and an assertion instead), the backwards of sgn and fractional_max_pool2d and the decompositions "
-    "of kron and take_along_dim fix the batch size (see each function)", ("capture",),
+    "_ex twin and an assertion instead), the backwards of sgn, fractional_max_pool2d and affine_grid_generator "
+    "and the decompositions of kron and take_along_dim fix the batch size (see each function)", ("capture",),
     "process-wide: another thread's trace of the op in that window gets the replacement (the same values)",
     "torch's kernel put back (or the entry removed) and the dispatch cache cleared, on exit", enter=traceable,
     current=lambda: tuple(op.py_kernels.get(key_of(op)) for op in TRACEABLE),

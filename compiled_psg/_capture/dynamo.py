@@ -82,6 +82,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._analyze.mixing import batch_length_values
 from .._analyze.source import readable_module_path, source_line, where
 from .._compat import logs_ignored_functions_in_metrics
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
@@ -978,6 +979,8 @@ def _fixed_batch_size(text: str, fixed: batch_size_branches.FixedBy | None) -> C
     torch_says = f"\n(torch: {text.strip().splitlines()[0]})"
     if fixed is not None and fixed.backward_of is not None:
         return _fixed_by_a_backward(fixed, torch_says)
+    if fixed is not None and fixed.op is None and fixed.function is not None:
+        return _fixed_by_a_python_int(fixed, torch_says)
     if _fixed_in_our_backward(text):  # in the backward, where no op was seen
         return CaptureError(
             "tracing the gradients of the loss fixed the batch size. Either a tensor with one entry per sample is "
@@ -998,6 +1001,28 @@ def _fixed_batch_size(text: str, fixed: batch_size_branches.FixedBy | None) -> C
         "entry per sample that is not a batched argument (read from a closure or a global, or in an argument "
         f"whose in_dims entry is None).{seen}\n{text}\nFix: use x.view(x.shape[0], -1) or x.flatten(1), and pass "
         "every per-sample tensor as a batched argument.")
+
+
+# factories whose values depend on their length, which torch takes as a Python int (the mixing analysis refuses
+# the others, eye and randperm, whose length stays symbolic)
+_INT_LENGTH_FACTORIES = ("linspace", "logspace", "tril_indices", "triu_indices")
+
+
+def _fixed_by_a_python_int(fixed: batch_size_branches.FixedBy, torch_says: str) -> PerSampleError:
+    """The batch size given to a torch function that takes that argument as a Python int (``torch.linspace(0, 1,
+    len(x))``'s ``steps``, ``torch.histc(h, bins=len(x))``): the trace fixed it at the call. A factory of the
+    batch's length is refused as the mixing analysis refuses ``torch.eye(len(x))``."""
+    name = fixed.function.rpartition(".")[2]
+    if fixed.function in {f"torch.{f}" for f in _INT_LENGTH_FACTORIES}:
+        reason, fix = batch_length_values(name)
+        return UnsupportedError(f"compiled_psg cannot give this loss a sample's own batch size:\n  - "
+                                f"{fixed.function} at {fixed.line}: {reason}. Fix: {fix}")
+    return CaptureError(
+        f"the loss gives the batch size to {fixed.function} at {fixed.line}, which takes that argument as a Python "
+        "int: the trace fixes it to this batch's size, so one graph cannot serve every batch size, and a sample's "
+        "own loss (a batch of one) would see 1 there. Fix: give it a size that is not the batch's (a constant, or "
+        "a non-batch dimension's size such as x.shape[1]), or compute that step outside the per-sample function"
+        + torch_says)
 
 
 def _fixed_by_a_backward(fixed: batch_size_branches.FixedBy, torch_says: str) -> CaptureError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from dataclasses import dataclass, field
 
 import sympy
@@ -187,7 +188,7 @@ def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> N
     symbols = {s for f in batched_fakes for size in f.shape if isinstance(size, torch.SymInt)
                for s in size.node.expr.free_symbols}
     for guard in env.guards:
-        if _in_shape_code(guard):
+        if _in_shape_code(guard) or _in_an_argument_check(guard):
             continue
         at_one = guard.expr.subs({s: 1 for s in symbols})
         if at_one == sympy.false:
@@ -207,6 +208,16 @@ def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> N
 # on n >= 16 to pick a memory format); they do not change values. Reshapes that split the batch are the mixing
 # analysis's to refuse.
 _SHAPE_CODE = ("_subclasses/fake_impls.py", "_meta_registrations.py", "_prims_common", "/_refs/", "/_decomp/")
+
+
+def _in_an_argument_check(guard) -> bool:
+    """A guard made by a check of torch's own arguments that a batch of one passes as the batch does
+    (``batch_size_branches._ARGUMENT_CHECKS``: ``F.affine_grid``'s ``min(size) <= 0``)."""
+    made = _FRAMEWORK_LOC.search(str(getattr(guard, "sloc", "")))  # "... (nn/functional.py:5802 in affine_grid)"
+    return made is not None and batch_size_branches.in_an_argument_check(made.group(1), made.group(2))
+
+
+_FRAMEWORK_LOC = re.compile(r"\(([^()\s]+):\d+ in (\w+)\)\s*$")
 
 
 def _in_shape_code(guard) -> bool:
