@@ -16,7 +16,7 @@ from ._capture import backward_semantics, torch_caches
 from ._capture.dynamo import CAPTURE_LOCK, own_compilation
 from ._compile.build import Rewritten, build
 from ._compile.run import BACKENDS, CompiledGraph
-from ._errors import BatchInputError, CaptureError, PerSampleError, UnsupportedError
+from ._errors import BatchInputError, CaptureError, InternalError, PerSampleError, UnsupportedError
 from ._inspect.report import Report, dump_if_asked
 from ._reduce.reductions import PerSampleGrads, Reduction
 
@@ -477,6 +477,7 @@ class PerSampleFunction:
                 "transform. Fix: call it on the batch outside the transform")
         backward_semantics.refuse_parameter_hooks(params)
         backward_semantics.refuse_arguments_from_parameters(args, params)
+        backward_semantics.refuse_parameters_as_batched_arguments(args, params, batch_dims)
         backward_semantics.refuse_closures_from_parameters(self.fn, params)
         key = self._key(params, modes, args, batch_dims)
         entry, _ = self._valid(self._cache.get(key, []), params, args, batch_dims, batch_size)
@@ -529,6 +530,12 @@ class PerSampleFunction:
         try:
             rewritten = build(self.fn, params, capture_args, batch_dims, self.reduce, self.seed_weights)
         except PerSampleError as e:
+            if isinstance(e, InternalError) and "Dynamo inputs but" in str(e):
+                # AOT autograd counted an unbatched argument in a parameter's memory as one more input (it is
+                # passed as it is, not copied as a batched one is): the write the shared memory check names
+                pairs = _shared_memory(args, params, _tensors_read_from_outside(self.fn, self.params_source))
+                if pairs:
+                    raise _shared_memory_error(pairs, written=False) from e
             refusal = getattr(e, "refusal", None)
             if refusal is not None and e.report is None:  # the refused graph's report: SampleMixingError.report
                 e.report = Report.for_refusal(*refusal)

@@ -1151,3 +1151,66 @@ def test_affine_grid_matches_the_eager_kernel_bit_for_bit():
         want = F.affine_grid(theta, size, align_corners=align)
         got = corrected_decompositions.affine_grid_generator(theta, size, align)
         assert torch.equal(got, want), (size, align)
+
+
+def test_per_sample_tensors_left_out_of_the_batched_arguments_are_named_as_such():
+    """Red team P: labels marked ``in_dims=None`` (or read from a closure) were "the loss gives the batch size to
+    F.cross_entropy ... as a Python int", targets "the loss branches on the batch size ... Eq(s38, 6)": the cause
+    is a tensor with one entry per sample outside the batched arguments."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x, y, t = torch.randn(6, 4), torch.randint(0, 3, (6,)), torch.randn(6, 3)
+    cases = ((lambda x, y: F.cross_entropy(model(x), y), (x, y), (0, None)),
+             (lambda x: F.cross_entropy(model(x), y), (x,), 0),
+             (lambda x, t: F.mse_loss(model(x), t), (x, t), (0, None)))
+    for loss, args, in_dims in cases:
+        with pytest.raises(psg.CaptureError) as info:
+            psg.per_sample(model, in_dims=in_dims, backend="eager")(loss)(*args)
+        text = str(info.value)
+        assert "a tensor with one entry per sample that is not a batched argument" in text, text
+        assert "gives the batch size to" not in text and "branches on the batch size" not in text, text
+    fixed = psg.per_sample(model, in_dims=(0, 0), backend="eager")(lambda x, t: F.mse_loss(model(x), t))(x, t)
+    expected = reference_per_sample(lambda x, t: F.mse_loss(model(x), t), dict(model.named_parameters()), (x, t))
+    torch.testing.assert_close(fixed["weight"], expected["weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_parameter_passed_as_a_batched_argument_is_refused_and_the_fix_is_exact():
+    """Red team P: a learnable weight per example passed as a batched argument (``loss(x, y, model.w)``) got
+    per-sample gradients of 0 (its slices read as data) where the loop's flow through the slice."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    model.w = nn.Parameter(torch.rand(6, dtype=torch.float64))
+    x, y, idx = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)), torch.arange(6)
+
+    def weighted(x, y, w):
+        return (F.cross_entropy(model(x), y, reduction="none") * w).sum()
+
+    with pytest.raises(psg.BatchInputError, match=r"argument 2 is the parameter 'w', passed as a batched argument.*"
+                                                  r"Fix: pass the samples' indices .* \(w\[idx\]\)"):
+        psg.per_sample(model, backend="eager")(weighted)(x, y, model.w)
+
+    def indexed(x, y, i):
+        return (F.cross_entropy(model(x), y, reduction="none") * model.w[i]).sum()
+
+    got = psg.per_sample(model, backend="eager")(indexed)(x, y, idx)
+    expected = reference_per_sample(indexed, dict(model.named_parameters()), (x, y, idx))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+    assert got["w"].count_nonzero() == 6  # each sample's own entry
+
+
+def test_an_unbatched_argument_in_a_parameters_memory_written_is_named():
+    """Red team P: ``m[0].bias.detach()`` passed with ``in_dims=None`` and written by the loss raised
+    "InternalError: 9 Dynamo inputs but 8 AOT inputs. This is a bug in compiled_psg"."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    before = model[0].bias.detach().clone()
+
+    def loss(x, y, s):
+        s.mul_(2.0)
+        return F.cross_entropy(model(x), y)
+
+    with pytest.raises(psg.BatchInputError, match=r"argument 2 with parameter '0.bias'.*Fix: pass tensors that do "
+                                                  r"not share memory"):
+        psg.per_sample(model, in_dims=(0, 0, None), backend="eager")(loss)(
+            torch.randn(5, 4), torch.randint(0, 3, (5,)), model[0].bias.detach())
+    assert torch.equal(model[0].bias.detach(), before)

@@ -163,6 +163,22 @@ def refuse_arguments_from_parameters(args: tuple, params: dict[str, torch.Tensor
                     "meant as data")
 
 
+def refuse_parameters_as_batched_arguments(args: tuple, params: dict[str, torch.Tensor],
+                                           batch_dims: dict[int, int]) -> None:
+    """A parameter passed as a batched argument (a learnable weight per example, ``loss(x, y, model.w)``): the
+    capture reads each sample's slice of it as data, so its gradient would be 0 where the loop's flows through the
+    slice (red team P). Unbatched (``in_dims`` None), it is read whole, as the loop reads it: exact."""
+    names = {id(p): n for n, p in params.items()}
+    for pos in batch_dims:
+        name = names.get(id(args[pos]))
+        if name is not None:
+            raise BatchInputError(
+                f"argument {pos} is the parameter {name!r}, passed as a batched argument: each sample's slice of it "
+                "would be read as data, without its gradient. Fix: pass the samples' indices as a batched argument "
+                f"and index the parameter inside the loss ({name.rpartition('.')[2]}[idx]), or pass it with in_dims "
+                "None to read it whole")
+
+
 def refuse_closures_from_parameters(fn, params: dict[str, torch.Tensor]) -> None:
     """A tensor the loss function reads from its closure or globals, computed from the parameters outside it
     (``doubled = lin.weight * 2``, then ``lambda x: x @ doubled``): its gradient path runs outside the captured

@@ -80,7 +80,8 @@ def watched():
             if at_one is not None and at_one != value and _made_by_the_program() and not _in_an_argument_check():
                 one = "has no value" if at_one is UNDEFINED else at_one
                 found.append(Decision(f"{orig_expr} is {value} for this batch but {one} for a batch of one, at "
-                                      f"{_user_line()}", is_number=not isinstance(value, sympy.logic.boolalg.Boolean)))
+                                      f"{_user_line()}", is_number=not isinstance(value, sympy.logic.boolalg.Boolean),
+                                      against_batch=_size_against_the_batch(orig_expr, value, self)))
         return value
 
     ShapeEnv.evaluate_expr = evaluate_expr
@@ -162,6 +163,13 @@ def refusal(decision: str) -> CaptureError:
             "and the number is a constant of the captured graph, so it would keep the batch's value. Fix: keep it "
             "a value of the graph, computed with torch ops on a tensor (torch.log(x.new_ones(()) * (x.shape[0] + 1)) "
             "for math.log(x.shape[0] + 1)), or use a constant that is not the batch size")
+    if getattr(decision, "against_batch", False):
+        return CaptureError(
+            f"the loss compares the batch size with a fixed size equal to it: {decision}. That is a tensor with "
+            "one entry per sample that is not a batched argument (read from a closure or a global, or in an "
+            "argument whose in_dims entry is None), met by a batched one (torch checks that their sizes agree), or "
+            "a size written as this batch's number. Fix: pass every per-sample tensor (labels, targets, weights) as "
+            "a batched argument (in_dims 0)")
     return CaptureError(
         "the loss branches on the batch size, and a batch of one takes the other branch: "
         f"{decision}. A sample's gradient is the gradient of the loss on the batch made "
@@ -175,10 +183,11 @@ class Decision(str):
     (``math.log(n)``, ``float(n)``), not a branch on it."""
 
     is_number: bool
+    against_batch: bool
 
-    def __new__(cls, text: str, is_number: bool = False):
+    def __new__(cls, text: str, is_number: bool = False, against_batch: bool = False):
         made = super().__new__(cls, text)
-        made.is_number = is_number
+        made.is_number, made.against_batch = is_number, against_batch
         return made
 
 
@@ -227,7 +236,12 @@ def _fixing_op() -> FixedBy:
 
 def _function_name(node) -> str | None:
     """The torch function (``torch.linspace``) or tensor method (``Tensor.repeat``) of the node of Dynamo's graph
-    being run on fake values, as the user writes it; None for other nodes."""
+    being run on fake values, as the user writes it, where a size is among its arguments (a symbolic int: the
+    batch size given as a number); None for other nodes (``F.cross_entropy(h, y)`` of a label tensor of a fixed
+    size fixes the batch size by its shapes, not by a number)."""
+    if not any(isinstance(getattr(a, "meta", {}).get("example_value"), torch.SymInt)
+               for a in (*getattr(node, "args", ()), *getattr(node, "kwargs", {}).values())):
+        return None
     if getattr(node, "op", None) == "call_method":
         return f"Tensor.{node.target}"
     target = getattr(node, "target", None)
@@ -238,6 +252,16 @@ def _function_name(node) -> str | None:
         if getattr(module, name, None) is target:
             return f"{prefix}.{name}"
     return name
+
+
+def _size_against_the_batch(expr, value, shape_env) -> bool:
+    """Whether ``expr`` is ``batch size == N`` (or ``!=``), decided as this batch's size being ``N``: a fixed size
+    that meets the batch's, the mark of a per-sample tensor left out of the batched arguments."""
+    if not (isinstance(expr, sympy.Eq | sympy.Ne) and value == isinstance(expr, sympy.Eq)) or not _in_torch_code():
+        return False
+    return any(isinstance(side, sympy.Symbol) and isinstance(other, sympy.Integer)
+               and side in _batch_sizes(side, shape_env)
+               for side, other in ((expr.lhs, expr.rhs), (expr.rhs, expr.lhs)))
 
 
 def _batch_sizes(expr, shape_env) -> set:
@@ -288,6 +312,15 @@ def in_an_argument_check(filename: str, function: str) -> bool:
     shortened to its end) is one of ``_ARGUMENT_CHECKS``."""
     return any(code.co_name == function and code.co_filename.replace("\\", "/").endswith("/" + filename.lstrip("/"))
                for code in _ARGUMENT_CHECKS)
+
+
+def _in_torch_code() -> bool:
+    """Whether the decision is made in torch's own Python code run on fake values (``F.mse_loss``'s check that the
+    target's size is the input's), not in Dynamo's interpretation of the traced code (the user's ``if``)."""
+    frame = sys._getframe(2)
+    while frame is not None and (_in(frame, _MACHINERY) or _in(frame, _CONVERSIONS)):
+        frame = frame.f_back
+    return frame is not None and _in(frame, ("torch/",)) and not _in(frame, _DYNAMO)
 
 
 def _made_by_the_program() -> bool:
