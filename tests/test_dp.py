@@ -176,6 +176,16 @@ def test_poisson_loader_settings_are_refused_naming_them(kw, match):
     assert len(poisson_loader(data, 0.1, steps=np.int64(3))) == 3
 
 
+def test_a_samplers_rate_is_fixed():
+    """Red team P: ``private.data_loader.batch_sampler.sample_rate = 0.9`` was taken: batches of 35 to 38 of 40
+    while the accountant counted q = 0.2 (epsilon 4.54 reported, 11.63 spent)."""
+    sampler = PoissonBatchSampler(40, 0.2, generator=torch.Generator().manual_seed(0))
+    for name, value in (("sample_rate", 0.9), ("num_samples", 400), ("steps", 50), ("generator", None)):
+        with pytest.raises(DPConfigError, match=f"a PoissonBatchSampler's {name} is fixed"):
+            setattr(sampler, name, value)
+    assert (sampler.sample_rate, sampler.num_samples, sampler.steps) == (0.2, 40, 5)
+
+
 def test_poisson_loader_yields_empty_batches():
     data = TensorDataset(torch.randn(5, 3), torch.arange(5))
     loader = poisson_loader(data, 0.02, steps=30, generator=torch.Generator().manual_seed(0))
@@ -305,6 +315,13 @@ def test_make_private_argument_errors():
         make_private(model, optimizer, loader, loss_fn, noise_multiplier=1.0, target_epsilon=1.0, epochs=1)
     with pytest.raises(DPConfigError, match="epochs"):
         make_private(model, optimizer, loader, loss_fn, target_epsilon=1.0)
+
+
+def test_an_accountant_grid_past_numpys_largest_array_is_refused_naming_the_fix():
+    """Red team P: pld at sigma 1e-8 to 1e-99 raised numpy's raw ``ValueError: Maximum allowed size exceeded``
+    (its grid is refused before any allocation)."""
+    with pytest.raises(DPConfigError, match=r"\(Maximum allowed size exceeded\).*Fix: accountant='rdp'"):
+        epsilon(1e-9, 0.2, 1, 1e-5, "pld")
 
 
 def test_an_accountant_out_of_memory_is_refused_naming_the_fix(monkeypatch):

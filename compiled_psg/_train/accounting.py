@@ -85,12 +85,16 @@ def _dp_accounting_accountant(mechanism: str):
 
 def _memory_refused(accounting):
     """A ``MemoryError`` of the accounting library (PLD and PRV discretize the privacy loss on a grid whose size
-    grows as the noise shrinks: 38 GiB at sigma 0.001, q 0.2) as a ``DPConfigError`` naming the fix."""
+    grows as the noise shrinks: 38 GiB at sigma 0.001, q 0.2) as a ``DPConfigError`` naming the fix; so is numpy's
+    refusal of a grid past its largest array (``ValueError: Maximum allowed size exceeded``, sigma 1e-8 to
+    1e-99, red team P)."""
     @functools.wraps(accounting)
     def refusing(*args, **kwargs):
         try:
             return accounting(*args, **kwargs)
-        except MemoryError as e:
+        except (MemoryError, ValueError) as e:
+            if isinstance(e, ValueError) and "Maximum allowed size exceeded" not in str(e):
+                raise
             raise DPConfigError(
                 f"the accountant ran out of memory ({e}): the pld and prv accountants discretize the privacy loss on "
                 "a grid that grows as the noise multiplier shrinks. Fix: accountant='rdp' (an upper bound, "

@@ -67,6 +67,16 @@ class PoissonBatchSampler:
         self._drawn = 0  # batches drawn in the current epoch
         self._resume: tuple[torch.Tensor | None, int] | None = None  # a loaded state, until the next epoch starts
 
+    #: what the accountant's analysis assumes (a training counts every step at this rate over this many samples)
+    _FIXED = ("num_samples", "sample_rate", "steps", "generator", "secure")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._FIXED and name in self.__dict__:  # red team P: sample_rate = 0.9 drew 38 of 40 per batch
+            raise DPConfigError(f"a PoissonBatchSampler's {name} is fixed when it is built: the accountant counts "
+                                "every batch at its sampling rate over its samples. Fix: build another sampler (or "
+                                "training, make_private) with the setting")
+        super().__setattr__(name, value)
+
     def __len__(self) -> int:
         return self.steps
 
