@@ -114,3 +114,22 @@ def state_loads(generator: torch.Generator, state: object) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def states_put_back(generators: Iterable[torch.Generator | None], *, only_on_failure: bool = False) -> Iterator[None]:
+    """torch's global CPU generator and ``generators`` (None entries skipped) set back to their states at entry
+    when the block ends, or only when it raises: what ``make_private`` draws while it looks at the user's loader,
+    or before it refuses, is not the user's draw (a dataset's random augmentation during that look is set back
+    too: the look is no epoch of the user's)."""
+    saved = [(g, g.get_state()) for g in {id(g): g for g in generators if g is not None}.values()]
+    global_state = torch.random.get_rng_state()
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        if failed or not only_on_failure:
+            torch.random.set_rng_state(global_state)
+            for generator, state in saved:
+                generator.set_state(state)

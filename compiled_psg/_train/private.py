@@ -4,7 +4,6 @@ dp-accounting or opacus (``accounting.py``)."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import time
 import warnings
@@ -15,6 +14,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from .._errors import BatchInputError, DPConfigError, require_flag
+from .._generators import states_put_back
 from . import distributed as dist_utils
 from .accounting import Accountant, calibrate_noise, check_delta, check_sample_rate, check_steps
 from .api import check_noise_source, compile_step
@@ -359,7 +359,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     dp_step.compile_seconds += time.perf_counter() - start
 
     loader = data_loader
-    with _draws_undone_on_refusal(generator):
+    with states_put_back([generator], only_on_failure=True):  # the sampler's seed, drawn from it
         if poisson_sampling:
             # its own generator (seeded reproducibly): resuming it must not rewind the noise, nor the other way
             sampler_generator = None
@@ -372,17 +372,3 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         return PrivateTraining(model, optimizer, loader, dp_step, accounting, sample_rate,
                                target_delta, poisson_sampling, dataset_size=round(global_size))
 
-
-@contextlib.contextmanager
-def _draws_undone_on_refusal(generator: torch.Generator | None):
-    """Put ``generator`` (torch's global one without) back where it was if the block raises: the sampler's seed
-    is drawn from it, and a refused ``make_private`` must leave the user's streams as they were."""
-    global_state = torch.random.get_rng_state()
-    own_state = None if generator is None else generator.get_state()
-    try:
-        yield
-    except BaseException:
-        torch.random.set_rng_state(global_state)
-        if generator is not None:
-            generator.set_state(own_state)
-        raise

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, default_collate
 
 from .._errors import BatchInputError, DPConfigError, require_flag
-from .._generators import state_loads
+from .._generators import state_loads, states_put_back
 from .accounting import check_sample_rate
 from .config import is_int, is_number
 from .dp import secure_uniform
@@ -291,16 +291,9 @@ def peek_batch(loader: DataLoader):
     draws the workers' base seed from the loader's generator (torch's global one without), and a shuffling
     sampler draws its permutation's seed. ``make_private`` only looks at this batch; a refused call, or a run that
     then iterates the loader itself (``poisson_sampling=False``), must see the streams the user seeded."""
-    generators = {id(g): g for g in (loader.generator, getattr(loader.sampler, "generator", None),
-                                     getattr(loader.batch_sampler, "generator", None)) if g is not None}
-    saved = [(g, g.get_state()) for g in generators.values()]
-    global_state = torch.random.get_rng_state()
-    try:
+    with states_put_back((loader.generator, getattr(loader.sampler, "generator", None),
+                          getattr(loader.batch_sampler, "generator", None))):
         return next(iter(loader))
-    finally:
-        torch.random.set_rng_state(global_state)
-        for generator, state in saved:
-            generator.set_state(state)
 
 
 def check_batched(loader: DataLoader, name: str) -> None:
