@@ -63,6 +63,11 @@ def test_finetune_without_hf_says_how_to_install(monkeypatch, tmp_path):
     (["--delta", "1"], "argument --delta: must be a number in (0, 1), got 1.0"),
     (["--seed", "4294967296"], "argument --seed: must be an int in [0, 2**32 - 1], got 4294967296"),
     (["--seq-len", "10000000"], "argument --seq-len: 10000000 bytes is longer than the held-out text"),
+    (["--pretrain-steps", "0", "--pretrain-lr", "0.1"], "argument --pretrain-lr: has no effect with --pretrain-steps"),
+    (["--no-dp", "--delta", "1e-6"], "argument --delta: has no effect with --no-dp"),
+    (["--sigma", "1", "--epsilon", "2"], "argument --epsilon: has no effect with --sigma"),
+    (["--momentum", "0.5"], "argument --momentum: has no effect with --optimizer adam"),  # Adam: the default
+    (["--batch-size", "100000"], "argument --batch-size: 100000 is more than the"),
 ])
 def test_bad_values_are_one_line_usage_errors(flags, message, tmp_path, capsys):
     """Each ended in a traceback (peft's ValueError for r=0 after the pre-training, transformers' validation

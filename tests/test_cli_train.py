@@ -72,6 +72,8 @@ def test_module_entry_point_help():
     (["--lr", "-0.1"], "argument --lr: must be a positive finite number, got -0.1"),
     (["--momentum", "1"], "argument --momentum: must be a number in [0, 1), got 1.0"),
     (["--seed", "-1"], "argument --seed: must be an int in [0, 2**32 - 1], got -1"),
+    (["--train-subset", "5000"], "argument --train-subset: 5000 is more than the 1437 training examples"),
+    (["--train-subset", "100", "--batch-size", "101"], "argument --batch-size: 101 is more than the 100 training"),
 ])
 def test_bad_values_are_one_line_usage_errors(flags, message, tmp_path, capsys):
     """Each of these ended in a traceback (dp-accounting's "count must be positive", a ZeroDivisionError,
@@ -91,3 +93,38 @@ def test_explain_save_to_a_folder_that_cannot_be_created_is_a_usage_error(capsys
     with pytest.raises(SystemExit) as info:
         main(["explain", "seed_cnn", "--save", "/proc/x/y"])
     assert info.value.code == 2 and "argument --save: cannot create the folder /proc/x/y" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--no-dp", "--epsilon", "3"], "argument --epsilon: has no effect with --no-dp"),
+    (["--no-dp", "--sigma", "1"], "argument --sigma: has no effect with --no-dp"),
+    (["--no-dp", "--accountant", "rdp"], "argument --accountant: has no effect with --no-dp"),  # the default
+    (["--no-dp", "--max-grad-norm", "2"], "argument --max-grad-norm: has no effect with --no-dp"),
+    (["--no-dp", "--secure-rng"], "argument --secure-rng: has no effect with --no-dp"),
+    (["--sigma", "1", "--epsilon", "3"], "argument --epsilon: has no effect with --sigma"),
+    (["--optimizer", "adam", "--momentum", "0.5"], "argument --momentum: has no effect with --optimizer adam"),
+    (["--optimizer", "adamw", "--momentum", "0.9"], "argument --momentum: has no effect with --optimizer adamw"),
+])
+def test_flags_that_would_do_nothing_are_usage_errors(flags, message, tmp_path, capsys):
+    """A flag the others make do nothing (``--momentum`` with Adam, anything DP with ``--no-dp``) was silently
+    ignored, and ``metrics.json`` recorded it as a setting of the run."""
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--out", str(tmp_path / "run"), *flags, "--backend", "eager", "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"compiled-psg train: error: {message}" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_an_infinite_epsilon_of_a_private_run_is_not_called_non_private(tmp_path, capsys):
+    """``--sigma 1e-300`` printed ``sigma=0.000`` and ``epsilon inf (non-private)``, and the plot's axis said
+    non-private: the run was private with a noise too small for a finite bound."""
+    out = tmp_path / "tiny"
+    assert main(["train", "--epochs", "1", "--train-subset", "64", "--batch-size", "64", "--sigma", "1e-300",
+                 "--backend", "eager", "--no-progress", "--out", str(out)]) == 0
+    metrics = read_outputs(out, "accuracy.png")
+    assert metrics["mechanism"]["private"] is True and metrics["mechanism"]["noise_multiplier"] == 1e-300
+    assert metrics["final"]["epsilon"] is None  # JSON has no infinity
+    assert "given" not in metrics["config"] and metrics["config"]["sigma"] == 1e-300
+    text = capsys.readouterr().out
+    assert "sigma=1e-300" in text and "epsilon inf (the noise is too small for a finite bound)" in text

@@ -97,12 +97,73 @@ def output_folder(text: str) -> Path:
     return path
 
 
-def run(parser: argparse.ArgumentParser, job, argv: list[str] | None) -> int:
-    """``job(args)``; a setting the flags gave that DP-SGD refuses (``DPConfigError``: an epsilon reached without
-    noise) or that the run finds wrong (``FlagError``) is a usage error too."""
+_NOT_GIVEN = object()
+
+
+def parse_with_given(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with ``args.given``: the destinations of the flags on the command line (a flag
+    given with its default value counts; argparse alone cannot tell it from one left out)."""
+    actions = [a for a in parser._actions if a.dest != argparse.SUPPRESS and a.default != argparse.SUPPRESS]
+    args = parser.parse_args(argv, argparse.Namespace(**{a.dest: _NOT_GIVEN for a in actions}))
+    given = set()
+    for action in actions:
+        if getattr(args, action.dest) is _NOT_GIVEN:
+            default = action.default
+            if isinstance(default, str) and action.type is not None:
+                default = action.type(default)
+            setattr(args, action.dest, default)
+        else:
+            given.add(action.dest)
+    args.given = frozenset(given)
+    return args
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def flags_without_effect(args: argparse.Namespace, dp_flags: tuple[str, ...]) -> str | None:
+    """The usage error for a flag that the other flags make do nothing (it would be silently ignored, and the
+    run's record would show a setting that never applied), else None."""
+    given = args.given
+    if args.no_dp:
+        for dest in dp_flags:
+            if dest in given:
+                return (f"argument {flag(dest)}: has no effect with --no-dp (a non-private run has no clipping, "
+                        "noise or accounting): drop one of them")
+    elif "sigma" in given and "epsilon" in given:
+        return ("argument --epsilon: has no effect with --sigma (the noise multiplier is given, not calibrated "
+                "to a target epsilon): drop one of them")
+    if "momentum" in given and args.optimizer != "sgd":
+        return (f"argument --momentum: has no effect with --optimizer {args.optimizer} (only SGD takes a "
+                "momentum; Adam's moments use torch's default betas): drop --momentum")
+    return None
+
+
+def config_record(args: argparse.Namespace) -> dict:
+    """The flags' values as JSON takes them (``metrics.json``'s ``config``)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "given"}
+
+
+def epsilon_text(epsilon: float | None, private: bool) -> str:
+    """How the jobs print a run's epsilon (``metrics.json`` stores an infinite one as null)."""
+    if not private:
+        return "inf (non-private)"
+    if epsilon is None or epsilon == float("inf"):
+        return "inf (the noise is too small for a finite bound)"
+    return f"{epsilon:.3f}"
+
+
+def run(parser: argparse.ArgumentParser, job, argv: list[str] | None, check=None) -> int:
+    """``job(args)``, after ``check(args)`` (a usage error it returns ends the run before anything runs); a
+    setting the flags gave that DP-SGD refuses (``DPConfigError``: an epsilon reached without noise) or that the
+    run finds wrong (``FlagError``) is a usage error too."""
     from .._errors import DPConfigError
 
-    args = parser.parse_args(argv)
+    args = parse_with_given(parser, argv)
+    problem = check(args) if check is not None else None
+    if problem is not None:
+        parser.error(problem)
     try:
         job(args)
     except (DPConfigError, FlagError) as e:

@@ -27,7 +27,11 @@ import torch
 
 from .cli import (
     FlagError,
+    config_record,
     delta,
+    epsilon_text,
+    flag,
+    flags_without_effect,
     int_at_least,
     momentum,
     nonnegative_int,
@@ -38,7 +42,7 @@ from .cli import (
     run,
     seed,
 )
-from .train import _optimizer, write_metrics_and_plot
+from .train import _optimizer, expected_batch, finite_epsilons, infinite_epsilon_why, write_metrics_and_plot
 
 HF_MISSING = ("python -m compiled_psg finetune needs transformers and peft (the hf extra): "
               'pip install -e ".[hf]"  (or: pip install "transformers==5.23.0" "peft==0.21.2")')
@@ -139,7 +143,7 @@ def _trainer(args, model, train: torch.Tensor):
     dataset = TensorDataset(train)
     generator = torch.Generator().manual_seed(args.seed)
     optimizer = _optimizer(args, [p for p in model.parameters() if p.requires_grad])
-    batch = min(args.batch_size, len(train))
+    batch = expected_batch(args, len(train), "private training windows")
     if args.no_dp:
         step = compile_step(loss_fn, model, optimizer, backend=args.backend)
         loader = DataLoader(dataset, batch_size=batch, shuffle=True, generator=generator)
@@ -179,6 +183,7 @@ def finetune(args) -> dict:
         shortest = min(sizes, key=sizes.get)
         raise FlagError(f"argument --seq-len: {args.seq_len} bytes is longer than the {shortest} text "
                         f"({sizes[shortest]} bytes): use at most {sizes[shortest]}")
+    expected_batch(args, len(corpus.private_train), "private training windows")  # a usage error before the run
     model = build_model(args, transformers)
     base_params = sum(p.numel() for p in model.parameters())
     print(f"text: stdlib docstrings, byte-level windows of {args.seq_len}: {len(corpus.public)} public windows "
@@ -202,7 +207,7 @@ def finetune(args) -> dict:
     setup_start = time.perf_counter()
     step, loader, epsilon_fn, info, dp_step = _trainer(args, model, corpus.private_train)
     mode = ("non-private" if args.no_dp
-            else f"DP-SGD sigma={info['noise_multiplier']:.3f} q={info['sample_rate']:.4f} C={args.max_grad_norm:g}")
+            else f"DP-SGD sigma={info['noise_multiplier']:.4g} q={info['sample_rate']:.4f} C={args.max_grad_norm:g}")
     bar.write(f"fine-tune: LoRA rank {args.lora_rank}, {trained:,} trained parameters, {mode}, backend={args.backend}"
               + ("" if args.no_dp else f"; privacy unit: one {args.seq_len}-byte window of the private text (the "
                                         "public pre-training text is not protected)"))
@@ -231,14 +236,14 @@ def finetune(args) -> dict:
     wall = time.perf_counter() - start
     after, eps = history[-1]["perplexity"], history[-1]["epsilon"]
     metrics = dict(
-        config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        config=config_record(args),
         corpus=dict(public_modules=list(PUBLIC_MODULES), private_modules=list(PRIVATE_MODULES),
                     public_windows=len(corpus.public), private_train_windows=len(corpus.private_train),
                     private_test_windows=len(corpus.private_test), seq_len=args.seq_len,
                     privacy_unit=f"one window of {args.seq_len} bytes of the private text"),
         model=dict(base_parameters=base_params, trained_parameters=trained, lora_rank=args.lora_rank),
-        mechanism=dict(info, max_grad_norm=None if args.no_dp else args.max_grad_norm, delta=args.delta,
-                       accountant=None if args.no_dp else args.accountant),
+        mechanism=dict(info, private=not args.no_dp, max_grad_norm=None if args.no_dp else args.max_grad_norm,
+                       delta=args.delta, accountant=None if args.no_dp else args.accountant),
         pretrain=dict(steps=args.pretrain_steps, first_loss=pretrain_losses[0] if pretrain_losses else None,
                       last_loss=pretrain_losses[-1] if pretrain_losses else None, seconds=pretrain_seconds),
         history=history,
@@ -247,7 +252,7 @@ def finetune(args) -> dict:
                    wall_seconds=wall, finetune_seconds=finetune_seconds,
                    compile_seconds=dp_step.compile_seconds, samples=samples))
     write_outputs(metrics, args.out)
-    eps_text = "inf (non-private)" if eps is None else f"{eps:.3f}"
+    eps_text = epsilon_text(eps, not args.no_dp)
     print(f"final: held-out perplexity {before:.3f} -> {after:.3f} (per byte, docstrings of modules the base never "
           f"saw), epsilon {eps_text} at delta={args.delta:g}, wall {wall:.1f}s (capture/compile "
           f"{dp_step.compile_seconds:.1f}s); wrote {args.out / 'metrics.json'} and {args.out / 'perplexity.png'}",
@@ -267,14 +272,24 @@ def unigram_perplexity(corpus) -> float:
 def write_outputs(metrics: dict, out: Path) -> None:
     """``metrics.json`` and ``perplexity.png`` (held-out perplexity against epsilon and against the step)."""
     rows = metrics["history"]
-    private = rows[-1]["epsilon"] is not None
     write_metrics_and_plot(
         metrics, out, "perplexity.png", [r["perplexity"] for r in rows], "held-out perplexity per byte",
-        ([r["epsilon"] for r in rows] if private else None, [r["step"] for r in rows],
-         "step (non-private: epsilon is infinite)"),
+        (finite_epsilons(metrics, rows), [r["step"] for r in rows], "step " + infinite_epsilon_why(metrics)),
         ([r["step"] for r in rows], "fine-tuning step"),
         ("perplexity against privacy spent", "perplexity during fine-tuning"))
 
 
+DP_FLAGS = ("epsilon", "sigma", "delta", "max_grad_norm", "accountant")  # nothing without DP
+
+
+def check_flags(args) -> str | None:
+    """A flag the others make do nothing: a usage error (see ``cli.flags_without_effect``)."""
+    if args.pretrain_steps == 0:
+        for dest in ("pretrain_batch_size", "pretrain_lr"):
+            if dest in args.given:
+                return f"argument {flag(dest)}: has no effect with --pretrain-steps 0: drop one of them"
+    return flags_without_effect(args, DP_FLAGS)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser(), finetune, argv)
+    return run(build_parser(), finetune, argv, check=check_flags)

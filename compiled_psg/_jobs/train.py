@@ -16,10 +16,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cli import delta, momentum, nonnegative_int, output_folder, positive_float, positive_int, run, seed
+from .cli import (
+    FlagError,
+    config_record,
+    delta,
+    epsilon_text,
+    flags_without_effect,
+    momentum,
+    nonnegative_int,
+    output_folder,
+    positive_float,
+    positive_int,
+    run,
+    seed,
+)
 
 DEFAULTS = dict(epochs=30, epsilon=8.0, delta=1e-5, batch_size=256, lr=0.25, momentum=0.9, max_grad_norm=1.0,
                 optimizer="sgd")
+DP_FLAGS = ("epsilon", "sigma", "delta", "max_grad_norm", "accountant", "secure_rng")  # nothing without DP
 
 
 def small_cnn() -> nn.Module:
@@ -77,6 +91,15 @@ def _accuracy(model: nn.Module, dataset) -> float:
     return correct / len(y)
 
 
+def expected_batch(args, examples: int, what: str) -> int:
+    """``--batch-size``, at most ``examples``: a default above it is lowered (a sampling rate of 1), a given one
+    is a usage error (it would not be the batch size that ran)."""
+    if args.batch_size > examples and "batch_size" in args.given:
+        raise FlagError(f"argument --batch-size: {args.batch_size} is more than the {examples} {what}: use at most "
+                        f"{examples}")
+    return min(args.batch_size, examples)
+
+
 def _trainer(args, model, train):
     """``(step, loader, epsilon_fn, info)`` for a private or a non-private run."""
     from torch.utils.data import DataLoader
@@ -87,7 +110,7 @@ def _trainer(args, model, train):
     loss_fn = lambda x, y: F.cross_entropy(model(x), y)
     generator = torch.Generator().manual_seed(args.seed)
     optimizer = _optimizer(args, model.parameters())
-    batch = min(args.batch_size, len(train))
+    batch = expected_batch(args, len(train), "training examples")
     if args.no_dp:
         step = compile_step(loss_fn, model, optimizer, backend=args.backend)
         loader = DataLoader(train, batch_size=batch, shuffle=True, generator=generator)
@@ -114,10 +137,13 @@ def train(args) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     train_set, test_set = load_digits(seed=args.seed, train_subset=args.train_subset)
+    if args.train_subset is not None and args.train_subset > len(train_set):
+        raise FlagError(f"argument --train-subset: {args.train_subset} is more than the {len(train_set)} training "
+                        f"examples: use at most {len(train_set)}")
     model = small_cnn()
     step, loader, epsilon_fn, info, dp_step = _trainer(args, model, train_set)
     mode = ("non-private" if args.no_dp
-            else f"DP-SGD sigma={info['noise_multiplier']:.3f} q={info['sample_rate']:.4f}")
+            else f"DP-SGD sigma={info['noise_multiplier']:.4g} q={info['sample_rate']:.4f}")
     print(f"digits: {len(train_set)} train / {len(test_set)} test, {mode}, backend={args.backend}",
           flush=True)
     history = []
@@ -146,10 +172,10 @@ def train(args) -> dict:
     wall = time.perf_counter() - start
     final = history[-1] if history else {}
     metrics = dict(
-        config={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        config=config_record(args),
         dataset=dict(train=len(train_set), test=len(test_set)),
-        mechanism=dict(info, max_grad_norm=None if args.no_dp else args.max_grad_norm, delta=args.delta,
-                       accountant=None if args.no_dp else args.accountant),
+        mechanism=dict(info, private=not args.no_dp, max_grad_norm=None if args.no_dp else args.max_grad_norm,
+                       delta=args.delta, accountant=None if args.no_dp else args.accountant),
         epochs=history,
         final=dict(test_accuracy=final.get("test_accuracy"), epsilon=final.get("epsilon"), delta=args.delta,
                    wall_seconds=wall, compile_seconds=dp_step.compile_seconds,
@@ -157,7 +183,7 @@ def train(args) -> dict:
                    captures=dp_step.per_sample.captures, program_builds=dp_step.program_builds,
                    programs_per_step=dp_step.programs))
     write_outputs(metrics, args.out)
-    eps_text = "inf (non-private)" if final.get("epsilon") is None else f"{final['epsilon']:.3f}"
+    eps_text = epsilon_text(final.get("epsilon"), not args.no_dp)
     print(f"final: test accuracy {final.get('test_accuracy', float('nan')):.4f}, epsilon {eps_text} at "
           f"delta={args.delta:g}, wall {wall:.1f}s (compile {dp_step.compile_seconds:.1f}s); "
           f"wrote {args.out / 'metrics.json'} and {args.out / 'accuracy.png'}", flush=True)
@@ -195,17 +221,27 @@ def write_metrics_and_plot(metrics: dict, out: Path, png: str, y: list, y_label:
     plt.close(fig)
 
 
+def finite_epsilons(metrics: dict, rows: list[dict]) -> list[float] | None:
+    """The rows' epsilons for the plot's x axis; None where one is infinite (null in ``metrics.json``)."""
+    epsilons = [r["epsilon"] for r in rows]
+    return epsilons if epsilons and None not in epsilons else None
+
+
+def infinite_epsilon_why(metrics: dict) -> str:
+    if metrics["mechanism"]["private"]:
+        return "(epsilon is infinite: the noise is too small for a finite bound)"
+    return "(non-private: epsilon is infinite)"
+
+
 def write_outputs(metrics: dict, out: Path) -> None:
     """``metrics.json`` and ``accuracy.png`` (test accuracy against epsilon, and against wall time)."""
     rows = metrics["epochs"]
-    private = bool(rows) and rows[0]["epsilon"] is not None
     write_metrics_and_plot(
         metrics, out, "accuracy.png", [r["test_accuracy"] for r in rows], "test accuracy",
-        ([r["epsilon"] for r in rows] if private else None, [r["epoch"] for r in rows],
-         "epoch (non-private: epsilon is infinite)"),
+        (finite_epsilons(metrics, rows), [r["epoch"] for r in rows], "epoch " + infinite_epsilon_why(metrics)),
         ([r["elapsed_seconds"] for r in rows], "wall time (s, compilation included)"),
         ("accuracy against privacy spent", "accuracy against time"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser(), train, argv)
+    return run(build_parser(), train, argv, check=lambda args: flags_without_effect(args, DP_FLAGS))
