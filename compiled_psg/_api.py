@@ -126,6 +126,15 @@ def _shared_memory(args: tuple, params: dict[str, torch.Tensor], outside: Iterab
             for other, other_span in others if other != f"argument {pos}" and memories_overlap(span, other_span)]
 
 
+def _outside_in_parameter_memory(outside: Iterable[tuple[str, object]],
+                                 params: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """Pairs (a tensor the loss reads from ``outside`` its arguments, the parameter whose memory it shares):
+    ``alias = w.detach()`` held in a closure, which the loss writes (AOT autograd then counts one more input)."""
+    spans = [(f"parameter {name!r}", memory_span(p)) for name, p in params.items()]
+    return [(name, param) for name, c in outside if isinstance(c, torch.Tensor)
+            for param, span in spans if memories_overlap(memory_span(c), span)]
+
+
 _READ_FROM_OUTSIDE = "a tensor the loss reads from outside its arguments (a buffer, a global or a closure's)"
 
 
@@ -176,10 +185,14 @@ def _shared_memory_error(pairs: list[tuple[str, str]], written: bool) -> BatchIn
     which = "; ".join(f"{a} with {b}" for a, b in unique[:3])
     what = ("the loss writes an argument in place that shares memory with another input" if written else
             "the loss writes an input in place, and inputs share memory (AOT autograd cannot capture that write)")
+    fix = ("pass tensors that do not share memory (a.clone() for one of them), or pass the tensor once and take the "
+           "view inside the loss")
+    if all(not a.startswith("argument") and b.startswith("parameter") for a, b in unique):
+        fix = ("let the loss hold a copy (w.detach().clone(), not w.detach() or w.data), or change the parameter "
+               "outside the loss, under torch.no_grad()")
     return BatchInputError(
         f"{what}: {which}. The captured graph takes each tensor as an input of its own, so a write through one "
-        "would not be seen through the other, where eager torch sees it. Fix: pass tensors that do not share "
-        "memory (a.clone() for one of them), or pass the tensor once and take the view inside the loss")
+        f"would not be seen through the other, where eager torch sees it. Fix: {fix}")
 
 
 def refuse_nested(params: Mapping) -> None:
@@ -533,7 +546,8 @@ class PerSampleFunction:
             if isinstance(e, InternalError) and "Dynamo inputs but" in str(e):
                 # AOT autograd counted an unbatched argument in a parameter's memory as one more input (it is
                 # passed as it is, not copied as a batched one is): the write the shared memory check names
-                pairs = _shared_memory(args, params, _tensors_read_from_outside(self.fn, self.params_source))
+                outside = _tensors_read_from_outside(self.fn, self.params_source)
+                pairs = _shared_memory(args, params, outside) or _outside_in_parameter_memory(outside, params)
                 if pairs:
                     raise _shared_memory_error(pairs, written=False) from e
             refusal = getattr(e, "refusal", None)

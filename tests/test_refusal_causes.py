@@ -1214,3 +1214,49 @@ def test_an_unbatched_argument_in_a_parameters_memory_written_is_named():
         psg.per_sample(model, in_dims=(0, 0, None), backend="eager")(loss)(
             torch.randn(5, 4), torch.randint(0, 3, (5,)), model[0].bias.detach())
     assert torch.equal(model[0].bias.detach(), before)
+
+
+def test_a_closure_tensor_in_a_parameters_memory_written_is_named():
+    """Red team Q1: ``alias = weight.detach()`` held in a closure and written by the loss raised "InternalError: 9
+    Dynamo inputs but 8 AOT inputs. This is a bug in compiled_psg"; the parameter is left as it was."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    alias = model[0].weight.detach()
+    before = model[0].weight.detach().clone()
+
+    def loss(x, y):
+        alias[0, 0] += 0.5
+        return F.cross_entropy(model(x), y)
+
+    with pytest.raises(psg.BatchInputError, match=r"`alias`, a tensor the loss reads from outside its arguments with "
+                                                  r"parameter '0.weight'.*Fix: let the loss hold a copy"):
+        psg.per_sample(model, backend="eager")(loss)(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    assert torch.equal(model[0].weight.detach(), before)
+
+
+@pytest.mark.parametrize("op, call, fixed", [
+    ("celu", lambda h, x: F.celu(h, alpha=float(len(x))), lambda h, x: F.celu(h, alpha=2.0)),
+    ("lerp", lambda h, x: torch.lerp(h, torch.tanh(h), 1.0 / len(x)),
+     lambda h, x: torch.lerp(h, torch.tanh(h), x.new_ones(()) / x.shape[0])),
+])
+def test_a_number_made_of_the_batch_size_read_by_a_backward_formula_is_named(op, call, fixed):
+    """Red team Q1: ``F.celu(h, alpha=float(len(x)))`` was refused as "do not branch on x.shape[0]" at
+    compiled_psg's own ``torch.autograd.grad`` line. The refusal names the op, the user's line and the number; the
+    fix it gives (a tensor weight of the graph for lerp) is exact against the loop."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss(x, y):
+        return F.cross_entropy(model[1](torch.tanh(call(model[0](x), x))), y)
+
+    with pytest.raises(psg.CaptureError, match=rf"number made of the batch size: torch's backward formula of {op} "
+                                               rf"at .*test_refusal_causes.py:\d+.*\(autograd node \w+Backward0\) "
+                                               r"reads .* = (5|0.2),.*Fix: give that argument a constant"):
+        psg.per_sample(model, backend="eager")(loss)(x, y)
+
+    def repaired(x, y):
+        return F.cross_entropy(model[1](torch.tanh(fixed(model[0](x), x))), y)
+
+    got = psg.per_sample(model, backend="eager")(repaired)(x, y)
+    want = reference_per_sample(repaired, dict(model.named_parameters()), (x, y))
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)

@@ -82,6 +82,11 @@ def watched():
                 found.append(Decision(f"{orig_expr} is {value} for this batch but {one} for a batch of one, at "
                                       f"{_user_line()}", is_number=not isinstance(value, sympy.logic.boolalg.Boolean),
                                       against_batch=_size_against_the_batch(orig_expr, value, self)))
+            elif (at_one is not None and at_one != value and not isinstance(value, sympy.logic.boolalg.Boolean)
+                  and (node := torch._C._current_autograd_node()) is not None):
+                # a backward formula taking a number made of the batch size (celu's alpha=float(len(x))) as a
+                # C++ scalar: the graph holds the batch's value; the guard check refuses, and names it from here
+                found.backward_numbers.append((node.name(), f"{orig_expr} = {float(value):g}"))
         return value
 
     ShapeEnv.evaluate_expr = evaluate_expr
@@ -192,10 +197,16 @@ class Decision(str):
 
 
 class Decisions(list):
-    """The decisions a batch of one makes differently (``watched``), and ``fixed_by``: where the trace first fixed
-    the batch size to a constant (``_fixing_op``), or None."""
+    """The decisions a batch of one makes differently (``watched``), ``fixed_by``: where the trace first fixed the
+    batch size to a constant (``_fixing_op``), or None, and ``backward_numbers``."""
 
     fixed_by: FixedBy | None = None
+    #: (autograd node, its reading) where a backward formula turned an expression in the batch size into a number
+    backward_numbers: list[tuple[str, str]]
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.backward_numbers = []
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,9 @@ class Captured:
     inner_grads: list[tuple[bool, str]] = field(default_factory=list)
     #: decisions on the batch size that a batch of one makes differently (``batch_size_branches``)
     batch_size_branches: list[str] = field(default_factory=list)
+    #: torch's backward formulas that turned an expression in the batch size into a number (celu's
+    #: ``alpha=float(len(x))``), named with the op's lines: the guard check's refusal names them
+    backward_numbers: list[str] = field(default_factory=list)
     #: in-place writes of parameters or buffers that read a batched argument, found once (``_train.release``)
     batch_dependent_writes: list | None = None
     #: placeholder index -> how the user names a constant tensor the loss reads from outside the model (a global,
@@ -1483,7 +1486,18 @@ def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[
                     guards=Guards(manager, batched, code, stand_ins=bool(_pending.get("stand_ins")),
                                   tensor_sources=_constant_sources(constants), extra=extra),
                     inner_grads=_pending.get("inner_grads", []), batch_size_branches=branches,
+                    backward_numbers=_backward_numbers(getattr(branches, "backward_numbers", [])),
                     tensor_names=tensor_names(_pending.get("sources") or [], constants, loss_fn))
+
+
+def _backward_numbers(reads: list[tuple[str, str]]) -> list[str]:
+    """``batch_size_branches.Decisions.backward_numbers``, each once, with the op of the loss and its lines."""
+    described = []
+    for node, reading in dict.fromkeys(reads):
+        op, sites = _sites_of(re.sub(r"\d+$", "", node).removesuffix("Backward"))
+        described.append(f"torch's backward formula of {op}{' at ' + ' or '.join(sites) if sites else ''} "
+                         f"(autograd node {node}) reads {reading}")
+    return described
 
 
 _IMPORTED_GLOBAL = re.compile(r"^G\['__import_(.+?)'\]\.(.+)$")

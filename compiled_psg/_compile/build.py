@@ -193,6 +193,13 @@ def _refuse_branches_on_batch_size(captured: Captured, batched_fakes: list) -> N
         at_one = guard.expr.subs({s: 1 for s in symbols})
         if at_one == sympy.false:
             where_from = getattr(guard.sloc, "user_stack", None) or getattr(guard, "sloc", "")
+            if captured.backward_numbers and "torch.autograd.grad(total" in str(where_from):
+                raise CaptureError(
+                    f"the loss gives an op a number made of the batch size: {captured.backward_numbers[0]}, so the "
+                    f"graph holds this batch's number (Dynamo guarded on {guard.expr}), and a sample alone (a batch "
+                    "of one) would get another. Fix: give that argument a constant that is not the batch size, or, "
+                    "where the op takes a tensor there, a tensor of the graph (x.new_ones(()) / x.shape[0] for "
+                    "1 / len(x))")
             fix = ("do not branch on x.shape[0] (or on sizes derived from it) in the loss function")
             if "in cdist" in str(where_from):  # torch.cdist picks its algorithm for p = 2 by the number of rows
                 fix = ("torch.cdist computes p = 2 distances by a matrix product above 25 rows, and by differences "
