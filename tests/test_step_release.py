@@ -323,6 +323,52 @@ def test_a_write_into_a_strided_batch_reaches_the_callers_tensor(micro_batches):
         assert torch.equal(x, torch.full((3, 3), 2.0)) and torch.equal(storage[:, 1::2], torch.ones(3, 3))
 
 
+@pytest.mark.parametrize("micro_batches", [None, 2], ids=["whole", "micro_batches"])
+def test_a_failed_step_leaves_the_arguments_the_loss_writes_as_they_were(micro_batches):
+    """Red team Q1: with micro-batches, a step whose second micro-batch fails (a label out of range) was rolled
+    back, but the caller's ``x`` kept the first micro-batch's write: half of it doubled. A failed step writes
+    nothing of the caller's; a step that succeeds writes every row, as the whole batch does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def scales_its_batch(x, y):
+        x.mul_(2)
+        return F.cross_entropy(model(x), y)
+
+    step = psg.compile_step(scales_its_batch, model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                            noise_multiplier=1.0, expected_batch_size=4.0, backend="eager",
+                            max_physical_batch_size=micro_batches, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the eager first step, then the program's
+        x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+        before, weights, taken = x.clone(), [p.detach().clone() for p in model.parameters()], step.steps_taken
+        y[3] = 99
+        with pytest.raises(psg.BatchInputError):
+            step(x, y)
+        assert torch.equal(x, before) and step.steps_taken == taken
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+        y[3] = 0
+        step(x, y)
+        assert torch.equal(x, 2 * before) and step.steps_taken == taken + 1
+
+
+def test_micro_batches_off_the_first_dimension_write_the_callers_rows():
+    """Red team Q1: a batch along dimension 1 is cut into micro-batches that are copies, and the loss's write
+    into them was dropped (x unchanged, where the whole batch doubles it)."""
+    model = nn.Linear(4, 3)
+
+    def scales_its_batch(xt, y):
+        xt.mul_(2)
+        return F.cross_entropy(model(xt.t()), y)
+
+    step = psg.compile_step(scales_its_batch, model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0,
+                            expected_batch_size=6.0, backend="eager", in_dims=(1, 0), max_physical_batch_size=4)
+    for _ in range(2):
+        x = torch.randn(4, 6)
+        before = x.clone()
+        step(x, torch.randint(0, 3, (6,)))
+        assert torch.equal(x, 2 * before)
+
+
 class _AliasedBias(nn.Module):
     def __init__(self):
         super().__init__()

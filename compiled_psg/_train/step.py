@@ -144,6 +144,8 @@ class DPStep(StepSettings):
         self.cuda_graphs = cuda_graphs
         self._seed_weights = buckets_.SeedWeights()
         self._written_arguments: set[int] = set()  # positions the loss writes in place (``prepare_batch``)
+        # (the pieces that ran, their batch dims) where the loss writes arguments: given back on success only
+        self._written_pieces: tuple[list, dict[int, int]] | None = None
         self.max_physical_batch_size = max_physical_batch_size
         check_loss(loss_fn)
         self._new_per_sample = lambda reduction: PerSampleFunction(
@@ -340,6 +342,7 @@ class DPStep(StepSettings):
         check_optimizer_scalars(self.optimizer)  # settings are the user's to change between steps
         given, batch = batch, contiguous_batch(batch)
         self._written_arguments.clear()
+        self._written_pieces = None
         before = (self.captures, self.program_builds, self.compiles)
         start = time.perf_counter()
         # after the checks above: what a failed step restores (the eager update adds the parameters to it)
@@ -350,9 +353,7 @@ class DPStep(StepSettings):
             if snapshot is not None:  # the update is applied (eager or committed): from here on it is kept
                 snapshot.restorable = False
             self._count_release(config, counted)  # the update is applied: counted before anything else can fail
-            for pos in self._written_arguments:  # the loss wrote the contiguous copy of a strided argument
-                if batch[pos] is not given[pos]:
-                    given[pos].copy_(batch[pos])
+            self._give_written_arguments_back(given)
         except BaseException:
             if snapshot is not None and snapshot.restorable and not counted:
                 if snapshot.released:  # the user's code could see the noisy update: counted, its noise kept spent
@@ -367,6 +368,7 @@ class DPStep(StepSettings):
             raise
         finally:
             self.snapshot = None  # its copies must not outlive the call (they would sit across the next peak)
+            self._written_pieces = None
             self.released_config = None
             self.noise.wipe()  # the spent noise would give back the un-noised sum
         self.last_config = config
@@ -418,13 +420,43 @@ class DPStep(StepSettings):
             sums, self.last_norms = split_result(result, self.binding.names, self.binding.params)
             eager_update_of(self, config, [sums[n] for n in self.binding.names], 0)
             return loss
-        pieces = self._pieces(f, batch, batch_size)
+        pieces = self._writing_copies(f, batch, lambda b: self._pieces(f, b, batch_size))
         accumulate = self._max_physical_batch_size is not None or len(pieces) > 1
         self.program_cache.rejoin()
         built = self.program_for(pieces[-1].entry, config, accumulate) if self.fused and self.state_ready else None
         if built is not None:
             return fused_path(self, config, built, pieces, batch_size)
         return eager_path(self, config, pieces, batch_size, accumulate)
+
+    def _writing_copies(self, f, batch: tuple, make_pieces: Callable[[tuple], list]) -> list:
+        """``make_pieces(batch)``: the prepared calls of the step. Where the loss writes arguments in place, made
+        again from copies of them: the loss writes its own copies, and the user's tensors get what it wrote once
+        the whole step succeeded (``_give_written_arguments_back``)."""
+        from .._api import batch_dims_of
+
+        pieces = make_pieces(batch)
+        if self._written_arguments:
+            dims, _ = batch_dims_of(batch, f.in_dims)
+            batch = tuple(a.clone() if i in self._written_arguments else a for i, a in enumerate(batch))
+            pieces = make_pieces(batch)
+            self._written_pieces = (pieces, dims)
+        return pieces
+
+    def _give_written_arguments_back(self, given: tuple) -> None:
+        """The arguments the loss wrote in place, as it wrote them, into the user's tensors: after the step (a
+        failed step leaves them as they were; eager torch would have written them before failing, but the step
+        did not happen). A micro-batch off the batch's first dimension is a copy (``micro_batches``): each is
+        written to its own rows."""
+        if self._written_pieces is None:
+            return
+        pieces, dims = self._written_pieces
+        with torch.no_grad():
+            for pos in sorted(self._written_arguments):
+                start = 0
+                for piece in pieces:
+                    size = buckets_.real_size(piece)
+                    given[pos].narrow(dims[pos], start, size).copy_(piece.args[pos])
+                    start += size
 
     def prepare(self, batch: tuple) -> None:
         """Capture and check what a step on ``batch`` runs, as the step would (its micro-batches and buckets: the
