@@ -298,6 +298,12 @@ def test_a_custom_reduction_that_fails_is_named_with_its_function_its_line_and_a
     with pytest.raises(psg.BatchInputError, match=r"turned the batch size into the Python number 4 .*Fix: .*"
                                                   r"g\.shape\[0\]"):
         psg.per_sample(model, reduce=psg.custom(lambda n, g: g.sum(0) / len(g)), backend="eager")(loss)(x, y)
+    weights = torch.ones(len(x), dtype=x.dtype)  # red team Q1: was "turned the batch size into the Python number"
+    with pytest.raises(psg.BatchInputError, match=r"meets the per-sample values with `weights` \(a tensor of shape "
+                                                  r"\(4,\) that per_param reads from outside\).*Fix: weight each "
+                                                  r"sample in the loss"):
+        psg.per_sample(model, reduce=psg.custom(lambda n, g: (g.flatten(1).sum(1) * weights).sum()),
+                       backend="eager")(loss)(x, y)
     full = psg.per_sample(model, backend="eager")(loss)(x, y)
     fixed = psg.per_sample(model, reduce=psg.custom(lambda n, g: g.sum(0) / g.shape[0] * g.norm()),
                            backend="eager")(loss)(x, y)

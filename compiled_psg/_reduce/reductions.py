@@ -18,6 +18,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._analyze.batch_dims import value_of
 from .._analyze.layout import weighted_batch_sum
+from .._capture.backward_semantics import names_read_from_outside
 from .._errors import BatchInputError, PerSampleError, is_number, require_flag
 from .context import ReduceContext
 
@@ -167,11 +168,26 @@ class Custom(Reduction):
         env = getattr(detect_fake_mode([value_of(n) for n in nodes]), "shape_env", None)
         if env is not None and ctx.batch.symbol in env.replacements:
             fixed = env.replacements[ctx.batch.symbol]
+            met = self._tensors_of_size(int(fixed))
+            if met:
+                raise BatchInputError(
+                    f"the custom reduction meets the per-sample values with {met[0]}, whose size {fixed} is this "
+                    "batch's: it is traced once for every batch size, and a tensor of a fixed size cannot follow the "
+                    "batch's. Fix: weight each sample in the loss instead (per-sample weights are a batched "
+                    "argument of the loss), or reduce over the samples first (g.sum(0), g.mean(0))")
             raise BatchInputError(
                 f"the custom reduction turned the batch size into the Python number {fixed} "
                 "(len(g), int(g.shape[0]), range(g.shape[0])): it is traced once for every batch size. Fix: "
                 "keep the batch size a tensor size, g.shape[0] (or g.sum(0), g.mean(0) over the samples)")
         return out
+
+    def _tensors_of_size(self, size: int) -> list[str]:
+        """The tensors ``per_param`` and ``combine`` read from outside (closures, globals) with a dimension of
+        ``size``, named: met with the per-sample values, they fixed the batch size."""
+        return [f"`{name}` (a tensor of shape {tuple(value.shape)} that {what} reads from outside)"
+                for what, fn in (("per_param", self.per_param), ("combine", self.combine))
+                for name, value in names_read_from_outside(fn).items()
+                if isinstance(value, torch.Tensor) and size in value.shape]
 
     def empty(self, shapes):
         if self.empty_result is None:
