@@ -1260,3 +1260,34 @@ def test_a_number_made_of_the_batch_size_read_by_a_backward_formula_is_named(op,
     want = reference_per_sample(repaired, dict(model.named_parameters()), (x, y))
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.skipif(torch_minor() < (2, 13), reason="torch 2.11's Dynamo traces requires_grad_() on no tensor")
+def test_requires_grad_on_an_argument_names_the_copy_that_works():
+    """Red team Q1: ``a.requires_grad_(True)`` on the loss's argument (an input-gradient penalty) was told "torch
+    2.13.0's Dynamo does not trace requires_grad_() ... (torch 2.13 and later do): upgrade torch" on 2.13 to 2.15.
+    Dynamo traces it on a tensor the loss makes; the fix the message gives is exact against the loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def penalty(a, y):
+        out = model(a)
+        (g,) = torch.autograd.grad(out.sum(), a, create_graph=True)
+        return F.cross_entropy(out, y) + g.pow(2).sum()
+
+    def on_the_argument(a, y):
+        return penalty(a.requires_grad_(True), y)
+
+    with pytest.raises(psg.CaptureError, match=r"requires_grad_\(\) on a tensor that comes from outside it.*"
+                                               r"a = a.clone\(\).requires_grad_\(\)") as info:
+        psg.per_sample(model, backend="eager")(on_the_argument)(x.clone(), y)
+    assert "upgrade torch" not in str(info.value)
+
+    def on_a_copy(a, y):
+        return penalty(a.clone().requires_grad_(), y)
+
+    got = psg.per_sample(model, backend="eager")(on_a_copy)(x, y)
+    want = reference_per_sample(on_a_copy, dict(model.named_parameters()), (x, y))
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)

@@ -84,7 +84,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._analyze.mixing import batch_length_values
 from .._analyze.source import readable_module_path, source_line, where
-from .._compat import logs_ignored_functions_in_metrics
+from .._compat import logs_ignored_functions_in_metrics, torch_minor
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
 from . import (  # noqa: F401 - they register capture-phase changes
     backward_semantics,
@@ -1204,10 +1204,14 @@ def _graph_break(e: Exception) -> CaptureError:
         elif "failed to bind arguments" in lowered or "argument mismatch" in lowered:
             fix = ("call the function at this line with the arguments it takes: the call would raise TypeError "
                    "without compiled_psg too")
-        elif "requires_grad_()" in text:  # torch 2.11's Dynamo; 2.13 on trace it
+        elif "requires_grad_()" in text and torch_minor() >= (2, 13):  # on an argument: a graph input
+            fix = ("the loss calls requires_grad_() on a tensor that comes from outside it (one of its arguments), "
+                   "which Dynamo does not trace; it does on a tensor the loss makes: take the gradient with respect "
+                   "to a copy, a = a.clone().requires_grad_() (the per-sample gradients are the same)")
+        elif "requires_grad_()" in text:  # torch 2.11's Dynamo traces it on no tensor; 2.13 on a tensor made inside
             fix = (f"torch {torch.__version__.split('+')[0]}'s Dynamo does not trace requires_grad_() inside a "
-                   "compiled function (torch 2.13 and later do): upgrade torch, or compute what needs it outside "
-                   "the loss")
+                   "compiled function (torch 2.13 and later do, on a tensor the loss makes: a.clone()."
+                   "requires_grad_()): upgrade torch, or compute what needs it outside the loss")
         elif "PerSampleFunction" in text and "torch.compiler.disable" in text:
             fix = ("a per-sample function (or a DP step) is called inside the loss of another, whose capture cannot "
                    "hold it: call it outside that loss function and combine the results there")
