@@ -375,6 +375,12 @@ _CAPTURE_FAILURE_FIXES = (
      "The loss writes a module's buffer through its _buffers dict (self._buffers['name'] = value), "
      "which torch's capture cannot follow. Fix: update the buffer in place, under torch.no_grad(): "
      "self.name.copy_(value), which compiled_psg applies on every call as eager torch does. "),
+    ("One of the differentiated Tensors does not require grad",
+     "The loss writes a parameter through .data (p.data.add_(...)) or through another tensor in its memory, which "
+     "AOT autograd cannot differentiate past: compiled_psg does not give per-sample gradients of a loss that "
+     "changes its own parameters, and a DP step refuses writes to the parameters it trains. Fix: apply the write "
+     "outside the loss, after the step (with torch.no_grad(): p.add_(...)), or express it as a parametrization "
+     "(torch.nn.utils.parametrize). "),
     ("PendingUnbackedSymbolNotFound",
      "The gradient of an op whose output size depends on the batch's values (a boolean mask, h[h > 0] or "
      "out[mask] = v; masked_select, nonzero, unique) cannot be traced. Fix: keep the shape: torch.where(mask, new, "

@@ -522,7 +522,20 @@ def test_a_batch_value_out_of_an_ops_range_names_the_op_its_line_its_range_and_t
     assert ".cpp" not in message and "please report" not in message
     shown = "".join(traceback.format_exception(info.value))  # the chain as a log would print it
     assert "1212" not in shown and "1717" not in shown, shown
+    reachable = " ".join(map(str, _chain(info.value)))  # red team Q1: torch's error stayed the __context__
+    assert "1212" not in reachable and "1717" not in reachable, reachable
     assert all(torch.equal(before[n], p) for n, p in HEAD.named_parameters())
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """Every error reachable from ``error`` through ``__cause__`` and ``__context__`` (suppressed or not)."""
+    found, stack = [], [error]
+    while stack:
+        e = stack.pop()
+        if e is not None and all(e is not f for f in found):
+            found.append(e)
+            stack += [e.__cause__, e.__context__]
+    return found
 
 
 def test_a_batch_value_out_of_range_in_a_micro_batch_names_its_position_in_the_batch():
@@ -534,6 +547,7 @@ def test_a_batch_value_out_of_range_in_a_micro_batch_names_its_position_in_the_b
     with pytest.raises(psg.BatchInputError, match=r"positions \[4\] of the batch") as info:
         step(torch.randn(6, 4, dtype=F64), y)
     assert "1717" not in "".join(traceback.format_exception(info.value)) and step.steps_taken == 0
+    assert "1717" not in " ".join(map(str, _chain(info.value)))
 
 
 class _PackedGRU(nn.Module):

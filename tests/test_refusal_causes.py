@@ -1291,3 +1291,20 @@ def test_requires_grad_on_an_argument_names_the_copy_that_works():
     want = reference_per_sample(on_a_copy, dict(model.named_parameters()), (x, y))
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_a_parameter_written_through_data_is_named():
+    """Red team Q2: ``lin.bias.data.add_(x[0, 0])`` in the loss got AOT autograd's "One of the differentiated
+    Tensors does not require grad" and "please report", where the same write under no_grad is named."""
+    lin = nn.Linear(5, 3)
+    before = lin.bias.detach().clone()
+
+    def loss(x, y):
+        with torch.no_grad():
+            lin.bias.data.add_(x[0, 0])
+        return F.cross_entropy(lin(x), y)
+
+    with pytest.raises(psg.CaptureError, match=r"writes a parameter through \.data.*Fix: apply the write outside the "
+                                               r"loss") as info:
+        psg.per_sample(lin, backend="eager")(loss)(torch.randn(8, 5), torch.randint(0, 3, (8,)))
+    assert "please report" not in str(info.value) and torch.equal(lin.bias.detach(), before)

@@ -223,6 +223,58 @@ def test_a_corrupted_state_loads_nothing(corruption):
         assert torch.equal(private.dp_step.noise.generator.get_state(), generator_before)
 
 
+_OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), "Adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=0.01), "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01),
+    "Adagrad": lambda p: torch.optim.Adagrad(p), "NAdam": lambda p: torch.optim.NAdam(p, lr=0.01),
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=0.01), "Adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=0.05, t0=2), "Rprop": lambda p: torch.optim.Rprop(p),
+    "Adadelta": lambda p: torch.optim.Adadelta(p)}
+
+
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+def test_every_torch_optimizer_resumes_bit_for_bit_and_refuses_a_corrupted_moment(name):
+    """Red team Q2: a valid NAdam state was refused ("Tensor.item() cannot be called on meta tensors": the trial
+    step over meta tensors could not read its mu_product); ASGD's corrupted state (a moment of another shape) was
+    not tried and loaded, and its next step raised torch's raw error; ASGD resumed 6e-10 off the uninterrupted run
+    (torch's loader casts its float32 eta and mu to the float64 parameters' dtype)."""
+    def built(seed):
+        torch.manual_seed(seed)
+        model = nn.Linear(5, 3).double()
+        step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, _OPTIMIZERS[name](
+            model.parameters()), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, backend="eager",
+            generator=torch.Generator().manual_seed(0))
+        return model, step
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 5, dtype=torch.float64, generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(5)]
+    whole, uninterrupted = built(0)
+    for b in batches:
+        uninterrupted(*b)
+    _, first = built(0)
+    for b in batches[:2]:
+        first(*b)
+    state = copy.deepcopy(first.state_dict())
+    resumed_model, resumed = built(7)
+    resumed.load_state_dict(copy.deepcopy(state))
+    for b in batches[2:]:
+        resumed(*b)
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed_model.parameters(), strict=True))
+
+    moments = state["optimizer"]["state"][0]
+    moment = next(k for k, v in moments.items() if isinstance(v, torch.Tensor) and v.dim() == 2)
+    moments[moment] = torch.zeros(13, dtype=torch.float64)
+    fresh_model, fresh = built(3)
+    before = [p.detach().clone() for p in fresh_model.parameters()]
+    optimizer_before = repr(fresh.optimizer.state_dict())  # Adagrad makes its state when built
+    with pytest.raises(DPConfigError, match=rf"the saved optimizer state does not step this {name}.*Nothing was "
+                                            r"loaded"):
+        fresh.load_state_dict(state)
+    assert repr(fresh.optimizer.state_dict()) == optimizer_before and fresh.steps_taken == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh_model.parameters(), strict=True))
+
+
 def test_a_loaded_state_kept_in_memory_is_not_written_by_the_training():
     """Red team O: torch's optimizer loader keeps the saved tensors (same device and dtype), so training after
     ``load_state_dict(best)`` wrote its momentum into ``best``; loading ``best`` again resumed the saved weights
@@ -916,3 +968,27 @@ def test_a_state_of_another_dataset_size_is_refused():
     resumed = _sized(60)
     resumed.load_state_dict(state)
     assert resumed.steps == 1 and resumed.expected_batch_size == 12
+
+
+def test_a_peek_inside_an_epoch_makes_the_samplers_state_refuse_until_the_epoch_ends():
+    """Red team Q2: a peek (``next(iter(loader))``) in the middle of an epoch drew from the sampler's generator and
+    reset its epoch's position, while the running iteration went on counting: a state saved after it resumed
+    other batches (sizes [.., 8, 8] for [.., 5, 8]). The state is refused while it cannot be replayed."""
+    train = TensorDataset(torch.randn(40, 5, generator=torch.Generator().manual_seed(1)), torch.zeros(40))
+    loader = poisson_loader(DataLoader(train, batch_size=8), generator=torch.Generator().manual_seed(0))
+    sampler = loader.batch_sampler
+    running = iter(loader)
+    next(running)
+    sampler.state_dict()  # one iteration: its position
+    next(iter(loader))  # the peek
+    for _ in range(2):  # right after the peek, and after the running iteration drew again
+        with pytest.raises(DPConfigError, match="two iterations in this epoch.*Fix: save between epochs"):
+            sampler.state_dict()
+        next(running)
+    for _ in running:  # the epoch ends: the next one starts from a position a state can hold
+        pass
+    state = sampler.state_dict()
+    assert state["drawn"] == 0
+    resumed = poisson_loader(DataLoader(train, batch_size=8), generator=torch.Generator().manual_seed(5))
+    resumed.batch_sampler.load_state_dict(state)
+    assert [len(b[0]) for b in resumed] == [len(b[0]) for b in loader]

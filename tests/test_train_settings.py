@@ -395,7 +395,10 @@ def test_sampling_rate_and_calibration_inputs_are_refused_naming_the_argument():
              ({"sample_rate": 2.0, "poisson_sampling": False}, "sample_rate must .* got 2.0"),
              ({"noise_multiplier": None, "target_epsilon": 1.0, "epochs": 0}, "epochs must be a positive int, got 0"),
              ({"noise_multiplier": None, "target_epsilon": 1.0, "epochs": -1}, "epochs must .* got -1"),
-             ({"noise_multiplier": None, "target_epsilon": math.inf, "epochs": 1}, "target_epsilon must be .* inf"))
+             ({"noise_multiplier": None, "target_epsilon": math.inf, "epochs": 1}, "target_epsilon must be .* inf"),
+             # red team Q2: taken and ignored (nothing is calibrated with noise_multiplier given)
+             ({"epochs": -5}, r"epochs=-5 is used only with target_epsilon.*Fix: drop epochs"),
+             ({"epochs": "abc"}, r"epochs='abc' is used only with target_epsilon"))
     for kw, match in cases:
         with pytest.raises(DPConfigError, match=match):
             _private(**kw)
@@ -429,6 +432,44 @@ def test_what_make_private_fixed_cannot_be_assigned_and_a_step_takes_no_keywords
     with pytest.raises(psg.BatchInputError, match="keyword"):
         private.step(x, y=y)
     assert private.steps == 1 and private.epsilon() == epsilon(1.0, 1 / 6, 1, DELTA, "rdp")
+
+
+def test_a_private_training_is_built_by_make_private_only():
+    """Red team Q2: ``psg.PrivateTraining(...)`` checked none of its parts: one at sample_rate=0.001 over a loader
+    sampling at 0.2 reported the epsilon of 0.001; one at 1.5 applied each noisy update, then its accountant
+    refused to count it."""
+    model, private = _private()
+    with pytest.raises(DPConfigError, match=r"a PrivateTraining is built by make_private.*Fix: psg.make_private"):
+        psg.PrivateTraining(model, private.optimizer, private.data_loader, private.dp_step, psg.Accountant(),
+                            sample_rate=0.001, target_delta=1e-5)
+    assert private.dp_step.accounted_by == "PrivateTraining" and private.steps == 0
+
+
+def test_what_the_accountant_counted_and_whose_step_it_counts_cannot_be_changed():
+    """Red team Q2: ``private.accountant.history = []`` (or ``.history.clear()``) took epsilon from 4.54 to 0 after
+    five steps; ``private.dp_step.accounted_by = None`` lifted the training's rules, and the step then divided by
+    the actual Poisson batch size; ``del sampler.sample_rate`` let a new rate be set."""
+    _, private = _private()
+    x, y = next(iter(private.data_loader))
+    private.step(x, y)
+    history, spent = private.accountant.history, private.epsilon()
+    with pytest.raises(DPConfigError, match="an Accountant's history is what it counted"):
+        private.accountant.history = []
+    private.accountant.history.clear()  # a copy
+    assert private.accountant.history == history and private.epsilon() == spent > 0
+    with pytest.raises(DPConfigError, match="accountant must be one of"):
+        private.accountant.mechanism = "moments"
+    for change in (lambda step: setattr(step, "accounted_by", None), lambda step: delattr(step, "accounted_by")):
+        with pytest.raises(DPConfigError, match="this step belongs to a PrivateTraining"):
+            change(private.dp_step)
+        assert private.dp_step.accounted_by == "PrivateTraining"
+    with pytest.raises(DPConfigError, match="expected_batch_size=None divides by the actual size"):
+        private.dp_step.expected_batch_size = None
+    sampler = private.data_loader.batch_sampler
+    for name in ("sample_rate", "num_samples", "steps", "generator", "secure"):
+        with pytest.raises(DPConfigError, match=f"a PoissonBatchSampler's {name} is fixed"):
+            delattr(sampler, name)
+    assert sampler.sample_rate == private.sample_rate
 
 
 def test_objects_of_the_wrong_kind_are_refused_naming_the_argument():

@@ -198,6 +198,7 @@ class CompiledGraph:
             torch.compiler.cudagraph_mark_step_begin()
         mutated = bool(self.rewritten.captured.mutated)
         with torch.no_grad():
+            hidden = None  # raised outside the handler: torch's error (which may show a value) is not its context
             try:
                 # the loss's in-place writes from the inputs as they are now: a fused step's program updates the
                 # parameters in place, and a buffer written from a weight must get the pre-update weight, as in
@@ -216,7 +217,9 @@ class CompiledGraph:
                         f"the loss failed on this batch's dtypes ({type(e).__name__}: "
                         f"{(str(e).strip().splitlines() or [''])[0]}): {_dtypes(args, params)}. Fix: give the batch "
                         f"the dtype the model computes in ({_to_params_dtype(params)}), or convert the model") from e
-                raise _run_failure(self.rewritten, inputs, e) from None  # torch's error may show a value
+                hidden = _run_failure(self.rewritten, inputs, e)
+            if hidden is not None:
+                raise hidden
             if new_values is not None:
                 self._apply_mutations(params, args, new_values)
         return outputs

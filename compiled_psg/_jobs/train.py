@@ -119,7 +119,8 @@ def _trainer(args, model, train):
     private = make_private(model, optimizer, DataLoader(train, batch_size=batch), loss_fn,
                            noise_multiplier=args.sigma,
                            target_epsilon=None if args.sigma is not None else args.epsilon,
-                           target_delta=args.delta, epochs=args.epochs, max_grad_norm=args.max_grad_norm,
+                           target_delta=args.delta, epochs=None if args.sigma is not None else args.epochs,
+                           max_grad_norm=args.max_grad_norm,
                            accountant=args.accountant, secure_rng=args.secure_rng, backend=args.backend,
                            generator=None if args.secure_rng else generator, sample_rate=q)
     info = dict(noise_multiplier=private.noise_multiplier, sample_rate=q,

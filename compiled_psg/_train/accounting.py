@@ -181,23 +181,48 @@ class Accountant:
     """Records the steps taken (``step``) and reports ``epsilon(delta)`` through the chosen library."""
 
     def __init__(self, mechanism: str = "rdp"):
-        _check(mechanism)
         self.mechanism = mechanism
-        self.history: list[tuple[float, float, int]] = []
+        self._history: list[tuple[float, float, int]] = []
+
+    @property
+    def mechanism(self) -> str:
+        """The analysis ``epsilon`` runs (any of them bounds the same history)."""
+        return self._mechanism
+
+    @mechanism.setter
+    def mechanism(self, value: str) -> None:
+        _check(value)
+        self._mechanism = value
+
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """What it counted: ``(noise_multiplier, sample_rate, steps)`` per run of equal steps (a copy: only
+        ``step`` adds to it, so that epsilon always covers every step counted)."""
+        return list(self._history)
+
+    @history.setter
+    def history(self, value) -> None:
+        raise DPConfigError("an Accountant's history is what it counted: only step() adds to it, so that epsilon "
+                            "covers every step taken. Fix: count another training with a new Accountant")
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         sample_rate = check_sample_rate(sample_rate)  # dp-accounting would refuse it only at epsilon(), each call
         noise_multiplier = check_noise_multiplier(noise_multiplier)  # Python numbers in the history
         steps = check_steps(steps)
-        if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
-            sigma, q, n = self.history[-1]
-            self.history[-1] = (sigma, q, n + steps)
+        if self._history and self._history[-1][:2] == (noise_multiplier, sample_rate):
+            sigma, q, n = self._history[-1]
+            self._history[-1] = (sigma, q, n + steps)
         else:
-            self.history.append((noise_multiplier, sample_rate, steps))
+            self._history.append((noise_multiplier, sample_rate, steps))
+
+    def load_history(self, history: list[tuple[float, float, int]]) -> None:
+        """Take a saved training's history in place of this one's (``PrivateTraining.load_state_dict``, which
+        checks it against the saved step)."""
+        self._history = [(float(s), float(q), int(n)) for s, q, n in history]
 
     @property
     def steps(self) -> int:
-        return sum(n for _, _, n in self.history)
+        return sum(n for _, _, n in self._history)
 
     def epsilon(self, delta: float) -> float:
-        return epsilon_of(self.history, delta, self.mechanism)
+        return epsilon_of(self._history, delta, self.mechanism)

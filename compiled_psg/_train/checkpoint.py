@@ -63,6 +63,7 @@ def load_step_state(step, state: dict) -> None:
     step.optimizer.load_state_dict({**saved_optimizer, "state": {
         k: {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in per.items()}
         if isinstance(per, dict) else per for k, per in saved_optimizer["state"].items()}})
+    _keep_scalar_dtypes(step.optimizer, saved_optimizer)
     step.config = config
     step._stalled_bound = stalled  # after the config, whose assignment clears it
     step.model.load_state_dict(state["model"])
@@ -214,13 +215,19 @@ def _check_optimizer_steps(optimizer: torch.optim.Optimizer, saved: dict) -> Non
     state (another library's, one whose step needs a closure) is not tried."""
     if not type(optimizer).__module__.startswith("torch.optim"):
         return
+    live = optimizer.state_dict()
     try:
-        _step_on_meta(optimizer, optimizer.state_dict())
-    except Exception:  # noqa: BLE001 -- not triable on meta tensors: torch's loader's own checks stand
-        return
+        _step_on_meta(optimizer, live)
+    except Exception as error:  # noqa: BLE001 -- not triable on meta tensors: torch's loader's own checks stand
+        # an optimizer that makes its scalar state on the parameters' device when it starts (ASGD's eta and mu):
+        # a state of its own (the saved one) has them, the copy holds them as numbers
+        if live["state"] or not _needs_a_value(error):
+            return
     try:
         _step_on_meta(optimizer, saved)
     except Exception as error:  # noqa: BLE001 -- whatever the saved state makes the step raise
+        if _needs_a_value(error):  # not the saved state's fault: the trial cannot tell
+            return
         raise DPConfigError(f"the saved optimizer state does not step this {type(optimizer).__name__} "
                             f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}). Nothing was "
                             "loaded. Fix: load the state its state_dict() saved, into an optimizer built as the "
@@ -245,14 +252,44 @@ def _step_on_meta(optimizer: torch.optim.Optimizer, state: dict) -> None:
     on_meta = {"state": {k: {name: meta(v) for name, v in per.items()} if isinstance(per, dict) else per
                          for k, per in state["state"].items()},
                "param_groups": state["param_groups"]}
+    flat = [p for mine in params for p in mine]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         scratch = type(optimizer)(groups)
         scratch.load_state_dict(on_meta)
-        for p in (p for mine in params for p in mine):
+        # torch's loader moves a scalar state (NAdam's mu_product) to its parameter's device, meta, where the step
+        # cannot read it as a number: the saved value, on the CPU, as a 0-dim state on any device is read
+        for index, per in on_meta["state"].items():
+            if isinstance(index, int) and 0 <= index < len(flat) and isinstance(per, dict):
+                for name, value in per.items():
+                    if isinstance(value, torch.Tensor) and value.numel() <= 1 and value.dim() == 0:
+                        scratch.state[flat[index]][name] = value
+        for p in flat:
             p.grad = torch.zeros_like(p)
         step = type(scratch).step
         getattr(step, "__wrapped__", step)(scratch)  # not the hooks' wrapper: no user code runs for the trial
+
+
+def _keep_scalar_dtypes(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Each 0-dim state tensor in the dtype it was saved in. torch's loader casts a floating state to its
+    parameter's dtype; a running optimizer keeps ASGD's ``eta`` and ``mu`` in float32 beside float64 parameters,
+    so the resumed run would step with other numbers (7e-10 off in eta) than the uninterrupted one."""
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, per in saved["state"].items():
+        if not (isinstance(index, int) and 0 <= index < len(flat) and flat[index] in optimizer.state):
+            continue
+        live = optimizer.state[flat[index]]
+        for name, value in per.items():
+            now = live.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and isinstance(now, torch.Tensor) \
+                    and now.dim() == 0 and now.dtype != value.dtype:
+                live[name] = value.to(now.device, copy=True)
+
+
+def _needs_a_value(error: Exception) -> bool:
+    """Whether the trial over meta tensors failed for want of a value (``.item()`` of a meta tensor), which no
+    state can give it."""
+    return "meta tensor" in str(error)
 
 
 def _optimizer_kind(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

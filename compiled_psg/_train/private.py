@@ -43,9 +43,25 @@ class PrivateTraining:
     defines the expected batch size, the gradient's divisor.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                 dp_step: DPStep, accountant: Accountant, sample_rate: float, target_delta: float,
-                 poisson_sampling: bool = True, *, dataset_size: int | None = None):
+    def __init__(self, *args, **kwargs):
+        raise DPConfigError(
+            "a PrivateTraining is built by make_private, which checks that its parts agree: the loader samples at the "
+            "rate the accountant counts, over the dataset the step's divisor assumes, and the step adds noise to "
+            "clipped gradients (one built from parts that disagree reports the epsilon of another training). Fix: "
+            "psg.make_private(model, optimizer, data_loader, loss_fn, ...)")
+
+    @classmethod
+    def _built(cls, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+               dp_step: DPStep, accountant: Accountant, sample_rate: float, target_delta: float,
+               poisson_sampling: bool = True, *, dataset_size: int | None = None) -> PrivateTraining:
+        """The training ``make_private`` checked, put together."""
+        self = cls.__new__(cls)
+        self._take(model, optimizer, data_loader, dp_step, accountant, sample_rate, target_delta, poisson_sampling,
+                   dataset_size)
+        return self
+
+    def _take(self, model, optimizer, data_loader, dp_step, accountant, sample_rate, target_delta, poisson_sampling,
+              dataset_size) -> None:
         self.model = model
         self.optimizer = optimizer
         self.data_loader = data_loader
@@ -206,7 +222,7 @@ class PrivateTraining:
             sampler.check_state(state["sampler"])
         history = self._saved_history(accountant["history"], saved_step_count(state["step"]))
         load_step_state(self.dp_step, state["step"])  # checks everything it loads before loading any of it
-        self.accountant.history = history
+        self.accountant.load_history(history)
         if sampler is not None:
             sampler.load_state_dict(state["sampler"])
 
@@ -309,6 +325,10 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         raise DPConfigError("target_epsilon needs epochs (the number of passes the noise is calibrated for)")
     if target_epsilon is not None:
         epochs = check_steps(epochs, "epochs")
+    elif epochs is not None:  # it would be ignored: nothing is calibrated, and the loader runs as long as iterated
+        raise DPConfigError(f"epochs={epochs!r} is used only with target_epsilon (the passes the noise is "
+                            "calibrated for); with noise_multiplier given it would do nothing. Fix: drop epochs, "
+                            "or give target_epsilon instead of noise_multiplier")
     if not isinstance(data_loader, DataLoader):
         raise DPConfigError(f"data_loader must be a torch.utils.data.DataLoader, got a {type(data_loader).__name__}: "
                             "make_private replaces it with a Poisson-sampling loader over the same dataset. Fix: "
@@ -369,6 +389,6 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                 sampler_generator = torch.Generator().manual_seed(seed)
             loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch, generator=sampler_generator,
                                     secure=secure_rng, in_dims=clipping_options.get("in_dims", 0))
-        return PrivateTraining(model, optimizer, loader, dp_step, accounting, sample_rate,
-                               target_delta, poisson_sampling, dataset_size=round(global_size))
+        return PrivateTraining._built(model, optimizer, loader, dp_step, accounting, sample_rate,
+                                      target_delta, poisson_sampling, dataset_size=round(global_size))
 

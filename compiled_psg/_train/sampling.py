@@ -38,7 +38,9 @@ class PoissonBatchSampler:
     iterated is what ``state_dict()`` returns, so a checkpoint saved right after a resume resumes at the same
     batch. The count is of batches drawn: a ``DataLoader`` with worker processes draws a few ahead of the
     training, so save between epochs there. ``os.urandom`` cannot be replayed: a secure sampler resumes with the
-    remaining batches of the epoch, fresh.
+    remaining batches of the epoch, fresh. Two iterations of the sampler open in one epoch (a peek,
+    ``next(iter(loader))``, in the middle of a ``for`` loop over the loader) draw from one generator, in an order
+    no position replays: ``state_dict()`` refuses until that epoch has ended.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
@@ -66,16 +68,26 @@ class PoissonBatchSampler:
         self._epoch_state: torch.Tensor | None = None  # the generator's state when the current epoch began
         self._drawn = 0  # batches drawn in the current epoch
         self._resume: tuple[torch.Tensor | None, int] | None = None  # a loaded state, until the next epoch starts
+        self._open: set[object] = set()  # the iterations neither exhausted nor closed (a token each)
+        self._current: object | None = None  # the latest iteration begun
+        self._interleaved = False  # an earlier iteration drew after a later one began, in this epoch
 
     #: what the accountant's analysis assumes (a training counts every step at this rate over this many samples)
     _FIXED = ("num_samples", "sample_rate", "steps", "generator", "secure")
 
     def __setattr__(self, name: str, value) -> None:
-        if name in self._FIXED and name in self.__dict__:  # red team P: sample_rate = 0.9 drew 38 of 40 per batch
+        self._refuse_changing(name)  # red team P: sample_rate = 0.9 drew 38 of 40 per batch
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._refuse_changing(name)  # red team Q: a deleted one could be set again
+        super().__delattr__(name)
+
+    def _refuse_changing(self, name: str) -> None:
+        if name in self._FIXED and name in self.__dict__:
             raise DPConfigError(f"a PoissonBatchSampler's {name} is fixed when it is built: the accountant counts "
                                 "every batch at its sampling rate over its samples. Fix: build another sampler (or "
                                 "training, make_private) with the setting")
-        super().__setattr__(name, value)
 
     def __len__(self) -> int:
         return self.steps
@@ -98,15 +110,32 @@ class PoissonBatchSampler:
             if state is not None:
                 self.generator.set_state(state)
         self._epoch_state, self._drawn = self._state(), 0
-        for k in range(self.steps):
-            batch = self._draw() if not (self.secure and k < skip) else []
-            self._drawn = k + 1
-            if k >= skip:
-                yield batch
+        token = object()
+        if not self._open:
+            self._interleaved = False
+        self._open.add(token)
+        self._current = token
+        try:
+            for k in range(self.steps):
+                if self._current is not token:
+                    self._interleaved = True
+                batch = self._draw() if not (self.secure and k < skip) else []
+                self._drawn = k + 1
+                if k >= skip:
+                    yield batch
+        finally:
+            self._open.discard(token)
 
     def state_dict(self) -> dict:
         """The position in the current epoch (an epoch drawn whole counts as none begun); a loaded state that no
         iteration has started from yet is returned as loaded."""
+        if 0 < self._drawn < self.steps and self._resume is None and (
+                self._interleaved or any(t is not self._current for t in self._open)):
+            raise DPConfigError(
+                "the Poisson sampler has two iterations in this epoch (an iterator of the loader begun while another "
+                "was in the middle of its epoch, e.g. a peek next(iter(loader)) inside the training loop): they draw "
+                "from one generator in an order that no saved position replays, so a resumed run would draw other "
+                "batches. Fix: save between epochs, or peek at a batch of another loader over the same dataset")
         if self._resume is not None:
             state, drawn = self._resume
             position = {"epoch_state": None if state is None else state.clone(), "drawn": drawn}

@@ -183,7 +183,7 @@ class DPStep(StepSettings):
         # which ``_count_release`` counts; a transactional step that fails before restores everything
         self.released_config: DPConfig | None = None
         self._release_listeners: list[Callable[[float], None]] = []
-        self.accounted_by: str | None = None  # the owner whose accountant counts this step's releases
+        self._accounted_by: str | None = None  # the owner whose accountant counts this step's releases
         self.snapshot: Snapshot | None = None  # the current call's transaction (``transaction.py``)
         # one call at a time: a second thread waits for the running step; a call from inside it (an optimizer
         # hook, the loss) is refused, since its commit would be undone by the outer call's rollback
@@ -441,6 +441,25 @@ class DPStep(StepSettings):
             pieces = make_pieces(batch)
             self._written_pieces = (pieces, dims)
         return pieces
+
+    @property
+    def accounted_by(self) -> str | None:
+        """The owner whose accountant counts this step's releases (``PrivateTraining``), or None. Set once: its
+        rules (noise, a bound, a fixed divisor: ``settings._check_owner_rules``) hold for the step's life."""
+        return self._accounted_by
+
+    @accounted_by.setter
+    def accounted_by(self, owner: str | None) -> None:
+        if self._accounted_by is not None and owner != self._accounted_by:
+            raise DPConfigError(
+                f"this step belongs to a {self._accounted_by}, whose accountant counts its steps, for its life: "
+                f"its rules (noise, a clipping bound, a fixed divisor) hold while the accountant counts. Fix: build "
+                "another step with compile_step for a training without that accountant")
+        self._accounted_by = owner
+
+    @accounted_by.deleter
+    def accounted_by(self) -> None:
+        self.accounted_by = None  # refused once set, as any other change
 
     def _give_written_arguments_back(self, given: tuple) -> None:
         """The arguments the loss wrote in place, as it wrote them, into the user's tensors: after the step (a
