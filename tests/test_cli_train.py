@@ -47,6 +47,9 @@ def test_train_no_dp_baseline(tmp_path):
                  "--out", str(out)]) == 0
     metrics = read_outputs(out, "accuracy.png")
     assert metrics["final"]["epsilon"] is None and metrics["mechanism"]["noise_multiplier"] == 0.0
+    # red team Q2: the DP flags' defaults and Adam's unused momentum were recorded as settings of the run
+    assert all(metrics["config"][k] is None for k in ("epsilon", "delta", "max_grad_norm", "accountant", "momentum"))
+    assert metrics["mechanism"]["delta"] is None and metrics["final"]["delta"] is None
     assert metrics["final"]["test_accuracy"] > 0.5  # 2 epochs of plain Adam already learn something
 
 
@@ -126,5 +129,6 @@ def test_an_infinite_epsilon_of_a_private_run_is_not_called_non_private(tmp_path
     assert metrics["mechanism"]["private"] is True and metrics["mechanism"]["noise_multiplier"] == 1e-300
     assert metrics["final"]["epsilon"] is None  # JSON has no infinity
     assert "given" not in metrics["config"] and metrics["config"]["sigma"] == 1e-300
+    assert metrics["config"]["epsilon"] is None and metrics["config"]["momentum"] == 0.9  # not targeted; SGD's
     text = capsys.readouterr().out
     assert "sigma=1e-300" in text and "epsilon inf (the noise is too small for a finite bound)" in text

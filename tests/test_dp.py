@@ -186,6 +186,15 @@ def test_a_samplers_rate_is_fixed():
     assert (sampler.sample_rate, sampler.num_samples, sampler.steps) == (0.2, 40, 5)
 
 
+@pytest.mark.parametrize("num_samples", [0, -1, 2.5, "40", True])
+def test_a_samplers_size_is_a_positive_int(num_samples):
+    """Red team Q2: -1, 2.5, '40' or True raised torch.rand's raw error at the first draw; 0 drew empty batches
+    forever."""
+    with pytest.raises(DPConfigError, match=rf"num_samples .* must be a positive int, got {num_samples!r}"):
+        PoissonBatchSampler(num_samples, 0.2)
+    assert PoissonBatchSampler(np.int64(40), 0.2).num_samples == 40
+
+
 def test_poisson_loader_yields_empty_batches():
     data = TensorDataset(torch.randn(5, 3), torch.arange(5))
     loader = poisson_loader(data, 0.02, steps=30, generator=torch.Generator().manual_seed(0))
@@ -317,11 +326,27 @@ def test_make_private_argument_errors():
         make_private(model, optimizer, loader, loss_fn, target_epsilon=1.0)
 
 
-def test_an_accountant_grid_past_numpys_largest_array_is_refused_naming_the_fix():
-    """Red team P: pld at sigma 1e-8 to 1e-99 raised numpy's raw ``ValueError: Maximum allowed size exceeded``
-    (its grid is refused before any allocation)."""
+@pytest.mark.parametrize("mechanism", ["pld", "prv"])
+@pytest.mark.parametrize("sigma", [1e-9, 0.001, 0.0099])
+def test_an_accountant_grid_too_large_for_memory_is_refused_before_it_is_allocated(mechanism, sigma):
+    """Red team P: pld at sigma 1e-8 to 1e-99 raised numpy's raw ``ValueError: Maximum allowed size exceeded``.
+    Red team Q: prv at sigma 0.001, q 1 allocated a grid of 21 GB, and the kernel killed the process (no
+    MemoryError to refuse). Below sigma 0.01 the gridded accountants are refused before they allocate."""
+    with pytest.raises(DPConfigError, match=rf"the {mechanism} accountant discretizes .* at noise_multiplier="
+                                            r".*Fix: accountant='rdp'"):
+        epsilon(sigma, 1.0, 1, 1e-5, mechanism)
+    assert epsilon(sigma, 1.0, 1, 1e-5, "rdp") > 100
+
+
+def test_an_accountant_grid_past_numpys_largest_array_is_refused_naming_the_fix(monkeypatch):
+    """Red team P: numpy's refusal of a grid past its largest array (``ValueError: Maximum allowed size
+    exceeded``) is the accountant's DPConfigError; simulated where the library allocates."""
+    def allocate(*args, **kwargs):
+        raise ValueError("Maximum allowed size exceeded")
+
+    monkeypatch.setattr(pld.PLDAccountant, "compose", allocate)
     with pytest.raises(DPConfigError, match=r"\(Maximum allowed size exceeded\).*Fix: accountant='rdp'"):
-        epsilon(1e-9, 0.2, 1, 1e-5, "pld")
+        epsilon(0.5, 0.2, 1, 1e-5, "pld")
 
 
 def test_an_accountant_out_of_memory_is_refused_naming_the_fix(monkeypatch):
@@ -332,7 +357,7 @@ def test_an_accountant_out_of_memory_is_refused_naming_the_fix(monkeypatch):
 
     monkeypatch.setattr(pld.PLDAccountant, "compose", allocate)
     with pytest.raises(DPConfigError, match=r"ran out of memory \(Unable to allocate 38.0 GiB.*Fix: accountant='rdp'"):
-        epsilon(0.001, 0.2, 5, 1e-5, "pld")
+        epsilon(0.5, 0.2, 5, 1e-5, "pld")
     with pytest.raises(DPConfigError, match="ran out of memory"):
         calibrate_noise(3.0, 1e-5, 0.2, 5, "pld")
     assert epsilon(1.0, 0.2, 5, 1e-5, "rdp") > 0  # the other accountants are untouched

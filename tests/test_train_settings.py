@@ -671,3 +671,29 @@ def test_adaptive_noise_multipliers_are_computed_without_overflow():
     config = DPConfig(1.0, 1.0, clipping="adaptive", unclipped_num_std=2.0)
     assert config.gradient_noise_multiplier == pytest.approx((1 - 1 / 16) ** -0.5, rel=1e-15)
     assert config.accounted_noise_multiplier == pytest.approx(1.0, rel=1e-15)
+
+
+def test_distributed_without_a_process_group_is_refused():
+    """Red team Q2: ``compile_step(..., distributed=True)`` with no process group raised torch's raw "Default
+    process group has not been initialized"."""
+    model = nn.Linear(4, 3)
+    with pytest.raises(DPConfigError, match=r"distributed=True needs an initialized torch.distributed process "
+                                            r"group.*Fix: call torch.distributed.init_process_group"):
+        psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, distributed=True,
+                         backend="eager")
+
+
+def test_per_layer_bounds_of_the_wrong_count_are_refused_on_assignment():
+    """Red team Q2: ``step.max_grad_norm = [0.1, 0.2, 0.3]`` for two groups was stored, and every later step was
+    refused until it was assigned again (compile_step refuses the same list when it builds the step)."""
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    groups = [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
+    step = psg.compile_step(lambda x, y: F.cross_entropy(model(x), y), model,
+                            torch.optim.SGD(model.parameters(), lr=0.1), clipping="per_layer", clip_groups=groups,
+                            max_grad_norm=[0.3, 0.4], noise_multiplier=1.0, expected_batch_size=8, backend="eager")
+    with pytest.raises(DPConfigError, match=r"3 bounds in max_grad_norm for 2 groups"):
+        step.max_grad_norm = [0.1, 0.2, 0.3]
+    assert step.max_grad_norm == (0.3, 0.4)
+    step(torch.randn(8, 5), torch.randint(0, 3, (8,)))
+    assert step.steps_taken == 1

@@ -102,6 +102,8 @@ class CompiledGraph:
             elif kind == "arg":
                 arg = args[key]
                 inputs.append(arg.contiguous() if isinstance(arg, torch.Tensor) else arg)
+            elif kind == "arg_as_given":  # its strides are the capture's (a new layout is recaptured by the guards)
+                inputs.append(args[key])
             elif kind == "batch":
                 inputs.append(batch_size)
             elif kind == "const_size":
@@ -130,6 +132,8 @@ class CompiledGraph:
                     plan.append((i, "const_size", int(expr)))
                 else:
                     plan.append((i, "size", expr))
+            elif role.kind == "arg" and not role.batched:  # captured as given (``_api._capture_args``)
+                plan.append((i, "arg_as_given", role.key))
             else:
                 plan.append((i, role.kind, role.key))
         return plan

@@ -140,9 +140,14 @@ def flags_without_effect(args: argparse.Namespace, dp_flags: tuple[str, ...]) ->
     return None
 
 
-def config_record(args: argparse.Namespace) -> dict:
-    """The flags' values as JSON takes them (``metrics.json``'s ``config``)."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "given"}
+def config_record(args: argparse.Namespace, dp_flags: tuple[str, ...]) -> dict:
+    """The flags' values as JSON takes them (``metrics.json``'s ``config``); null for a default that did nothing
+    in this run (the DP flags of a ``--no-dp`` run, ``--epsilon`` beside ``--sigma``, ``--momentum`` with Adam)."""
+    record = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "given"}
+    unused = [*dp_flags] if args.no_dp else ["epsilon"] if args.sigma is not None else []
+    if args.optimizer != "sgd":
+        unused.append("momentum")
+    return {k: None if k in unused and k != "no_dp" else v for k, v in record.items()}
 
 
 def epsilon_text(epsilon: float | None, private: bool) -> str:

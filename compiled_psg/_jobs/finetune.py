@@ -236,18 +236,19 @@ def finetune(args) -> dict:
     wall = time.perf_counter() - start
     after, eps = history[-1]["perplexity"], history[-1]["epsilon"]
     metrics = dict(
-        config=config_record(args),
+        config=config_record(args, DP_FLAGS),
         corpus=dict(public_modules=list(PUBLIC_MODULES), private_modules=list(PRIVATE_MODULES),
                     public_windows=len(corpus.public), private_train_windows=len(corpus.private_train),
                     private_test_windows=len(corpus.private_test), seq_len=args.seq_len,
                     privacy_unit=f"one window of {args.seq_len} bytes of the private text"),
         model=dict(base_parameters=base_params, trained_parameters=trained, lora_rank=args.lora_rank),
         mechanism=dict(info, private=not args.no_dp, max_grad_norm=None if args.no_dp else args.max_grad_norm,
-                       delta=args.delta, accountant=None if args.no_dp else args.accountant),
+                       delta=None if args.no_dp else args.delta, accountant=None if args.no_dp else args.accountant),
         pretrain=dict(steps=args.pretrain_steps, first_loss=pretrain_losses[0] if pretrain_losses else None,
                       last_loss=pretrain_losses[-1] if pretrain_losses else None, seconds=pretrain_seconds),
         history=history,
-        final=dict(perplexity_before=before, perplexity_after=after, epsilon=eps, delta=args.delta,
+        final=dict(perplexity_before=before, perplexity_after=after, epsilon=eps,
+                   delta=None if args.no_dp else args.delta,
                    steps=taken, train_loss=sum(losses[-20:]) / max(len(losses[-20:]), 1),
                    wall_seconds=wall, finetune_seconds=finetune_seconds,
                    compile_seconds=dp_step.compile_seconds, samples=samples))

@@ -173,12 +173,13 @@ def train(args) -> dict:
     wall = time.perf_counter() - start
     final = history[-1] if history else {}
     metrics = dict(
-        config=config_record(args),
+        config=config_record(args, DP_FLAGS),
         dataset=dict(train=len(train_set), test=len(test_set)),
         mechanism=dict(info, private=not args.no_dp, max_grad_norm=None if args.no_dp else args.max_grad_norm,
-                       delta=args.delta, accountant=None if args.no_dp else args.accountant),
+                       delta=None if args.no_dp else args.delta, accountant=None if args.no_dp else args.accountant),
         epochs=history,
-        final=dict(test_accuracy=final.get("test_accuracy"), epsilon=final.get("epsilon"), delta=args.delta,
+        final=dict(test_accuracy=final.get("test_accuracy"), epsilon=final.get("epsilon"),
+                   delta=None if args.no_dp else args.delta,
                    wall_seconds=wall, compile_seconds=dp_step.compile_seconds,
                    samples_per_second=samples_total / train_seconds if train_seconds else None,
                    captures=dp_step.per_sample.captures, program_builds=dp_step.program_builds,

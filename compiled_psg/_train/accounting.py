@@ -83,6 +83,11 @@ def _dp_accounting_accountant(mechanism: str):
     return rdp.RdpAccountant() if mechanism == "rdp" else pld.PLDAccountant()
 
 
+#: the accountants that discretize the privacy loss on a grid, and the noise below which they are refused
+_GRIDDED = ("pld", "prv")
+MIN_GRIDDED_NOISE = 0.01
+
+
 def _memory_refused(accounting):
     """A ``MemoryError`` of the accounting library (PLD and PRV discretize the privacy loss on a grid whose size
     grows as the noise shrinks: 38 GiB at sigma 0.001, q 0.2) as a ``DPConfigError`` naming the fix; so is numpy's
@@ -112,6 +117,15 @@ def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism:
         return 0.0
     if any(s < MIN_ACCOUNTED_NOISE for s, _, _ in history):
         return math.inf
+    smallest = min(s for s, _, _ in history)
+    if mechanism in _GRIDDED and smallest < MIN_GRIDDED_NOISE:
+        # the grid would be allocated whole and then written: past the machine's memory the kernel kills the
+        # process, with no MemoryError to turn into this refusal (red team Q: prv at sigma 0.001 took 21 GB)
+        raise DPConfigError(
+            f"the {mechanism} accountant discretizes the privacy loss on a grid that grows as 1 / sigma**2: at "
+            f"noise_multiplier={smallest:g}, below {MIN_GRIDDED_NOISE}, it needs gigabytes (19 GiB at 0.002), and "
+            "epsilon there is in the hundreds or more. Fix: accountant='rdp' (an upper bound, computed in closed "
+            "form)")
     if mechanism in _OPACUS:
         from opacus.accountants import create_accountant
 

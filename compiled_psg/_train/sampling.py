@@ -46,6 +46,9 @@ class PoissonBatchSampler:
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
                  generator: torch.Generator | None = None, secure: bool = False):
         sample_rate = check_sample_rate(sample_rate)
+        if not (is_int(num_samples) and num_samples >= 1):  # torch.rand's raw error at the first draw, or none
+            raise DPConfigError(f"num_samples (the dataset's size, which the coins are drawn over) must be a positive "
+                                f"int, got {num_samples!r}. Fix: PoissonBatchSampler(len(dataset), sample_rate)")
         if steps is not None and not (is_int(steps) and steps >= 1):
             raise DPConfigError(f"steps (the batches of an epoch) must be a positive int or None, got {steps!r}. Fix: "
                                 "steps=None draws round(1 / sample_rate) batches an epoch, a pass over the data")
@@ -57,7 +60,7 @@ class PoissonBatchSampler:
             raise DPConfigError("secure=True draws the coins from os.urandom, which no generator seeds: generator= "
                                 "would be ignored. Fix: give one source, secure=True without a generator or "
                                 "generator= without secure")
-        self.num_samples = num_samples
+        self.num_samples = int(num_samples)
         self.sample_rate = sample_rate
         self.steps = max(1, round(1 / sample_rate)) if steps is None else int(steps)
         if generator is None and not secure:

@@ -40,6 +40,7 @@ class StepSettings:
                                     f"{name}={getattr(value, name)!r}")
         value.check_noise_range(self._acc_dtype(), self._grad_dtype())
         self._check_owner_rules(value)
+        self._reduction_for(value)  # per_layer: as many bounds as groups, refused now rather than at every step
 
     def _check_owner_rules(self, value: DPConfig) -> None:
         """A step that a ``PrivateTraining`` accounts for keeps what its accountant's analysis assumes, however its

@@ -138,6 +138,10 @@ class DPStep(StepSettings):
         self._custom_reduce = custom
         self.public_buffers = _public_buffers(model, public_buffers)
         self.transactional = transactional  # a failed step restores everything and counts nothing
+        if distributed and not dist_utils.is_distributed():  # torch's raw ValueError at the broadcast below
+            raise DPConfigError("distributed=True needs an initialized torch.distributed process group, and there is "
+                                "none. Fix: call torch.distributed.init_process_group(...) on every rank first, or "
+                                "leave distributed=None (it detects the group)")
         self.batch_buckets = buckets_.resolve(batch_buckets, cuda_graphs, model, backend, max_physical_batch_size,
                                               custom is not None,
                                               dist_utils.is_distributed() if distributed is None else distributed)
