@@ -133,7 +133,7 @@ def test_make_private_leaves_the_users_generators_as_they_were(outcome, monkeypa
     if outcome == "refused_after_the_draw":  # the last thing built after the seed's draw fails
         def failing_training(*args, **kwargs):
             raise DPConfigError("simulated")
-        monkeypatch.setattr("compiled_psg._train.private.PrivateTraining", failing_training)
+        monkeypatch.setattr("compiled_psg._train.private.PrivateTraining._built", failing_training)
     loaders = [DataLoader(data, batch_size=8, shuffle=True),  # draws from the global generator
                DataLoader(data, batch_size=8, shuffle=True, generator=loader_generator),
                DataLoader(data, batch_size=8, sampler=torch.utils.data.RandomSampler(data,
