@@ -225,3 +225,28 @@ def test_peak_memory_of_reductions_vs_backward():
     for name in ("norms", "clip_sum"):
         assert added[name] < 2 * base, (f"{name} adds {added[name] / 2**20:.1f} MiB at peak, ordinary "
                                         f"backward {base / 2**20:.1f} MiB: {added}")
+
+
+@pytest.mark.parametrize("reduction", ["norms", "clip_sum", "gram"])
+def test_parameters_of_two_dtypes_reduce_in_the_dtype_they_promote_to(reduction):
+    """Red team Q1: a float32 layer beside a float64 head (or a bfloat16 one beside a float32 head) got
+    ``InternalError`` "the reduction Norms fixed the batch size to 4" on torch 2.14 and 2.15: the per-parameter
+    parts of two dtypes were stacked. Against the loop's per-sample gradients."""
+    torch.manual_seed(0)
+    first, head = nn.Linear(5, 6), nn.Linear(6, 3).double()
+    model = nn.ModuleDict({"first": first, "head": head})
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    loss = lambda x, y: F.cross_entropy(head(torch.tanh(first(x)).double()), y)  # noqa: E731
+    grads = reference_per_sample(loss, dict(model.named_parameters()), (x, y))
+    flat = torch.cat([g.double().flatten(1) for g in grads.values()], 1)
+    reduce = {"norms": psg.norms(), "clip_sum": psg.clip_sum(0.5), "gram": psg.gram()}[reduction]
+    got = psg.per_sample(model, reduce=reduce, backend="eager")(loss)(x, y)
+    if reduction == "norms":
+        torch.testing.assert_close(got.double(), flat.norm(dim=1), rtol=1e-5, atol=1e-6)
+    elif reduction == "gram":
+        torch.testing.assert_close(got.double(), flat @ flat.T, rtol=1e-5, atol=1e-6)
+    else:
+        scale = (0.5 / flat.norm(dim=1)).clamp(max=1.0)
+        for name, g in grads.items():
+            want = (g.double() * scale.view(-1, *[1] * (g.dim() - 1))).sum(0)
+            torch.testing.assert_close(got[name].double(), want, rtol=1e-5, atol=1e-6)

@@ -7,6 +7,7 @@ The math lives in ``ReduceContext``; a reduction only says which quantities to c
 
 from __future__ import annotations
 
+import functools
 import math
 import traceback
 from collections.abc import Callable, Mapping
@@ -37,8 +38,14 @@ class Reduction:
                               "empty(shapes) on the subclass")
 
 
+def _sum_of(parts) -> torch.Tensor:
+    """The sum of per-parameter values, in the dtype they promote to (a bfloat16 layer beside a float32 head)."""
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in parts))
+    return torch.stack([t if t.dtype == dtype else t.to(dtype) for t in parts]).sum(0)
+
+
 def _sqrt_of_sum(ctx: ReduceContext, parts):
-    return ctx.emit(lambda *sq: torch.stack(list(sq)).sum(0).sqrt(), parts, "norm")
+    return ctx.emit(lambda *sq: _sum_of(sq).sqrt(), parts, "norm")
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,7 @@ class Gram(Reduction):
 
     def emit(self, ctx):
         parts = [ctx.gram(p) for p in ctx.params]
-        return ctx.emit(lambda *g: torch.stack(list(g)).sum(0), parts, "gram")
+        return ctx.emit(lambda *g: _sum_of(g), parts, "gram")
 
     def empty(self, shapes):
         dtype, device = next(iter(shapes.values()))[1:]
