@@ -319,9 +319,9 @@ class ShardedStep(DPStep):
                 sums, norm = split_result(result, self.binding.names, self.binding.params)
                 total, losses, norms, sizes = _accumulate(None, sums, self.binding.names), [loss], [norm], [0]
             else:
-                pieces = self._writing_copies(f, batch, lambda b: [
+                pieces = self._writing_copies(f, batch, [
                     self.prepare_batch(f, piece)
-                    for piece in micro_batches(b, f.in_dims, batch_size, self._max_physical_batch_size)])
+                    for piece in micro_batches(batch, f.in_dims, batch_size, self._max_physical_batch_size)])
                 for c in pieces:
                     with drawing(self):
                         loss, _, result = run_per_sample(self.inputs, c.entry, config, c.params, c.args,

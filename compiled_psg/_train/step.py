@@ -29,6 +29,7 @@ micro-batches, and runs either the program or the eager path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -424,7 +425,7 @@ class DPStep(StepSettings):
             sums, self.last_norms = split_result(result, self.binding.names, self.binding.params)
             eager_update_of(self, config, [sums[n] for n in self.binding.names], 0)
             return loss
-        pieces = self._writing_copies(f, batch, lambda b: self._pieces(f, b, batch_size))
+        pieces = self._writing_copies(f, batch, self._pieces(f, batch, batch_size))
         accumulate = self._max_physical_batch_size is not None or len(pieces) > 1
         self.program_cache.rejoin()
         built = self.program_for(pieces[-1].entry, config, accumulate) if self.fused and self.state_ready else None
@@ -432,18 +433,18 @@ class DPStep(StepSettings):
             return fused_path(self, config, built, pieces, batch_size)
         return eager_path(self, config, pieces, batch_size, accumulate)
 
-    def _writing_copies(self, f, batch: tuple, make_pieces: Callable[[tuple], list]) -> list:
-        """``make_pieces(batch)``: the prepared calls of the step. Where the loss writes arguments in place, made
-        again from copies of them: the loss writes its own copies, and the user's tensors get what it wrote once
-        the whole step succeeded (``_give_written_arguments_back``)."""
+    def _writing_copies(self, f, batch: tuple, pieces: list) -> list:
+        """The step's prepared calls; where the loss writes arguments in place, each with copies of those: the
+        loss writes its own copies, and the user's tensors get what it wrote once the whole step succeeded
+        (``_give_written_arguments_back``)."""
         from .._api import batch_dims_of
 
-        pieces = make_pieces(batch)
-        if self._written_arguments:
-            dims, _ = batch_dims_of(batch, f.in_dims)
-            batch = tuple(a.clone() if i in self._written_arguments else a for i, a in enumerate(batch))
-            pieces = make_pieces(batch)
-            self._written_pieces = (pieces, dims)
+        if not self._written_arguments:
+            return pieces
+        written = self._written_arguments
+        pieces = [dataclasses.replace(c, args=tuple(a.clone() if i in written else a for i, a in enumerate(c.args)))
+                  for c in pieces]
+        self._written_pieces = (pieces, batch_dims_of(batch, f.in_dims)[0])
         return pieces
 
     @property
