@@ -122,32 +122,35 @@ def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def flags_without_effect(args: argparse.Namespace, dp_flags: tuple[str, ...]) -> str | None:
-    """The usage error for a flag that the other flags make do nothing (it would be silently ignored, and the
-    run's record would show a setting that never applied), else None."""
-    given = args.given
+def unused_flags(args: argparse.Namespace, dp_flags: tuple[str, ...]) -> dict[str, str]:
+    """The flags the others make do nothing in this run, each with why: ``dp_flags`` with ``--no-dp``,
+    ``--epsilon`` beside ``--sigma``, ``--momentum`` with Adam."""
+    unused = {}
     if args.no_dp:
-        for dest in dp_flags:
-            if dest in given:
-                return (f"argument {flag(dest)}: has no effect with --no-dp (a non-private run has no clipping, "
-                        "noise or accounting): drop one of them")
-    elif "sigma" in given and "epsilon" in given:
-        return ("argument --epsilon: has no effect with --sigma (the noise multiplier is given, not calibrated "
-                "to a target epsilon): drop one of them")
-    if "momentum" in given and args.optimizer != "sgd":
-        return (f"argument --momentum: has no effect with --optimizer {args.optimizer} (only SGD takes a "
-                "momentum; Adam's moments use torch's default betas): drop --momentum")
+        unused.update(dict.fromkeys(dp_flags, "--no-dp (a non-private run has no clipping, noise or accounting)"))
+    elif args.sigma is not None:
+        unused["epsilon"] = "--sigma (the noise multiplier is given, not calibrated to a target epsilon)"
+    if args.optimizer != "sgd":
+        unused["momentum"] = (f"--optimizer {args.optimizer} (only SGD takes a momentum; Adam's moments use torch's "
+                              "default betas)")
+    return unused
+
+
+def flags_without_effect(args: argparse.Namespace, dp_flags: tuple[str, ...]) -> str | None:
+    """The usage error for a flag given that the other flags make do nothing (it would be silently ignored, and
+    the run's record would show a setting that never applied), else None."""
+    for dest, why in unused_flags(args, dp_flags).items():
+        if dest in args.given:
+            return f"argument {flag(dest)}: has no effect with {why}: drop one of them"
     return None
 
 
 def config_record(args: argparse.Namespace, dp_flags: tuple[str, ...]) -> dict:
     """The flags' values as JSON takes them (``metrics.json``'s ``config``); null for a default that did nothing
-    in this run (the DP flags of a ``--no-dp`` run, ``--epsilon`` beside ``--sigma``, ``--momentum`` with Adam)."""
-    record = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "given"}
-    unused = [*dp_flags] if args.no_dp else ["epsilon"] if args.sigma is not None else []
-    if args.optimizer != "sgd":
-        unused.append("momentum")
-    return {k: None if k in unused and k != "no_dp" else v for k, v in record.items()}
+    in this run (``unused_flags``)."""
+    unused = unused_flags(args, dp_flags)
+    return {k: None if k in unused else str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items() if k != "given"}
 
 
 def epsilon_text(epsilon: float | None, private: bool) -> str:
