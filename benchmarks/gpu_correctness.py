@@ -1,8 +1,8 @@
 """``python -m benchmarks.gpu_correctness``: the CUDA-only code paths against the naive loop, on a lent GPU
 (the test suite runs on CPU, where these paths are forced, not taken): the GEMM form of per-sample Conv2d
 weight gradients, the one-buffer noise draw, a ``memory_budget=0`` step, the clip plan under TF32, and a DP step
-recorded as CUDA graphs with Poisson batch sizes padded to buckets (``cuda_graphs=True``). Prints one JSON
-line."""
+recorded as CUDA graphs with Poisson batch sizes padded to buckets (``cuda_graphs=True``). Prints a JSON line
+per check as it ends (a check that raises gives its error and the others still run), then one with them all."""
 
 from __future__ import annotations
 
@@ -176,18 +176,28 @@ def cuda_graph_step(device: str) -> dict:
     return out
 
 
+def _checked(check, device: str):
+    """One check's result, or the error it raised (the other checks still run and come back)."""
+    try:
+        return check(device)
+    except Exception as e:  # noqa: BLE001 -- a first run on a lent machine: every check's outcome is worth a call
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+
+
 def main() -> None:
     device = "cuda"
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "conv_gemm_form_rel_error": conv_gemm_form(device), "conv_gemm_float32": conv_gemm_precision(device),
-           "noise": noise_draw(device),
-           "memory_budget_step_max_diff": budget_step(device), "tf32_plan": tf32_plan(device),
-           "cuda_graph_step": cuda_graph_step(device)}
-    f32 = out["conv_gemm_float32"]
-    out["ok"] = (out["conv_gemm_form_rel_error"] < 1e-10 and out["noise"]["one_buffer"]
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name, check in (("conv_gemm_form_rel_error", conv_gemm_form), ("conv_gemm_float32", conv_gemm_precision),
+                        ("noise", noise_draw), ("memory_budget_step_max_diff", budget_step),
+                        ("tf32_plan", tf32_plan), ("cuda_graph_step", cuda_graph_step)):
+        out[name] = _checked(check, device)
+        print(json.dumps({name: out[name]}), flush=True)
+    failed = [name for name, value in out.items() if isinstance(value, dict) and "error" in value]
+    f32, noise = out["conv_gemm_float32"], out["noise"]
+    out["ok"] = not failed and (out["conv_gemm_form_rel_error"] < 1e-10 and noise["one_buffer"]
                  and f32["cudnn_tf32_True"] < 1e-2 and f32["cudnn_tf32_False"] < 1e-5 and not f32["cublas_tf32_after"]
-                 and abs(out["noise"]["std"] - 2.0) < 0.01 and abs(out["noise"]["mean"]) < 0.01
-                 and out["memory_budget_step_max_diff"] < 1e-12 and not math.isnan(out["noise"]["std"])
+                 and abs(noise["std"] - 2.0) < 0.01 and abs(noise["mean"]) < 0.01
+                 and out["memory_budget_step_max_diff"] < 1e-12 and not math.isnan(noise["std"])
                  and not {"ghost", "materialize, bounded"} & set(out["tf32_plan"]) and out["cuda_graph_step"]["ok"])
     print(json.dumps(out))
 

@@ -672,7 +672,17 @@ def report(source: Path) -> str:
 
 
 # (title, records, command, the commit of compiled_psg measured: the code of each table)
-PAGE_SOURCES = (("GPU (H100), full configs: gpt2, resnet50_gn, vit, the transactional step and memory_budget=0",
+PAGE_SOURCES = (("GPU (H200), full configs: gpt2, resnet50_gn, vit, CUDA graphs, memory_budget=0 and Opacus",
+                 "benchmarks-scale-gpu-h200-graphs.json",
+                 'MODELS="gpt2 resnet50_gn vit" METHODS="plain plain_compile psg psg_graphs psg_bounded" '
+                 'PROFILE="gpt2 resnet50_gn" CHECK_S=110 bash benchmarks/gpu_scale.sh 400 280`; `memory_budget=0` '
+                 'and Opacus ghost clipping from a second call on the same machine, `MODELS="gpt2 resnet50_gn vit" '
+                 'METHODS="plain_compile psg_bounded opacus_ghost" PROFILE="none" CHECK_S=1 bash '
+                 'benchmarks/gpu_scale.sh 300 220` (its compiled plain step left out: the first call\'s is the '
+                 'reference), merged with `python -m benchmarks.merge_records',
+                 "2c3f41f: the update committed after the program (no copy of the parameters), batch buckets and "
+                 "CUDA graphs (`psg_graphs`: power-of-two buckets, `cuda_graphs=True`)"),
+                ("GPU (H100), full configs: gpt2, resnet50_gn, vit, the transactional step and memory_budget=0",
                  "benchmarks-scale-gpu-h100-bounded.json",
                  'MODELS="gpt2 vit resnet50_gn" METHODS="plain plain_compile psg psg_bounded" PROFILE="gpt2 vit" '
                  'CHECK_S=50 bash benchmarks/gpu_scale.sh 410 290`; resnet50_gn profiled by a second call, '

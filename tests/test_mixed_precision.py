@@ -140,7 +140,7 @@ def test_bf16_parameters_train_with_compile_step():
             want = (before[n].double() - 0.5 * expected[n] / x.shape[0])
             torch.testing.assert_close(p.detach().double(), want, rtol=2 ** -7, atol=1e-4)
     assert step.fused and step.last_norms.dtype == torch.float32
-    assert step.inputs.sum_like(0).dtype == torch.float32  # what the noise is drawn like
+    assert step.inputs.sum_like(0, step._acc_dtype()).dtype == torch.float32  # what the noise is drawn like
 
 
 @pytest.mark.parametrize("device", DEVICES)

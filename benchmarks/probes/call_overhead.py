@@ -47,12 +47,19 @@ def interleaved(variants: dict[str, Callable[[], object]], repeats: int, inner: 
     return {name: s * 1e6 for name, s in interleaved_medians(variants, repeats, warm_up, inner).items()}
 
 
+#: ``--model deep``: as many parameter tensors as ResNet-50 (161; GPT-2 small has 148) and almost no arithmetic,
+#: so that a step's time is its host time, which a GPU step of those models spends beside its kernels
+DEEP_LAYERS = 80
+
+
 def _workload(model_name: str, batch: int, full: bool = False):
-    """``(model, (x, y), loss_of(model))``: the tiny MLP (8-16-3, tanh) or a benchmark model (its ``--quick``
-    sizes unless ``full``)."""
+    """``(model, (x, y), loss_of(model))``: the tiny MLP (8-16-3, tanh), the deep one (``DEEP_LAYERS`` tanh layers
+    of width 8) or a benchmark model (its ``--quick`` sizes unless ``full``)."""
     torch.manual_seed(0)
-    if model_name == "tiny":
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    if model_name in ("tiny", "deep"):
+        hidden = [nn.Linear(8, 16), nn.Tanh()] if model_name == "tiny" else [
+            layer for _ in range(DEEP_LAYERS) for layer in (nn.Linear(8, 8), nn.Tanh())]
+        model = nn.Sequential(*hidden, nn.Linear(16 if model_name == "tiny" else 8, 3))
         data = (torch.randn(batch, 8), torch.randint(0, 3, (batch,)))
         return model, data, lambda m: (lambda x, y: F.cross_entropy(m(x), y))
     work = build_workload(model_name, quick=not full, device=torch.device("cpu"))
@@ -127,7 +134,7 @@ def breakdown(steps: int = 1000, batch: int = 16, backend: str = "inductor", mod
 
     from compiled_psg import _api
     from compiled_psg._compile import run
-    from compiled_psg._train import eager, update_graph
+    from compiled_psg._train import binding, eager, paths, transaction, update_graph
     from compiled_psg._train import inputs as inputs_module
     from compiled_psg._train import step as step_module
 
@@ -144,7 +151,11 @@ def breakdown(steps: int = 1000, batch: int = 16, backend: str = "inductor", mod
                (update_graph, "signature", "  optimizer signature"),
                (inputs_module.StepInputs, "for_program", "extra inputs"),
                (eager.NoiseSource, "draw_many", "  noise draw"),
-               (run.CompiledGraph, "run", "run the program"), (run.CompiledGraph, "_inputs", "  inputs")]
+               (run.CompiledGraph, "run", "run the program"), (run.CompiledGraph, "_inputs", "  inputs"),
+               (binding.OptimizerBinding, "refresh", "optimizer binding"),
+               (step_module.DPStep, "_reduction_for", "clip reduction"),
+               (step_module, "refuse_gradient_hooks", "gradient hooks check"),
+               (transaction.Snapshot, "take", "transaction snapshot"), (paths, "commit", "commit")]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
 
     def timer(fn, label):
@@ -178,8 +189,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="default: eager for a call, inductor for --step")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default: 8; --step: 16)")
-    p.add_argument("--model", choices=["tiny", *MODELS], default="tiny",
-                   help="tiny: MLP 8-16-3 (tanh); else a benchmark model (benchmarks/models.py) at its --quick sizes")
+    p.add_argument("--model", choices=["tiny", "deep", *MODELS], default="tiny",
+                   help="tiny: MLP 8-16-3 (tanh); deep: 80 tanh layers of width 8 (161 parameter tensors, host time "
+                        "alone); else a benchmark model (benchmarks/models.py) at its --quick sizes")
     p.add_argument("--full", action="store_true", help="the benchmark model at its full size")
     p.add_argument("--step", action="store_true", help="time a compile_step DP step against the plain step")
     p.add_argument("--breakdown", action="store_true",

@@ -41,7 +41,8 @@ class StepInputs:
         """One value per entry of ``inputs`` for a step of ``batch_size`` samples (``draw_noise=False``: zeros in
         place of the noise, for compiling without drawing)."""
         ref = self.binding.params[0]
-        likes = [self.sum_like(key) for kind, key in inputs if kind == InputKind.NOISE]
+        acc_dtype = self.acc_dtype()  # once per step: it reads every parameter's dtype
+        likes = [self.sum_like(key, acc_dtype) for kind, key in inputs if kind == InputKind.NOISE]
         noises = iter(self.noise.draw_many(config, likes) if draw_noise and likes else likes)
         values = []
         for kind, key in inputs:
@@ -50,7 +51,7 @@ class StepInputs:
             elif kind == InputKind.NOISE:
                 values.append(next(noises))
             elif kind == InputKind.PARTIAL:
-                values.append(partial[key] if partial is not None else self.sum_like(key))
+                values.append(partial[key] if partial is not None else self.sum_like(key, acc_dtype))
             elif kind == InputKind.COUNT:
                 values.append(self.scalar(float(batch_size), ref))
             elif kind == InputKind.SCALE:
@@ -61,11 +62,12 @@ class StepInputs:
                 values.append(key)
         return values
 
-    def sum_like(self, j: int) -> torch.Tensor:
-        """Zeros shaped like the clipped sum of the ``j``-th parameter (float32 for a bfloat16 parameter). Only
-        read (the noise's template, a program input the graph adds): one tensor per shape serves every step."""
+    def sum_like(self, j: int, acc_dtype: torch.dtype) -> torch.Tensor:
+        """Zeros shaped like the clipped sum of the ``j``-th parameter (float32 for a bfloat16 parameter, in
+        ``acc_dtype``'s precision at least). Only read (the noise's template, a program input the graph adds): one
+        tensor per shape serves every step."""
         p = self.binding.params[j]
-        key = (p.shape, sum_dtype(p.dtype, self.acc_dtype()), p.device)
+        key = (p.shape, sum_dtype(p.dtype, acc_dtype), p.device)
         zeros = self._zeros.get(key)
         if zeros is None:
             zeros = self._zeros[key] = torch.zeros(key[0], dtype=key[1], device=key[2])
