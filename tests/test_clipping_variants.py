@@ -203,6 +203,27 @@ def test_per_layer_settings_are_checked():
         step.config = step.config.replace(clipping="flat", max_grad_norm=1.0)
 
 
+@pytest.mark.parametrize(("clipping", "options", "mode"), [
+    ("flat", dict(automatic_gamma=0.5), "automatic"),
+    ("per_layer", dict(automatic_gamma=0.5), "automatic"),
+    ("flat", dict(unclipped_num_std=2.0), "adaptive"),
+    ("automatic", dict(target_unclipped_quantile=0.9, max_clipbound=5.0), "adaptive"),
+    ("flat", dict(clipbound_learning_rate=1.0), "adaptive"),
+])
+def test_an_option_of_another_clipping_mode_is_refused(clipping, options, mode):
+    """Round Q: ``automatic_gamma=0.5`` with ``clipping="flat"`` (or an adaptive option without adaptive
+    clipping) was taken and did nothing; refused, naming the option, its mode and the step's; the option at its
+    default, which changes nothing, is accepted, and so is a step of its own mode."""
+    model = mlp()
+    with pytest.raises(DPConfigError, match=rf"{next(iter(options))}=.*applies to clipping='{mode}'.*"
+                                            rf"clipping='{clipping}', where it would do nothing"):
+        sum_step(model, clipping=clipping, max_grad_norm=1.0, **options)
+    sum_step(model, clipping=clipping, max_grad_norm=1.0, automatic_gamma=0.01, target_unclipped_quantile=0.5)
+    step, _ = sum_step(model, clipping=mode, max_grad_norm=1.0, **options)
+    with pytest.raises(DPConfigError, match=f"applies to clipping='{mode}'"):
+        step.config = step.config.replace(clipping=clipping)
+
+
 # ----- adaptive clipping ------------------------------------------------------------------------------------
 
 

@@ -93,8 +93,9 @@ def test_autocast_step_against_float64_reference(clipping, device, backend):
     loss = autocast_loss(model, device)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     gamma = 0.1
-    step = compile_step(loss, model, opt, max_grad_norm=C, clipping=clipping, automatic_gamma=gamma,
-                        loss_reduction="sum", backend=backend)
+    options = {"automatic_gamma": gamma} if clipping == "automatic" else {}
+    step = compile_step(loss, model, opt, max_grad_norm=C, clipping=clipping, loss_reduction="sum",
+                        backend=backend, **options)
     start = [p.detach().clone() for p in model.parameters()]
 
     def update(x, y):

@@ -327,6 +327,38 @@ def test_a_parameter_written_through_data_inside_the_loss_is_named_with_the_fix(
     assert torch.equal(model.weight, before)
 
 
+@pytest.mark.parametrize("target", ["closure", "global"])
+def test_a_value_carrying_the_gradient_written_into_a_tensor_of_the_users_is_named(target):
+    """Red team Q1 (F9): ``acc.copy_(model.bias * 2)`` in the loss was refused as "computed from the parameters
+    outside the loss" or as a write into a tensor that requires grad (``p.data.clamp_``), with no line and fixes
+    that did not apply. The refusal names the tensor and the line, with the detached form; the tensor is as
+    before."""
+    model, _ = _model_and_loss()
+    acc = torch.zeros(3)
+    _WRITTEN[0] = torch.zeros(3)
+
+    def loss(x, y):
+        (acc if target == "closure" else _WRITTEN[0]).copy_(model.bias * 2)
+        return F.cross_entropy(model(x), y)
+
+    name = "the tensor acc that the loss function closes over" if target == "closure" else r"_WRITTEN"
+    with pytest.raises(psg.UnsupportedError, match=rf"into a tensor that is not a parameter: [^:]*{name}.* at "
+                                                   rf"\S*test_refusal_causes.py:\d+ in loss: .*copy_\(model.bias "
+                                                   rf"\* 2\).*Fix: write a detached value"):
+        psg.per_sample(model, backend="eager")(loss)(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    assert not acc.any() and not _WRITTEN[0].any()
+
+    def detached(x, y):
+        acc.copy_((model.bias * 2).detach())
+        return F.cross_entropy(model(x), y)
+
+    psg.per_sample(model, backend="eager")(detached)(torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    assert torch.equal(acc, (model.bias * 2).detach())
+
+
+_WRITTEN: list[torch.Tensor] = [torch.zeros(3)]
+
+
 def test_a_per_sample_tensor_read_from_a_closure_or_a_dict_is_named_as_a_cause():
     """A ``[B]`` mask read from a closure fixes the batch size; the message names that cause (no view in the
     loss); a dict marked batched is told to pass its tensors as arguments, not to mark it unbatched."""

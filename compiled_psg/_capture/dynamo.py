@@ -1459,7 +1459,9 @@ def _finish(manager, code, loss_fn, params: dict, args: tuple, batch_dims: dict[
     if any(n.op == "placeholder" and n.name.startswith("tangents") for n in _pending["gm"].graph.nodes):
         # AOT autograd partitioned a training graph: something the joint returns, or writes, still needs a
         # gradient. The joint returns detached values, so it is an in-place write into a tensor that requires
-        # grad, outside no_grad: ``p.data.clamp_()`` on a parameter
+        # grad, outside no_grad: ``p.data.clamp_()`` on a parameter, or a tensor of the user's given a value
+        # computed from the parameters (``acc.copy_(model.bias * 2)``)
+        _refuse_gradients_written_outside(roles, tensor_names(_pending.get("sources") or [], constants, loss_fn))
         raise UnsupportedError(
             "the loss writes a tensor that requires grad in place, with autograd on (p.data.clamp_(...) on a "
             "parameter, say): compiled_psg cannot capture that write. Fix: write it under torch.no_grad() "
@@ -1541,6 +1543,33 @@ def _constant_sources(constants: dict[int, object]) -> list[tuple[str, torch.Ten
     sources = _pending.get("sources") or []
     return [(sources[i], value) for i, value in constants.items()
             if isinstance(value, torch.Tensor) and i < len(sources) and sources[i]]
+
+
+def _refuse_gradients_written_outside(roles: list[Role], names: dict[int, str]) -> None:
+    """A write, in the loss, of a value that carries the parameters' gradient into a tensor that is not a
+    parameter (a closure tensor, a buffer, an argument): refused naming the tensor and the line. The write would
+    make that tensor part of the autograd graph, which AOT autograd then splits into a training pair the per-sample
+    rewrite has no place for."""
+    written = [i for i in getattr(_pending["meta"], "mutated_inp_runtime_indices", None) or []
+               if i < len(roles) and roles[i].kind in ("const", "arg")]
+    if not written:
+        return
+    graph = _pending["dynamo_graph"].graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    lines = []
+    for i in written:
+        name = (f"argument {roles[i].key}" if roles[i].kind == "arg"
+                else names.get(i, "a tensor from outside the loss"))
+        node = placeholders[i] if i < len(placeholders) else None
+        writes = [u for u in (node.users if node is not None else ())
+                  if str(getattr(u.target, "__name__", u.target)).endswith("_")]
+        at = f" at {where(writes[0])}" if writes else ""
+        lines.append(f"{name}{at}")
+    raise UnsupportedError(
+        "the loss writes a value computed from the parameters (it carries their gradient) into a tensor that is "
+        "not a parameter: " + "; ".join(lines) + ". The write would make that tensor part of the gradient's "
+        "computation, which a per-sample program cannot hold. Fix: write a detached value (acc.copy_(value."
+        "detach())), or return the value from the loss function and keep it outside")
 
 
 def _mutated_inputs(meta, roles: list[Role]) -> list[int]:

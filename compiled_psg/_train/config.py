@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -159,7 +159,19 @@ class DPConfig:
         if not 0 < self.automatic_gamma < math.inf:  # inf makes every contribution C g / (||g|| + inf) zero
             raise DPConfigError(f"automatic_gamma must be a positive finite number, got {self.automatic_gamma}")
         object.__setattr__(self, "memory_budget", check_memory_budget(self.memory_budget, DPConfigError))
+        self._refuse_options_of_other_modes()
         self._check_adaptive()
+
+    def _refuse_options_of_other_modes(self) -> None:
+        """An option of another clipping mode, set off its default, would do nothing: refused, naming the mode it
+        belongs to (``automatic_gamma=0.5`` with ``clipping="flat"`` clips flat, which the user did not ask)."""
+        for mode, names in MODE_OPTIONS.items():
+            given = [n for n in names if getattr(self, n) != _DEFAULTS[n]]
+            if given and self.clipping != mode:
+                values = ", ".join(f"{n}={getattr(self, n)!r}" for n in given)
+                raise DPConfigError(f"{values} applies to clipping={mode!r}, and this step clips with "
+                                    f"clipping={self.clipping!r}, where it would do nothing. Fix: pass "
+                                    f"clipping={mode!r}, or leave {' and '.join(given)} out")
 
     def _check_adaptive(self) -> None:
         if not 0 <= self.target_unclipped_quantile <= 1:
@@ -325,3 +337,10 @@ class DPConfig:
     def replace(self, **changes) -> DPConfig:
         """A validated copy with ``changes``."""
         return replace(self, **changes)
+
+
+#: the options only one clipping mode reads (``clip_groups``, per_layer's, is checked on its own)
+MODE_OPTIONS = {"automatic": ("automatic_gamma",),
+                "adaptive": ("target_unclipped_quantile", "clipbound_learning_rate", "unclipped_num_std",
+                             "min_clipbound", "max_clipbound")}
+_DEFAULTS = {f.name: f.default for f in fields(DPConfig)}
