@@ -280,6 +280,11 @@ def test_scale_ratios_take_the_faster_plain_step_and_the_lower_peak(tmp_path):
     text = report(tmp_path)
     assert "FAIL (1.50)" in text and "PASS (0.40)" in text and "unsupported: RuntimeError: x" in text
     assert "PASS (1.12)" in text  # the tensors-allocated ratio, its own column
+    assert r["back_to_back"] is None and "back to back" not in text  # records without the measure: no table
+    methods[0]["back_to_back_s"], methods[1]["back_to_back_s"], methods[2]["back_to_back_s"] = 0.009, 0.0085, 0.0095
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in [head, *methods]))
+    assert ratios(load(tmp_path)["m"]["methods"])["back_to_back"] == pytest.approx(0.0095 / 0.0085)
+    assert "steps back to back" in report(tmp_path) and "| m | 4 | PASS (1.12) |" in report(tmp_path)
 
 
 def test_first_step_targets_compare_cold_first_steps_and_judge_the_warm_step_alone():
