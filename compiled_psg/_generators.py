@@ -49,6 +49,12 @@ def noise_draw(generators: Iterable[torch.Generator], own: collections.Counter) 
         with _lock:
             for k in keys:
                 _ended[k] += 1
+                own[_ENDED, k] += 1
+
+
+#: ``own[_ENDED, id(generator)]``: the owner's draws ended (``own[id(generator)]``: begun), so that one of its own
+#: draws an interrupt left unended (its ``finally`` skipped until the frame is collected) is not taken for another's
+_ENDED = "ended"
 
 
 @dataclass
@@ -68,6 +74,7 @@ class Rewind:
     def __init__(self, generators: Iterable[torch.Generator], own: collections.Counter | None = None):
         self.own = collections.Counter() if own is None else own
         self.entries: list[_Entry] = []
+        self._open = 0  # drawing() regions entered and not left: an interrupt skipped the end of one
         with _lock:
             for g in generators:
                 state = g.get_state()
@@ -81,11 +88,13 @@ class Rewind:
         last draw marks the generator as drawn from by someone else; on exit (a failure included), the state is
         noted."""
         self._check()
+        self._open += 1
         try:
             yield
         finally:
             for e in self.entries:
                 e.after = e.generator.get_state()
+            self._open -= 1
 
     def _check(self) -> None:
         for e in self.entries:
@@ -95,11 +104,15 @@ class Rewind:
     def restore(self) -> None:
         """Set back each generator nothing but the owner drew from since; leave the others as they are."""
         with _lock:  # a DP draw waits: it begins either before the checks below (and is seen) or after the set
+            if self._open:  # an interrupt at the end of a region of the owner's: its draws are the owner's
+                for e in self.entries:
+                    e.after = e.generator.get_state()
             self._check()
             for e in self.entries:
                 k = id(e.generator)
                 others = (_begun[k] - e.begun) - (self.own[k] - e.own)
-                if e.clean and others == 0 and _begun[k] == _ended[k]:
+                own_in_flight = self.own[k] - self.own[_ENDED, k]  # an interrupt kept one of its own from ending
+                if e.clean and others == 0 and _begun[k] - _ended[k] == own_in_flight:
                     e.generator.set_state(e.before)
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from compiled_psg import DPConfigError, compile_step, make_private
+from compiled_psg import BatchInputError, DPConfigError, compile_step, make_private
 from compiled_psg._compile.run import CompiledGraph
 from compiled_psg._train import paths
 
@@ -1244,3 +1244,77 @@ def test_a_failed_step_does_not_rewind_a_draw_made_between_its_own(monkeypatch):
         step(x[8:], y[8:])
     assert step.steps_taken == 1 and drawn
     assert not torch.equal(gen.get_state(), before) and not torch.equal(gen.get_state(), drawn[0])
+
+
+@pytest.mark.parametrize("where", ["drawing", "noise_draw"])
+def test_an_interrupt_at_the_end_of_a_draw_sets_the_generator_back(where):
+    """Red team R (F1): a KeyboardInterrupt landing as the step leaves one of its drawing regions (the call of the
+    context manager's ``__exit__``, where CPython delivers a signal; injected with ``sys.settrace``) skipped the
+    code that notes the generator's state after the owner's draw (``Rewind.drawing``) or counts the draw as ended
+    (``noise_draw``): the step was rolled back, the generator left advanced. It is set back as well."""
+    import sys
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    gen = torch.Generator().manual_seed(3)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.Adam(model.parameters()),
+                        max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=8, backend="eager",
+                        generator=gen)
+    x, y = _data(8)
+    x = x.double()
+    step(x, y)
+    if where == "drawing":
+        step(x, y)  # the fused program: the draw's region is paths.fused_path's `with drawing(step)`
+    hits = []
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "__exit__":
+            gen_code = getattr(getattr(frame.f_locals.get("self"), "gen", None), "gi_code", None)
+            if gen_code is not None and gen_code.co_name == where:
+                sys.settrace(None)
+                hits.append(where)
+                raise KeyboardInterrupt
+        return None
+
+    before, n = _snapshot(model, gen), step.steps_taken
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step(x, y)
+    finally:
+        sys.settrace(None)
+    assert hits == [where]
+    assert step.steps_taken == n and _unchanged(model, gen, before)
+    step(x, y)  # and the next step sets it back again after a failure: nothing stuck in flight
+    after_one, n = _snapshot(model, gen), step.steps_taken
+    with pytest.raises(BatchInputError):
+        step(x[:, :2], y)
+    assert step.steps_taken == n and _unchanged(model, gen, after_one)
+
+
+def test_public_buffers_are_fixed_and_transactional_is_a_flag():
+    """Red team R (info): ``step.public_buffers = {...}`` took any set after the loss's writes were checked against
+    the one the step was built with, and ``step.transactional = "no"`` any value."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, backend="eager")
+    with pytest.raises(DPConfigError, match="public_buffers is fixed when the step is built"):
+        step.public_buffers = {"x"}
+    with pytest.raises(DPConfigError, match="transactional must be True or False, got str 'no'"):
+        step.transactional = "no"
+    step.transactional = False
+    assert step.public_buffers == frozenset() and step.transactional is False
+
+
+def test_an_unclipped_num_std_past_int64_is_a_float():
+    """Red team R (F5): ``unclipped_num_std=2**70`` stayed a Python int and the count's noise raised torch's
+    ``OverflowError`` after the update was applied and counted."""
+    torch.manual_seed(0)
+    model, (x, y) = nn.Linear(4, 3), _data()
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, clipping="adaptive",
+                        unclipped_num_std=2**70, backend="eager")
+    assert type(step.config.unclipped_num_std) is float
+    step(x[:8], y[:8])
+    assert step.steps_taken == 1 and all(torch.isfinite(p).all() for p in model.parameters())

@@ -697,3 +697,85 @@ def test_per_layer_bounds_of_the_wrong_count_are_refused_on_assignment():
     assert step.max_grad_norm == (0.3, 0.4)
     step(torch.randn(8, 5), torch.randint(0, 3, (8,)))
     assert step.steps_taken == 1
+
+
+def _digits_like(n: int = 40):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+@pytest.mark.parametrize(("accountant", "target"), [("opacus-rdp", 0.05), ("prv", 1e-3), ("pld", 1e-3)])
+def test_a_target_epsilon_out_of_the_calibrations_reach_is_refused_naming_it(accountant, target):
+    """Red team R (F3): a small target raised the accounting library's own ``ValueError`` ("The privacy budget
+    is too low.", a failed ``brentq`` bracket)."""
+    model = nn.Linear(6, 3)
+    with pytest.raises(DPConfigError, match=rf"target_epsilon={target} cannot be calibrated with "
+                                            rf"accountant='{accountant}'.*Fix: a larger target_epsilon"):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_digits_like(), batch_size=10),
+                     lambda x, y: F.cross_entropy(model(x), y), target_epsilon=target, epochs=1,
+                     accountant=accountant, backend="eager")
+
+
+@pytest.mark.parametrize("rate", [1e-320, 1e-30, 2.0 ** -54])
+def test_a_sampling_rate_whose_epoch_no_loader_can_count_is_refused(rate):
+    """Red team R (F4): 1e-320 raised ``OverflowError`` in make_private (round of an infinite epoch), 1e-30 at
+    ``len(private.data_loader)``."""
+    model = nn.Linear(6, 3)
+    with pytest.raises(DPConfigError, match=r"sample_rate=.* is below 1.11e-16 \(2\*\*-53\)"):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_digits_like(), batch_size=10),
+                     lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, sample_rate=rate,
+                     backend="eager")
+
+
+def test_make_private_refuses_expected_batch_size_naming_who_sets_it():
+    """Red team R (F8): it passed the unknown-keyword check and then raised Python's "got multiple values for
+    keyword argument 'expected_batch_size'"."""
+    model = nn.Linear(6, 3)
+    with pytest.raises(DPConfigError, match="make_private sets the step's expected_batch_size itself"):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_digits_like(), batch_size=10),
+                     lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, expected_batch_size=10.0,
+                     backend="eager")
+
+
+def test_a_gridded_accountant_below_its_smallest_noise_is_refused_before_training():
+    """Red team R (F7): ``--sigma 0.005 --accountant pld`` trained a whole epoch before its first epsilon was
+    refused; make_private refuses the pair before any step."""
+    model = nn.Linear(6, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(DPConfigError, match=r"the pld accountant discretizes.*noise_multiplier=0.005"):
+        make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_digits_like(), batch_size=10),
+                     lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=0.005, accountant="pld",
+                     backend="eager")
+    assert _untouched(model, before)
+
+
+def test_a_second_make_private_on_a_trained_model_is_refused_and_one_on_an_untrained_one_replaces_it():
+    """Red team R (F6): two trainings of one model each counted their own steps (the first's epsilon() read 0
+    after four DP steps of the model through the second). A second make_private on a model or optimizer whose
+    training took steps is refused; one whose training took none (a notebook cell run again) replaces it, and
+    the first no longer steps."""
+    model = nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def private():
+        return make_private(model, opt, DataLoader(_digits_like(), batch_size=10),
+                            lambda x, y: F.cross_entropy(model(x), y), noise_multiplier=1.0, backend="eager")
+
+    first = private()
+    second = private()  # the first took no step: replaced
+    batch = next(iter(second.data_loader))
+    with pytest.raises(DPConfigError, match="replaced by a later make_private on the same model"):
+        first.step(*batch)
+    with pytest.raises(DPConfigError, match="replaced by a later make_private"):
+        first.dp_step(*batch)
+    assert first.steps == 0
+    second.step(*batch)
+    with pytest.raises(DPConfigError, match=r"trained by an earlier make_private, whose accountant counts its 1 "
+                                            r"steps.*Fix: go on with the first"):
+        private()
+    other = nn.Linear(6, 3)  # another model with the same optimizer: refused as well
+    with pytest.raises(DPConfigError, match="trained by an earlier make_private"):
+        make_private(other, opt, DataLoader(_digits_like(), batch_size=10),
+                     lambda x, y: F.cross_entropy(other(x), y), noise_multiplier=1.0, backend="eager")
+    second.step(*batch)
+    assert second.steps == 2

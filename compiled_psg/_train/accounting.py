@@ -40,7 +40,15 @@ def check_sample_rate(sample_rate: float) -> float:
         raise DPConfigError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}: it is the probability "
                             "that a sample joins a batch. Fix: batch size / dataset size (make_private's default "
                             "when sample_rate=None)")
+    if not sample_rate >= MIN_SAMPLE_RATE:  # an epoch is round(1 / q) steps, a length the loader must report
+        raise DPConfigError(f"sample_rate={sample_rate!r} is below {MIN_SAMPLE_RATE:.3g} (2**-53): an epoch of 1 / "
+                            "sample_rate steps is past what a loader can count (an expected batch of 1 sample "
+                            "needs a dataset of 1 / sample_rate). Fix: batch size / dataset size")
     return float(sample_rate)
+
+
+#: the smallest sampling rate taken: 1 / q steps per epoch stays an integer a float holds exactly
+MIN_SAMPLE_RATE = 2.0 ** -53
 
 
 def check_steps(steps: int, name: str = "steps") -> int:
@@ -107,6 +115,18 @@ def _memory_refused(accounting):
     return refusing
 
 
+def check_accountable(noise_multiplier: float, mechanism: str) -> None:
+    """Refuse a noise multiplier the ``pld`` and ``prv`` accountants cannot account for on this machine."""
+    if mechanism in _GRIDDED and MIN_ACCOUNTED_NOISE <= noise_multiplier < MIN_GRIDDED_NOISE:
+        # the grid would be allocated whole and then written: past the machine's memory the kernel kills the
+        # process, with no MemoryError to turn into this refusal (red team Q: prv at sigma 0.001 took 21 GB)
+        raise DPConfigError(
+            f"the {mechanism} accountant discretizes the privacy loss on a grid that grows as 1 / sigma**2: at "
+            f"noise_multiplier={noise_multiplier:g}, below {MIN_GRIDDED_NOISE}, it needs gigabytes (19 GiB at "
+            "0.002), and epsilon there is in the hundreds or more. Fix: accountant='rdp' (an upper bound, computed "
+            "in closed form)")
+
+
 @_memory_refused
 def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism: str = "rdp") -> float:
     """Epsilon at ``delta`` after the steps in ``history`` (``(noise_multiplier, sample_rate, steps)``)."""
@@ -117,15 +137,7 @@ def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism:
         return 0.0
     if any(s < MIN_ACCOUNTED_NOISE for s, _, _ in history):
         return math.inf
-    smallest = min(s for s, _, _ in history)
-    if mechanism in _GRIDDED and smallest < MIN_GRIDDED_NOISE:
-        # the grid would be allocated whole and then written: past the machine's memory the kernel kills the
-        # process, with no MemoryError to turn into this refusal (red team Q: prv at sigma 0.001 took 21 GB)
-        raise DPConfigError(
-            f"the {mechanism} accountant discretizes the privacy loss on a grid that grows as 1 / sigma**2: at "
-            f"noise_multiplier={smallest:g}, below {MIN_GRIDDED_NOISE}, it needs gigabytes (19 GiB at 0.002), and "
-            "epsilon there is in the hundreds or more. Fix: accountant='rdp' (an upper bound, computed in closed "
-            "form)")
+    check_accountable(min(s for s, _, _ in history), mechanism)
     if mechanism in _OPACUS:
         from opacus.accountants import create_accountant
 
@@ -159,14 +171,23 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
         raise DPConfigError(f"target_epsilon must be a positive finite number, got {target_epsilon!r}. Fix: "
                             "a target such as 1 to 10; for no privacy, train without compiled_psg's DP step")
     target_delta, sample_rate, steps = check_delta(target_delta), check_sample_rate(sample_rate), check_steps(steps)
+    def out_of_reach(cause: str) -> DPConfigError:
+        return DPConfigError(
+            f"target_epsilon={target_epsilon} cannot be calibrated with accountant={mechanism!r} for {steps} steps at "
+            f"sample_rate={sample_rate}, delta={target_delta}: {cause}. Fix: a larger target_epsilon (1 to 10 is "
+            "usual), fewer epochs, or pass noise_multiplier= yourself")
+
     if mechanism in _OPACUS:
         from opacus.accountants.utils import get_noise_multiplier
 
         with warnings.catch_warnings():  # PRV's search probes RDP bounds at extreme sigmas
             warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-            return float(get_noise_multiplier(
-                target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate,
-                steps=steps, accountant=_OPACUS[mechanism], epsilon_tolerance=epsilon_tolerance))
+            try:
+                return float(get_noise_multiplier(
+                    target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate,
+                    steps=steps, accountant=_OPACUS[mechanism], epsilon_tolerance=epsilon_tolerance))
+            except ValueError as e:  # opacus: "The privacy budget is too low." past its largest sigma
+                raise out_of_reach(f"opacus's search stopped ({e})") from None
     import dp_accounting
 
     def calibrate(kind, bracket, tol):
@@ -188,7 +209,13 @@ def calibrate_noise(target_epsilon: float, target_delta: float, sample_rate: flo
     if mechanism == "rdp":
         return sigma_rdp
     # PLD is tighter than RDP: the RDP answer bounds it from above (and PLD is slow at small sigma)
-    return calibrate("pld", dp_accounting.ExplicitBracketInterval(0.25 * sigma_rdp, sigma_rdp), 1e-3)
+    try:
+        return calibrate("pld", dp_accounting.ExplicitBracketInterval(0.25 * sigma_rdp, sigma_rdp), 1e-3)
+    except DPConfigError:
+        raise
+    except ValueError as e:  # dp-accounting's PLD at noise multipliers of thousands: its root search fails
+        raise out_of_reach(f"RDP asks for noise_multiplier {sigma_rdp:.4g}, where dp-accounting's PLD search fails "
+                           f"({str(e).splitlines()[0][:120]})") from None
 
 
 class Accountant:

@@ -125,6 +125,14 @@ class DPConfig:
             object.__setattr__(self, name, check_number(name, getattr(self, name)))
         for name in ("expected_batch_size", "unclipped_num_std"):
             object.__setattr__(self, name, check_number(name, getattr(self, name), optional=True))
+        for name in ("automatic_gamma", "target_unclipped_quantile", "clipbound_learning_rate", "min_clipbound",
+                     "max_clipbound", "unclipped_num_std"):  # floats: an int past int64 (2**70) fits no tensor op
+            value = getattr(self, name)
+            if isinstance(value, int):
+                try:
+                    object.__setattr__(self, name, float(value))
+                except OverflowError:
+                    raise DPConfigError(f"{name}={value} is past the float range") from None
         object.__setattr__(self, "noise_multiplier", check_noise_multiplier(self.noise_multiplier))
         bound = _as_bound(self.max_grad_norm)
         object.__setattr__(self, "max_grad_norm", bound)

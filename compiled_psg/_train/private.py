@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 from .._errors import BatchInputError, DPConfigError, require_flag
 from .._generators import states_put_back
 from . import distributed as dist_utils
-from .accounting import Accountant, calibrate_noise, check_delta, check_sample_rate, check_steps
+from .accounting import Accountant, calibrate_noise, check_accountable, check_delta, check_sample_rate, check_steps
 from .api import check_noise_source, compile_step
 from .checkpoint import check_state_kind, load_step_state, saved_step_count
 from .config import check_noise_multiplier, is_number
@@ -318,6 +319,18 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     """
     if (noise_multiplier is None) == (target_epsilon is None):
         raise DPConfigError("give exactly one of noise_multiplier and target_epsilon")
+    if "expected_batch_size" in clipping_options:  # compile_step takes it; here it is the sampling's to set
+        raise DPConfigError("make_private sets the step's expected_batch_size itself, sample_rate x the dataset's "
+                            "size (the divisor the accounting assumes). Fix: leave expected_batch_size out; for "
+                            "another batch size, give the loader that batch size or pass sample_rate=")
+    earlier = _earlier_training(model, optimizer)
+    if earlier is not None and earlier.steps > 0:
+        raise DPConfigError(
+            f"this model or optimizer is trained by an earlier make_private, whose accountant counts its "
+            f"{earlier.steps} steps: a second training of it would count from zero, and its epsilon would leave "
+            "out the earlier steps of the same model. Fix: go on with the first (its noise_multiplier, "
+            "max_grad_norm and noise schedule can change between steps; state_dict() saves and resumes it), or "
+            "train a new model and optimizer")
     check_noise_source(secure_rng, generator)
     require_flag("poisson_sampling", poisson_sampling, DPConfigError)
     accounting = Accountant(accountant)  # refused before anything runs or draws
@@ -351,6 +364,7 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
     if target_epsilon is not None:
         noise_multiplier = calibrate_noise(target_epsilon, target_delta, sample_rate,
                                            epochs * steps_per_epoch, accountant)
+    check_accountable(check_noise_multiplier(noise_multiplier), accountant)  # before a step, not at epsilon()
     global_size = dist_utils.all_reduce_scalar(float(len(data_loader.dataset)))
     expected_batch_size = sample_rate * global_size
 
@@ -389,6 +403,28 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
                 sampler_generator = torch.Generator().manual_seed(seed)
             loader = poisson_loader(data_loader, sample_rate, steps=steps_per_epoch, generator=sampler_generator,
                                     secure=secure_rng, in_dims=clipping_options.get("in_dims", 0))
-        return PrivateTraining._built(model, optimizer, loader, dp_step, accounting, sample_rate,
-                                      target_delta, poisson_sampling, dataset_size=round(global_size))
+        training = PrivateTraining._built(model, optimizer, loader, dp_step, accounting, sample_rate,
+                                          target_delta, poisson_sampling, dataset_size=round(global_size))
+    if earlier is not None:  # one that took no step (a notebook cell run again): this one replaces it
+        earlier.dp_step.retire("this step's PrivateTraining was replaced by a later make_private on the same model "
+                               "or optimizer, whose accountant counts the model's steps. Fix: step the training "
+                               "the later make_private returned")
+    _TRAINING_OF[model] = _TRAINING_OF[optimizer] = weakref.ref(training)
+    return training
+
+
+#: the live ``PrivateTraining`` of each model and optimizer: a second ``make_private`` on either would count the
+#: model's steps in an accountant of its own (red team R: the first's ``epsilon()`` read 0 after four steps)
+_TRAINING_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _earlier_training(model: nn.Module, optimizer: torch.optim.Optimizer) -> PrivateTraining | None:
+    for key in (model, optimizer):
+        try:
+            ref = _TRAINING_OF.get(key)
+        except TypeError:  # not weakly referable (a user's class with __slots__): nothing was recorded for it
+            continue
+        if ref is not None and ref() is not None:
+            return ref()
+    return None
 

@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from .._capture.dynamo import own_compilation
 from .._compile.run import BACKENDS, CompiledGraph
-from .._errors import DPConfigError
+from .._errors import DPConfigError, require_flag
 from .._reduce.reductions import Reduction
 from . import buckets as buckets_
 from . import distributed as dist_utils
@@ -137,7 +137,7 @@ class DPStep(StepSettings):
         self._config = DPConfig(bound, noise_multiplier, expected_batch_size, loss_reduction,
                                 "custom" if custom is not None else clipping, **clipping_options)
         self._custom_reduce = custom
-        self.public_buffers = _public_buffers(model, public_buffers)
+        self._public_buffers = _public_buffers(model, public_buffers)
         self.transactional = transactional  # a failed step restores everything and counts nothing
         if distributed and not dist_utils.is_distributed():  # torch's raw ValueError at the broadcast below
             raise DPConfigError("distributed=True needs an initialized torch.distributed process group, and there is "
@@ -189,6 +189,7 @@ class DPStep(StepSettings):
         self.released_config: DPConfig | None = None
         self._release_listeners: list[Callable[[float], None]] = []
         self._accounted_by: str | None = None  # the owner whose accountant counts this step's releases
+        self._retired: str | None = None  # why the step takes no more steps (its owner was replaced)
         self.snapshot: Snapshot | None = None  # the current call's transaction (``transaction.py``)
         # one call at a time: a second thread waits for the running step; a call from inside it (an optimizer
         # hook, the loss) is refused, since its commit would be undone by the outer call's rollback
@@ -338,6 +339,8 @@ class DPStep(StepSettings):
         # Nothing is released until _step's update (released_config is also cleared when each call ends)
         self.released_config = None
         config = self._config  # one snapshot for the whole step: clipping, noise, scaling and accounting agree
+        if self._retired is not None:
+            raise DPConfigError(self._retired)
         refuse_ambient_autocast()
         refuse_gradient_hooks(self.model)  # each step: a hook may have been added since the last one
         if self._stalled_bound is not None:
@@ -446,6 +449,32 @@ class DPStep(StepSettings):
                   for c in pieces]
         self._written_pieces = (pieces, batch_dims_of(batch, f.in_dims)[0])
         return pieces
+
+    @property
+    def public_buffers(self) -> frozenset[str]:
+        """The buffers whose writes from the batch the step releases (``compile_step(public_buffers=...)``)."""
+        return self._public_buffers
+
+    @public_buffers.setter
+    def public_buffers(self, names) -> None:
+        # the captured graphs were checked against the set the step was built with (``_per_sample_for``)
+        raise DPConfigError("public_buffers is fixed when the step is built: the loss's writes were checked "
+                            "against it when it was captured. Fix: build a new step with "
+                            "compile_step(..., public_buffers=[...])")
+
+    @property
+    def transactional(self) -> bool:
+        """Whether a failed step restores everything and counts nothing (assignable: True or False)."""
+        return self._transactional
+
+    @transactional.setter
+    def transactional(self, value: bool) -> None:
+        require_flag("transactional", value, DPConfigError)
+        self._transactional = value
+
+    def retire(self, why: str) -> None:
+        """Take no more steps: every later call raises ``DPConfigError(why)``."""
+        self._retired = why
 
     @property
     def accounted_by(self) -> str | None:
