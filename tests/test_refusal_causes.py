@@ -1340,3 +1340,15 @@ def test_a_parameter_written_through_data_is_named():
                                                r"loss") as info:
         psg.per_sample(lin, backend="eager")(loss)(torch.randn(8, 5), torch.randint(0, 3, (8,)))
     assert "please report" not in str(info.value) and torch.equal(lin.bias.detach(), before)
+
+
+def test_masked_select_of_the_batch_is_refused_as_flat_order_not_as_a_fixed_batch_size():
+    """Red team R (F02): ``m(x).masked_select(mask)`` was refused as torch's backward formula reading the batch
+    size, with a fix ("compute that op outside the per-sample function") that cannot apply where a parameter's
+    gradient flows through it; docs/refused.md lists it among the ops that place elements in flat order. The
+    refusal is that one, with its ``torch.where`` fix, as for ``take``."""
+    model, _ = _model_and_loss()
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+    with pytest.raises(psg.SampleMixingError, match=r"masked_select at \S*test_refusal_causes.py:\d+ .*places "
+                                                    r"elements by their order.*Fix: .*torch.where"):
+        psg.per_sample(model, backend="eager")(lambda x, y: model(x).masked_select(y > 0).pow(2).sum())(x, y)

@@ -632,10 +632,15 @@ def _flat_order(an: Analysis, node: fx.Node) -> Fact:
         kw = _kwargs(node)
         if isinstance(an.fact(kw["index"]), Shared) and value_of(kw["index"]).numel() == 0:
             return _first_input(an, node)[1]
-    raise _mix("it places elements by their order in the whole flattened tensor, batch included (the k-th "
-               "source element goes to the k-th selected position), so a sample's values can land in another "
-               "sample's rows", "select or scatter within each sample: torch.where(mask, source, out) with a "
-               "source shaped like out")
+    raise _mix(*FLAT_ORDER_REFUSAL)
+
+
+#: why an op of ``ops.FLAT_ORDER`` on the batch is refused, and the fix (the capture says the same where torch's
+#: backward formula of the op reads the batch size before this analysis runs: ``masked_select``)
+FLAT_ORDER_REFUSAL = ("it places elements by their order in the whole flattened tensor, batch included (the k-th "
+                      "source element goes to the k-th selected position), so a sample's values can land in another "
+                      "sample's rows", "select or scatter within each sample: torch.where(mask, source, out) with a "
+                      "source shaped like out")
 
 
 @_handles(ops.VIEWS)

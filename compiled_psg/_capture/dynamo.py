@@ -82,7 +82,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._analyze.mixing import batch_length_values
+from .._analyze.mixing import FLAT_ORDER_REFUSAL, batch_length_values
 from .._analyze.source import readable_module_path, source_line, where
 from .._compat import logs_ignored_functions_in_metrics, torch_minor
 from .._errors import BatchInputError, CaptureError, InternalError, PerSampleError, SampleMixingError, UnsupportedError
@@ -1028,7 +1028,12 @@ def _fixed_by_a_python_int(fixed: batch_size_branches.FixedBy, torch_says: str) 
         + torch_says)
 
 
-def _fixed_by_a_backward(fixed: batch_size_branches.FixedBy, torch_says: str) -> CaptureError:
+#: ops whose backward formula reads the batch size (``masked_select``'s ``numel`` of the mask), refused by the
+#: mixing analysis as placing elements in flat order
+_FLAT_ORDER_OPS = ("masked_select", "masked_scatter", "take", "put", "nonzero")
+
+
+def _fixed_by_a_backward(fixed: batch_size_branches.FixedBy, torch_says: str) -> CaptureError | SampleMixingError:
     """The batch size fixed by torch's backward formula of an op: the autograd node that ran it (its name says
     which op it differentiates; ``...BackwardBackward0`` is the derivative of a backward, which only a gradient
     taken with ``create_graph=True`` differentiates), the op of the loss it belongs to and the user's lines."""
@@ -1038,6 +1043,10 @@ def _fixed_by_a_backward(fixed: batch_size_branches.FixedBy, torch_says: str) ->
     at = f" at {' or '.join(sites)}" if sites else ""
     running = f", running {fixed.op}" if fixed.op and not re.match(r"aten\.(sym_)?(size|stride|numel)", fixed.op) \
         else ""
+    if not double and op.split(".")[-1] in _FLAT_ORDER_OPS:  # the analysis's refusal, which it does not reach
+        reason, fix = FLAT_ORDER_REFUSAL
+        return SampleMixingError(f"per-sample gradients are undefined for this loss: samples are mixed.\n  - {op}"
+                                 f"{at}: {reason}. Fix: {fix}")
     if double:
         inner = [line for create, line in _pending.get("inner_grads", []) if create]
         through = (f"; torch.autograd.grad(..., create_graph=True) at {inner[0]} differentiates that backward"

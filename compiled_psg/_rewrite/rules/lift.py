@@ -202,6 +202,59 @@ def view_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
     return run
 
 
+#: ops that place a per-sample gradient at shared indices along ``dim`` (args[1]): the backwards of ``gather``,
+#: ``sort``, ``max(dim)``, ``topk``, ``cummax``, ``index_select`` and ``take_along_dim`` on a parameter, and of a
+#: parameter scattered into a tensor
+_INDEXED = (ATEN.scatter.src, ATEN.scatter_add.default, ATEN.index_add.default, ATEN.gather.default,
+            ATEN.index_select.default)
+#: ops that make the zeros a backward scatters into: a shared ``self`` of these keeps the scatter linear
+_ZEROS = (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
+
+
+def _indexed_linear(node: fx.Node, lifted: list[bool]) -> bool:
+    """Linear in the per-sample source where the tensor it is written into is per-sample too, or zeros."""
+    if node.target in (ATEN.gather.default, ATEN.index_select.default):
+        return lifted[0]
+    written = node.args[0]
+    return lifted[0] or (isinstance(written, fx.Node) and written.target in _ZEROS)
+
+
+@lift_rule(*_INDEXED, linear=_indexed_linear)
+def indexed(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
+    """Scatters, gathers and index ops of per-sample values at indices every sample shares: dim shifted by one.
+
+    The indices are expanded over the samples (those of ``index_add`` and ``index_select`` are one-dimensional
+    along ``dim``, and stay as they are).
+
+    Before::  s = aten.scatter(zeros, 1, idx, mm_1)          # [o, i]: the backward of W.sort(1) or W.gather(1, idx)
+    After::   ps = aten.scatter(zeros.expand(n, o, i), 2, idx.expand(n, o, i), ps_mm_1)      # [n, o, i]
+    """
+    graph_args = flat_nodes(node)
+    index = node.args[2]
+    if node.kwargs or not isinstance(index, fx.Node) or lifted[graph_args.index(index)]:
+        return None  # indices that differ per sample: the op moves values between samples' positions
+    rank = _logical_rank(node.args[0])
+    dim = node.args[1] % max(rank, 1) + 1
+    target = node.target
+
+    def run(*values):
+        n = next(v.shape[0] for v, is_ps in zip(values, lifted, strict=True) if is_ps)
+        it = iter(zip(values, lifted, strict=True))
+        args = []
+        for a in node.args:
+            if not isinstance(a, fx.Node):
+                args.append(a)
+                continue
+            v, is_ps = next(it)
+            args.append(v if is_ps else v.unsqueeze(0).expand(n, *v.shape))
+        written, _, idx, *rest = args
+        if target in (ATEN.index_add.default, ATEN.index_select.default):
+            idx = idx[0]  # one-dimensional: the same positions for every sample
+        return target(written, dim, idx, *rest)
+
+    return run
+
+
 def _cat_linear(node: fx.Node, lifted: list[bool]) -> bool:
     tensors = [isinstance(value_of(n), torch.Tensor) for n in flat_nodes(node)]
     return all(is_ps for is_ps, is_t in zip(lifted, tensors, strict=True) if is_t)
