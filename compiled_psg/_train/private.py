@@ -409,7 +409,11 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         earlier.dp_step.retire("this step's PrivateTraining was replaced by a later make_private on the same model "
                                "or optimizer, whose accountant counts the model's steps. Fix: step the training "
                                "the later make_private returned")
-    _TRAINING_OF[model] = _TRAINING_OF[optimizer] = weakref.ref(training)
+    for key in (model, optimizer):
+        try:
+            _TRAINING_OF[key] = weakref.ref(training)
+        except TypeError:  # not weakly referable (a class of the user's with __slots__): not recorded
+            pass
     return training
 
 
