@@ -1352,3 +1352,19 @@ def test_masked_select_of_the_batch_is_refused_as_flat_order_not_as_a_fixed_batc
     with pytest.raises(psg.SampleMixingError, match=r"masked_select at \S*test_refusal_causes.py:\d+ .*places "
                                                     r"elements by their order.*Fix: .*torch.where"):
         psg.per_sample(model, backend="eager")(lambda x, y: model(x).masked_select(y > 0).pow(2).sum())(x, y)
+
+
+def test_an_out_of_range_index_the_loss_holds_is_not_called_the_batchs():
+    """Red team S (F2): an out-of-range index held in a closure (``W.gather(0, idx)``) was reported as "an index
+    that the batch gives ... (it is the batch's data)" with "check the batch's labels"; it is named as an index
+    with no dimension of the batch, the loss's, its numbers still left out (it may be computed from the batch)."""
+    weight = torch.randn(4, 5, dtype=torch.float64)
+    idx = torch.tensor([[0, 2, 2], [1, 1, 0], [3, 0, 4]])
+
+    def loss(p, x):
+        return (p["W"].gather(0, idx) * x).sum()
+
+    with pytest.raises(psg.BatchInputError, match=r"aten.gather.default at \S*test_refusal_causes.py:\d+ .*an index "
+                                                  r"with no dimension of the batch .*\[0, 4\).*Fix: the index") as info:
+        psg.per_sample_grad(loss, backend="eager")({"W": weight}, torch.randn(3, 3, 3, dtype=torch.float64))
+    assert "index 4" not in str(info.value) and "labels" not in str(info.value)

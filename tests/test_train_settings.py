@@ -777,5 +777,9 @@ def test_a_second_make_private_on_a_trained_model_is_refused_and_one_on_an_untra
     with pytest.raises(DPConfigError, match="trained by an earlier make_private"):
         make_private(other, opt, DataLoader(_digits_like(), batch_size=10),
                      lambda x, y: F.cross_entropy(other(x), y), noise_multiplier=1.0, backend="eager")
+    wrapper = nn.Sequential(model)  # the same parameters behind another module and optimizer: refused too
+    with pytest.raises(DPConfigError, match="its parameters are trained by an earlier make_private"):
+        make_private(wrapper, torch.optim.SGD(wrapper.parameters(), lr=0.1), DataLoader(_digits_like(), batch_size=10),
+                     lambda x, y: F.cross_entropy(wrapper(x), y), noise_multiplier=1.0, backend="eager")
     second.step(*batch)
     assert second.steps == 2

@@ -342,13 +342,17 @@ class _IndexedRead(nn.Module):
             h = x @ torch.zeros(5, 8, dtype=W.dtype).scatter(1, fixed.expand(5, 6), W)
         elif self.how == "rows":
             h = E.index_select(0, ids) * x
+        elif self.how == "columns":  # the table stored transposed: rows along dim 1
+            h = E.t().contiguous().index_select(1, ids).t() * x
+        elif self.how == "scatter_value":  # zeros written into the weight at fixed positions
+            h = x @ W.scatter(1, fixed.expand(5, 6)[:, :2], 0.0)
         else:  # rows of tokens: [n, t] ids flattened, the batch merged with the tokens
             h = E.index_select(0, torch.stack([ids, (ids * 3 + 1) % 10], 1).reshape(-1)).view(len(x), 2, 5).sum(1) * x
         return (h.tanh() + x.sum(1, keepdim=True) * W.sum()).pow(2).sum()
 
 
 @pytest.mark.parametrize("how", ["sort", "max", "topk", "cummax", "median", "gather", "index_select",
-                                 "take_along_dim", "scatter", "rows", "token_rows"])
+                                 "take_along_dim", "scatter", "scatter_value", "rows", "columns", "token_rows"])
 def test_a_parameter_read_at_indices_is_exact(how):
     """Red team R (F01): a parameter read through ``sort``, ``max(dim)``, ``topk``, ``gather``, ``index_select``,
     ``take_along_dim`` or scattered into a tensor, and a table read by rows with the batch's ids, were refused

@@ -322,6 +322,13 @@ def _run_failure(rw: Rewritten, inputs: list, e: Exception) -> BatchInputError:
         outside = out_of_range(node, value_of)
     except Exception:  # noqa: BLE001 -- naming the range is a courtesy: the message below stands without it
         outside = None
+    if outside is not None and not _holds_the_batch(outside.index, rw.batch.symbol):
+        # an index without a dimension of the batch's size: the loss's own (a constant, a closure's), or a value
+        # it computed from the batch (y[0], y.max()), whose numbers stay out of the message
+        return BatchInputError(
+            f"the loss fails on this batch: {where} raised {type(raised).__name__}: an index with no dimension of "
+            f"the batch (the loss's own, or one it computed from the batch, as y.max()) is outside the range the op "
+            f"accepts: {outside.range}. Fix: the index the loss gives that op at that line")
     if outside is not None:
         return failed_check_error(
             f"the loss fails on this batch: {where} raised {type(raised).__name__}: an index that the batch gives "
@@ -338,6 +345,13 @@ def _run_failure(rw: Rewritten, inputs: list, e: Exception) -> BatchInputError:
         f"the loss fails on this batch: {where}. If the loss raises this when called eagerly on the batch, fix it "
         "there; if it is undefined for one sample (kthvalue with k > 1 over the batch, a statistic that needs two "
         "samples), per-sample gradients are undefined too: compute that statistic outside the loss")
+
+
+def _holds_the_batch(index: torch.fx.Node, batch_symbol) -> bool:
+    """Whether an index's value has a dimension of the batch's size (else it is the loss's own, not the batch's)."""
+    value = index.meta.get("val")
+    return any(isinstance(size, torch.SymInt) and size.node.expr == batch_symbol
+               for size in getattr(value, "shape", ()))
 
 
 def _torch_text(e: BaseException) -> str:

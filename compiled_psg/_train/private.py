@@ -323,14 +323,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         raise DPConfigError("make_private sets the step's expected_batch_size itself, sample_rate x the dataset's "
                             "size (the divisor the accounting assumes). Fix: leave expected_batch_size out; for "
                             "another batch size, give the loader that batch size or pass sample_rate=")
-    earlier = _earlier_training(model, optimizer)
+    earlier = _earlier_training(model, optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
     if earlier is not None and earlier.steps > 0:
-        raise DPConfigError(
-            f"this model or optimizer is trained by an earlier make_private, whose accountant counts its "
-            f"{earlier.steps} steps: a second training of it would count from zero, and its epsilon would leave "
-            "out the earlier steps of the same model. Fix: go on with the first (its noise_multiplier, "
-            "max_grad_norm and noise schedule can change between steps; state_dict() saves and resumes it), or "
-            "train a new model and optimizer")
+        raise _second_training(earlier)
     check_noise_source(secure_rng, generator)
     require_flag("poisson_sampling", poisson_sampling, DPConfigError)
     accounting = Accountant(accountant)  # refused before anything runs or draws
@@ -406,29 +401,56 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
         training = PrivateTraining._built(model, optimizer, loader, dp_step, accounting, sample_rate,
                                           target_delta, poisson_sampling, dataset_size=round(global_size))
     if earlier is not None:  # one that took no step (a notebook cell run again): this one replaces it
-        earlier.dp_step.retire("this step's PrivateTraining was replaced by a later make_private on the same model "
-                               "or optimizer, whose accountant counts the model's steps. Fix: step the training "
-                               "the later make_private returned")
-    for key in (model, optimizer):
+        with earlier.dp_step._running:  # a step of it in flight on another thread ends first, and is seen
+            if earlier.steps > 0:
+                raise _second_training(earlier)
+            earlier.dp_step.retire("this step's PrivateTraining was replaced by a later make_private on the same "
+                                   "model, optimizer or parameters, whose accountant counts the model's steps. Fix: "
+                                   "step the training the later make_private returned")
+    for key in _keys(model, optimizer):
         try:
-            _TRAINING_OF[key] = weakref.ref(training)
+            _TRAINING_OF[key] = (weakref.ref(_referent(model, optimizer, key)), weakref.ref(training))
         except TypeError:  # not weakly referable (a class of the user's with __slots__): not recorded
             pass
     return training
 
 
-#: the live ``PrivateTraining`` of each model and optimizer: a second ``make_private`` on either would count the
-#: model's steps in an accountant of its own (red team R: the first's ``epsilon()`` read 0 after four steps)
-_TRAINING_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: ``id`` of a model, optimizer or trained parameter -> (its weak reference, its live ``PrivateTraining``'s): a
+#: second ``make_private`` on any of them (a wrapper module and a new optimizer over the same parameters too)
+#: would count the model's steps in an accountant of its own (red team R: the first's epsilon() read 0 after four
+#: steps). Keyed by ``id`` with the referent checked: a tensor's ``==`` is elementwise, not identity.
+_TRAINING_OF: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _keys(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[int]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return [id(model), id(optimizer), *map(id, params)]
+
+
+def _referent(model, optimizer, key: int):
+    if key == id(model):
+        return model
+    if key == id(optimizer):
+        return optimizer
+    return next(p for group in optimizer.param_groups for p in group["params"] if id(p) == key)
 
 
 def _earlier_training(model: nn.Module, optimizer: torch.optim.Optimizer) -> PrivateTraining | None:
-    for key in (model, optimizer):
-        try:
-            ref = _TRAINING_OF.get(key)
-        except TypeError:  # not weakly referable (a user's class with __slots__): nothing was recorded for it
-            continue
-        if ref is not None and ref() is not None:
-            return ref()
+    for key, (thing, training) in list(_TRAINING_OF.items()):  # forget the dead
+        if thing() is None or training() is None:
+            del _TRAINING_OF[key]
+    for key in _keys(model, optimizer):
+        entry = _TRAINING_OF.get(key)
+        if entry is not None and entry[0]() is _referent(model, optimizer, key):
+            return entry[1]()
     return None
+
+
+def _second_training(earlier: PrivateTraining) -> DPConfigError:
+    return DPConfigError(
+        f"this model, optimizer or its parameters are trained by an earlier make_private, whose accountant counts "
+        f"its {earlier.steps} steps: a second training of them would count from zero, and its epsilon would leave "
+        "out the earlier steps of the same parameters. Fix: go on with the first (its noise_multiplier, "
+        "max_grad_norm and noise schedule can change between steps; state_dict() saves and resumes it), or "
+        "train a new model and optimizer")
 

@@ -129,40 +129,46 @@ def embedding_dense_backward_lift(node: fx.Node, lifted: list[bool]):
 
 @contraction_rule(ATEN.index_add.default)
 def index_add_rows(node: fx.Node, batch: BatchDims) -> Contraction | None:
-    """``index_add(zeros [v, *f], 0, idx, g)`` with batched ``idx``: rows of a table read with the batch's ids.
+    """``index_add(zeros, dim, idx, g)`` with batched ``idx``: rows of a table read with the batch's ids.
 
-    The backward of ``E.index_select(0, ids)``, an embedding without its layer.
+    The backward of ``E.index_select(dim, ids)``, an embedding without its layer (the rows along ``dim``).
 
     Before::  ia = aten.index_add(zeros [v, d], 0, idx [n], g [n, d])       # [v, d]
     After::   ps = zeros(n*v, d).index_add(0, idx' + arange(n) * v, g').view(n, v, d)   # as embedding_dense_backward
     """
     written, dim, idx, g = node.args[:4]
-    if (len(node.args) > 4 or node.kwargs or dim != 0 or not isinstance(written, fx.Node)
-            or written.target not in (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
-            or batch.dims(written) or tuple(batch.dims(idx)) != (0,) or tuple(batch.dims(g)) != (0,)):
+    shape = tuple(value_of(node).shape)
+    if not (len(node.args) == 4 and not node.kwargs and isinstance(dim, int) and isinstance(written, fx.Node)):
+        return None
+    dim %= len(shape)
+    if (written.target not in (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
+            or batch.dims(written) or tuple(batch.dims(idx)) != (0,) or tuple(batch.dims(g)) != (dim,)):
         return None
     layout = batch_layout(idx, 0, batch)
-    if layout is None or batch_layout(g, 0, batch) != layout:
+    if layout is None or batch_layout(g, dim, batch) != layout:
         return None
-    shape = tuple(value_of(node).shape)
-    num_weights, features = shape[0], math.prod(shape[1:])
+    # the rows along ``dim`` first: ``[v, *f]`` with the other dimensions, in order, as the features
+    moved = (shape[dim], *shape[:dim], *shape[dim + 1:])
+    num_weights, features = moved[0], math.prod(moved[1:])
 
     def tokens(g, idx):  # [n, t, f], [n, t]
         ids = split_batch(idx, 0, layout)
-        grads = split_batch(g, 0, layout)
+        grads = split_batch(g.movedim(dim, 0), 0, layout)
         n = ids.shape[0]
         return grads.reshape(n, -1, features), ids.reshape(n, -1)
 
     def per_sample(g, idx):
         table = per_sample_table(*tokens(g, idx), num_weights, None, False)
-        return table.view(table.shape[0], *shape)
+        return table.view(table.shape[0], *moved).movedim(1, dim + 1)
 
     def index_factors(g, idx):
         grads, ids = tokens(g, idx)
         return ids, torch.ones_like(ids, dtype=grads.dtype), grads
 
     def rebuild(g, idx):
-        return g.new_zeros(shape).index_add(0, idx, g)
+        return g.new_zeros(shape).index_add(dim, idx, g)
 
     return Contraction(rule="index_add_rows", node=node, inputs=[g, idx], per_sample=per_sample, linear_arg=0,
-                       linear_layout=(0, layout), rebuild=rebuild, index_factors=index_factors)
+                       linear_layout=(dim, layout), rebuild=rebuild,
+                       # the factors' rows are the table's first dimension (``[v, f]`` read as the parameter)
+                       index_factors=index_factors if dim == 0 else None)

@@ -205,8 +205,8 @@ def view_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
 #: ops that place a per-sample gradient at shared indices along ``dim`` (args[1]): the backwards of ``gather``,
 #: ``sort``, ``max(dim)``, ``topk``, ``cummax``, ``index_select`` and ``take_along_dim`` on a parameter, and of a
 #: parameter scattered into a tensor
-_INDEXED = (ATEN.scatter.src, ATEN.scatter_add.default, ATEN.index_add.default, ATEN.gather.default,
-            ATEN.index_select.default)
+_INDEXED = (ATEN.scatter.src, ATEN.scatter.value, ATEN.scatter_add.default, ATEN.index_add.default,
+            ATEN.gather.default, ATEN.index_select.default)
 #: ops that make the zeros a backward scatters into: a shared ``self`` of these keeps the scatter linear
 _ZEROS = (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
 
@@ -215,6 +215,8 @@ def _indexed_linear(node: fx.Node, lifted: list[bool]) -> bool:
     """Linear in the per-sample source where the tensor it is written into is per-sample too, or zeros."""
     if node.target in (ATEN.gather.default, ATEN.index_select.default):
         return lifted[0]
+    if node.target is ATEN.scatter.value:  # the gradient of W.scatter(dim, idx, value): zeros written at idx
+        return lifted[0] and node.args[3] == 0
     written = node.args[0]
     return lifted[0] or (isinstance(written, fx.Node) and written.target in _ZEROS)
 
