@@ -79,8 +79,9 @@ class Rewind:
             for g in generators:
                 state = g.get_state()
                 # a draw in flight now may land after the state just read: the generator is not set back
-                self.entries.append(_Entry(g, state, state, _begun[id(g)], self.own[id(g)],
-                                           clean=_begun[id(g)] == _ended[id(g)]))
+                k = id(g)  # draws in flight now other than the owner's own an interrupt kept from ending
+                in_flight = _begun[k] - _ended[k] - (self.own[k] - self.own[_ENDED, k])
+                self.entries.append(_Entry(g, state, state, _begun[k], self.own[k], clean=in_flight == 0))
 
     @contextlib.contextmanager
     def drawing(self) -> Iterator[None]:

@@ -8,6 +8,7 @@ uninterrupted one."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -1318,3 +1319,79 @@ def test_an_unclipped_num_std_past_int64_is_a_float():
     assert type(step.config.unclipped_num_std) is float
     step(x[:8], y[:8])
     assert step.steps_taken == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _interrupt_at_line(filename_suffix: str, text: str, occurrence: int = 0):
+    """A tracer raising KeyboardInterrupt at the ``occurrence``-th source line of the file that contains ``text``."""
+    import compiled_psg
+
+    path = os.path.join(os.path.dirname(compiled_psg.__file__), filename_suffix)
+    with open(path) as f:
+        numbers = [k + 1 for k, line in enumerate(f) if text in line]
+    target, hit = numbers[occurrence], []
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != path:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == target and not hit:
+                hit.append(target)
+                raise KeyboardInterrupt
+            return local
+        return local
+    return tracer, hit
+
+
+def test_an_interrupt_in_the_end_of_a_noise_draw_leaves_later_failures_restorable():
+    """Red team S (F8): an interrupt at ``with _lock:`` in ``noise_draw``'s ``finally`` left the draw counted as
+    begun and never ended; every later failed step then left the generator advanced (the rewind took the stuck
+    draw for another's). The owner's own stuck draws are told apart from the start."""
+    import sys
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    gen = torch.Generator().manual_seed(1)
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.Adam(model.parameters()),
+                        max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, backend="eager",
+                        generator=gen)
+    x, y = _data(8)
+    step(x, y)
+    step(x, y)
+    tracer, hit = _interrupt_at_line("_generators.py", "with _lock:", occurrence=1)  # noise_draw's finally
+    before, n = _snapshot(model, gen), step.steps_taken
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step(x, y)
+    finally:
+        sys.settrace(None)
+    assert hit and step.steps_taken == n and _unchanged(model, gen, before)
+    step(x, y)
+    for _ in range(2):  # later failures still set the generator back
+        after, n = _snapshot(model, gen), step.steps_taken
+        with pytest.raises(BatchInputError):
+            step(x[:, :2], y)
+        assert step.steps_taken == n and _unchanged(model, gen, after)
+
+
+def test_an_interrupt_in_the_finally_that_clears_the_running_thread_leaves_the_step_usable():
+    """Red team S (F6): an interrupt at ``self._running_thread = None`` (the ``finally`` of ``__call__``) left the
+    step marked running: every later call was refused as "called while it is running". The lock tells."""
+    import sys
+
+    torch.manual_seed(0)
+    model, (x, y) = nn.Linear(4, 3), _data()
+    step = compile_step(lambda x, y: F.cross_entropy(model(x), y), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, backend="eager")
+    step(x[:8], y[:8])
+    tracer, hit = _interrupt_at_line(os.path.join("_train", "step.py"), "self._running_thread = None")
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step(x[:8], y[:8])
+    finally:
+        sys.settrace(None)
+    assert hit
+    step(x[8:], y[8:])  # not refused as a call from inside the step
+    assert step.steps_taken == 3

@@ -312,7 +312,8 @@ class DPStep(StepSettings):
     # --- one step ------------------------------------------------------------------------------------------
     def running_here(self) -> bool:
         """Whether this thread is inside this step (a call now would come from a hook, a scheduler or the loss)."""
-        return self._running_thread == threading.get_ident()
+        # the lock too: an interrupt inside the ``finally`` that clears the thread leaves it set, the lock released
+        return self._running_thread == threading.get_ident() and self._running.locked()
 
     @own_compilation
     def __call__(self, *batch, **kwargs) -> torch.Tensor:
