@@ -1278,12 +1278,7 @@ def test_an_interrupt_at_the_end_of_a_draw_sets_the_generator_back(where):
         return None
 
     before, n = _snapshot(model, gen), step.steps_taken
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            step(x, y)
-    finally:
-        sys.settrace(None)
+    _interrupted(step, tracer, x, y)
     assert hits == [where]
     assert step.steps_taken == n and _unchanged(model, gen, before)
     step(x, y)  # and the next step sets it back again after a failure: nothing stuck in flight
@@ -1321,6 +1316,18 @@ def test_an_unclipped_num_std_past_int64_is_a_float():
     assert step.steps_taken == 1 and all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def _interrupted(step, tracer, *batch) -> None:
+    """``step(*batch)`` under ``tracer`` (``sys.settrace``), which raises ``KeyboardInterrupt`` in it."""
+    import sys
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step(*batch)
+    finally:
+        sys.settrace(None)
+
+
 def _interrupt_at_line(filename_suffix: str, text: str, occurrence: int = 0):
     """A tracer raising KeyboardInterrupt at the ``occurrence``-th source line of the file that contains ``text``."""
     import compiled_psg
@@ -1347,7 +1354,6 @@ def test_an_interrupt_in_the_end_of_a_noise_draw_leaves_later_failures_restorabl
     """Red team S (F8): an interrupt at ``with _lock:`` in ``noise_draw``'s ``finally`` left the draw counted as
     begun and never ended; every later failed step then left the generator advanced (the rewind took the stuck
     draw for another's). The owner's own stuck draws are told apart from the start."""
-    import sys
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -1360,12 +1366,7 @@ def test_an_interrupt_in_the_end_of_a_noise_draw_leaves_later_failures_restorabl
     step(x, y)
     tracer, hit = _interrupt_at_line("_generators.py", "with _lock:", occurrence=1)  # noise_draw's finally
     before, n = _snapshot(model, gen), step.steps_taken
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            step(x, y)
-    finally:
-        sys.settrace(None)
+    _interrupted(step, tracer, x, y)
     assert hit and step.steps_taken == n and _unchanged(model, gen, before)
     step(x, y)
     for _ in range(2):  # later failures still set the generator back
@@ -1378,7 +1379,6 @@ def test_an_interrupt_in_the_end_of_a_noise_draw_leaves_later_failures_restorabl
 def test_an_interrupt_in_the_finally_that_clears_the_running_thread_leaves_the_step_usable():
     """Red team S (F6): an interrupt at ``self._running_thread = None`` (the ``finally`` of ``__call__``) left the
     step marked running: every later call was refused as "called while it is running". The lock tells."""
-    import sys
 
     torch.manual_seed(0)
     model, (x, y) = nn.Linear(4, 3), _data()
@@ -1386,12 +1386,7 @@ def test_an_interrupt_in_the_finally_that_clears_the_running_thread_leaves_the_s
                         max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, backend="eager")
     step(x[:8], y[:8])
     tracer, hit = _interrupt_at_line(os.path.join("_train", "step.py"), "self._running_thread = None")
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            step(x[:8], y[:8])
-    finally:
-        sys.settrace(None)
+    _interrupted(step, tracer, x[:8], y[:8])
     assert hit
     step(x[8:], y[8:])  # not refused as a call from inside the step
     assert step.steps_taken == 3
