@@ -992,3 +992,19 @@ def test_a_peek_inside_an_epoch_makes_the_samplers_state_refuse_until_the_epoch_
     resumed = poisson_loader(DataLoader(train, batch_size=8), generator=torch.Generator().manual_seed(5))
     resumed.batch_sampler.load_state_dict(state)
     assert [len(b[0]) for b in resumed] == [len(b[0]) for b in loader]
+
+
+def test_a_saved_option_of_another_clipping_mode_is_refused_as_a_load():
+    """Red team S (F9): a state whose config sets ``automatic_gamma`` beside flat clipping (older code saved such
+    options, which did nothing) was refused with the build's fix ("pass clipping='automatic'"), which a load
+    cannot take, and without "Nothing was loaded"."""
+    model, step = _mechanism_step()
+    state = copy.deepcopy(step.state_dict())
+    state["config"] = dict(state["config"], automatic_gamma=0.5)
+    before = copy.deepcopy(step.state_dict())
+    with pytest.raises(DPConfigError, match=r"the saved settings are refused: automatic_gamma=0.5 applies to "
+                                            r"clipping='automatic'.*Nothing was loaded\. Fix: correct that setting "
+                                            r"in the state's 'config'") as info:
+        step.load_state_dict(state)
+    assert "pass clipping=" not in str(info.value)
+    assert step.config == _mechanism_step()[1].config and step.steps_taken == before["steps_taken"]

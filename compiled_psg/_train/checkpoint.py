@@ -143,8 +143,14 @@ def _saved_config(live: DPConfig, saved: dict) -> DPConfig:
                             "(what is clipped, and what the noise is calibrated to) and are fixed when a step is "
                             "built. Nothing was loaded. Fix: build the step with the saved run's settings")
     # memory_budget describes the machine, not the mechanism or the run: the loading step's stays
-    return DPConfig(**{name: saved[name] for name in names if name != "memory_budget"},
-                    memory_budget=live.memory_budget)
+    try:
+        return DPConfig(**{name: saved[name] for name in names if name != "memory_budget"},
+                        memory_budget=live.memory_budget)
+    except DPConfigError as e:  # a state saved by older code or edited: the build's fix does not apply to a load
+        cause = str(e).split(" Fix: ")[0].rstrip(".")  # the build's own fix does not apply to a load
+        raise DPConfigError(f"the saved settings are refused: {cause}. Nothing was loaded. Fix: correct that setting "
+                            "in the state's 'config' (an option of another clipping mode did nothing in the run "
+                            "that saved it: set it to its default), or save the state again") from None
 
 
 def _check_model_state(model: nn.Module, saved: dict) -> None:
