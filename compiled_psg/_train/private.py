@@ -407,9 +407,9 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
             earlier.dp_step.retire("this step's PrivateTraining was replaced by a later make_private on the same "
                                    "model, optimizer or parameters, whose accountant counts the model's steps. Fix: "
                                    "step the training the later make_private returned")
-    for key in _keys(model, optimizer):
+    for key, thing in _members(model, optimizer).items():
         try:
-            _TRAINING_OF[key] = (weakref.ref(_referent(model, optimizer, key)), weakref.ref(training))
+            _TRAINING_OF[key] = (weakref.ref(thing), weakref.ref(training))
         except TypeError:  # not weakly referable (a class of the user's with __slots__): not recorded
             pass
     return training
@@ -422,26 +422,19 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader
 _TRAINING_OF: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
-def _keys(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[int]:
+def _members(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, object]:
+    """``id`` -> object of the model, the optimizer and the parameters it trains (one walk, not one per key)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    return [id(model), id(optimizer), *map(id, params)]
-
-
-def _referent(model, optimizer, key: int):
-    if key == id(model):
-        return model
-    if key == id(optimizer):
-        return optimizer
-    return next(p for group in optimizer.param_groups for p in group["params"] if id(p) == key)
+    return {id(thing): thing for thing in (model, optimizer, *params)}
 
 
 def _earlier_training(model: nn.Module, optimizer: torch.optim.Optimizer) -> PrivateTraining | None:
     for key, (thing, training) in list(_TRAINING_OF.items()):  # forget the dead
         if thing() is None or training() is None:
             del _TRAINING_OF[key]
-    for key in _keys(model, optimizer):
+    for key, thing in _members(model, optimizer).items():
         entry = _TRAINING_OF.get(key)
-        if entry is not None and entry[0]() is _referent(model, optimizer, key):
+        if entry is not None and entry[0]() is thing:
             return entry[1]()
     return None
 

@@ -11,6 +11,7 @@ from ..._analyze.batch_dims import BatchDims, value_of
 from ..._analyze.layout import batch_layout, split_batch
 from ..contraction import Contraction, certified_sq_norms
 from ..registry import contraction_rule, lift_rule
+from .lift import ZEROS_OPS
 
 ATEN = torch.ops.aten
 
@@ -141,7 +142,7 @@ def index_add_rows(node: fx.Node, batch: BatchDims) -> Contraction | None:
     if not (len(node.args) == 4 and not node.kwargs and isinstance(dim, int) and isinstance(written, fx.Node)):
         return None
     dim %= len(shape)
-    if (written.target not in (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
+    if (written.target not in ZEROS_OPS
             or batch.dims(written) or tuple(batch.dims(idx)) != (0,) or tuple(batch.dims(g)) != (dim,)):
         return None
     layout = batch_layout(idx, 0, batch)

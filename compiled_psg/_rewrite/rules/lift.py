@@ -208,7 +208,7 @@ def view_backward(node: fx.Node, lifted: list[bool]) -> LiftFn | None:
 _INDEXED = (ATEN.scatter.src, ATEN.scatter.value, ATEN.scatter_add.default, ATEN.index_add.default,
             ATEN.gather.default, ATEN.index_select.default)
 #: ops that make the zeros a backward scatters into: a shared ``self`` of these keeps the scatter linear
-_ZEROS = (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
+ZEROS_OPS = (ATEN.zeros.default, ATEN.zeros_like.default, ATEN.new_zeros.default)
 
 
 def _indexed_linear(node: fx.Node, lifted: list[bool]) -> bool:
@@ -218,7 +218,7 @@ def _indexed_linear(node: fx.Node, lifted: list[bool]) -> bool:
     if node.target is ATEN.scatter.value:  # the gradient of W.scatter(dim, idx, value): zeros written at idx
         return lifted[0] and node.args[3] == 0
     written = node.args[0]
-    return lifted[0] or (isinstance(written, fx.Node) and written.target in _ZEROS)
+    return lifted[0] or (isinstance(written, fx.Node) and written.target in ZEROS_OPS)
 
 
 @lift_rule(*_INDEXED, linear=_indexed_linear)
